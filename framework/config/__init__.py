@@ -1,0 +1,104 @@
+"""Tessera's configuration: one typed tree of small frozen dataclasses, loaded strictly from YAML.
+
+`load_config("configs/smoke/tiny.yaml", ["train.lr=1e-3"])` reads the file (and its `base:` chain), applies the
+dotted overrides (values parsed with `yaml.safe_load`), resolves the model preset, converts strictly and runs
+every section's `validate()` plus the cross-section checks here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from data_pipeline.config import DataConfig
+from framework.checkpoint.config import CheckpointConfig
+from framework.config.core import (
+    apply_overrides,
+    deep_merge,
+    from_dict,
+    load_yaml,
+    replace,
+    to_dict,
+    validate_tree,
+)
+from framework.errors import ConfigError
+from framework.parallel.config import ParallelConfig
+from framework.train.config import TrainConfig
+from models.config import PRESETS, ModelConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    name: str = "default"
+    dir: str | None = None
+    """Run directory; None means runs/<run.name>."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'; e.g. smoke")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"run.device={self.device!r} must be auto, cpu or cuda")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> None:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                f"raise model.max_seq_len or lower data.seq_len")
+
+
+def _resolve_model_preset(data: dict[str, Any]) -> dict[str, Any]:
+    model = data.get("model")
+    if not isinstance(model, Mapping) or model.get("preset") is None:
+        return data
+    name = model["preset"]
+    if not isinstance(name, str) or name not in PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(str(name), list(PRESETS), n=3)
+        raise ConfigError(
+            f"model.preset={name!r} is not a known preset; "
+            + (f"did you mean {', '.join(close)}? " if close else "")
+            + f"known: {', '.join(sorted(PRESETS))}")
+    return {**data, "model": deep_merge(PRESETS[name], model)}
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Strictly convert and validate a plain mapping."""
+    cfg = from_dict(Config, _resolve_model_preset(dict(data)))
+    validate_tree(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Load a YAML config (or the defaults when `path` is None) and apply `a.b.c=value` overrides."""
+    data = load_yaml(path) if path is not None else {}
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (written into every run directory and checkpoint)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+__all__ = ["Config", "ConfigError", "RunConfig", "config_from_dict", "dump_config", "load_config", "replace",
+           "to_dict"]

@@ -1,0 +1,72 @@
+"""Training-loop configuration: batch vocabulary, optimizer, LR schedule, precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from framework.errors import ConfigError
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps to train for (the run ends at this step; resuming continues towards it)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 2
+    """Sequences per forward pass on one rank. Accumulation / pipeline micro-batches =
+    global_batch_size / (micro_batch_size x data-parallel size)."""
+    seed: int = 1234
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    """Final LR of the decay as a fraction of `lr`."""
+    schedule: Literal["cosine", "wsd", "constant", "linear"] = "cosine"
+    warmup_steps: int = 10
+    decay_fraction: float = 0.2
+    """WSD (warmup-stable-decay, Hu et al. 2024): fraction of the steps spent in the final decay."""
+    weight_decay: float = 0.1
+    """Applied to matrices only; norms, biases and embeddings are in the no-decay group."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
+    optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """AdamW kernel: auto takes fused on CUDA, foreach elsewhere."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast dtype for forward/backward; master weights and optimizer states stay fp32."""
+    log_interval: int = 1
+    eval_interval: int = 0
+    """Evaluate every N steps (and at the end); 0 disables periodic evaluation."""
+    eval_batches: int = 4
+    deterministic: bool = True
+    """Deterministic algorithms (bitwise-reproducible runs on CPU)."""
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"train.steps={self.steps} must be >= 1; set the number of optimizer steps")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"train.micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.global_batch_size < 1 or self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} must be a positive multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}; set it to e.g. "
+                f"{max(1, self.global_batch_size // self.micro_batch_size) * self.micro_batch_size}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0; a typical value is 3e-4")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]; e.g. 0.1")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ConfigError(
+                f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps={self.steps}]; lower it")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]; e.g. 0.2")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay={self.weight_decay} must be >= 0; e.g. 0.1")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"train.beta1={self.beta1}, train.beta2={self.beta2} must be in [0, 1)")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        if self.log_interval < 1:
+            raise ConfigError(f"train.log_interval={self.log_interval} must be >= 1")

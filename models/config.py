@@ -1,0 +1,191 @@
+"""Model shape configuration and named presets.
+
+`ModelConfig` describes a Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) or, with
+`mlp="gelu"`, a GPT-style block (used by the planner to reason about Megatron's published layouts).
+Large presets are only ever built on the meta device on a laptop.
+"""
+
+from __future__ import annotations
+
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from framework.errors import ConfigError
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoEConfig:
+    """Mixture-of-experts settings; `n_experts == 0` means a dense model."""
+
+    n_experts: int = 0
+    """Routed experts per MoE layer; 0 disables MoE."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    expert_hidden: int = 0
+    """Hidden size of one expert's MLP (fine-grained experts); 0 means model.ffn_hidden."""
+    n_shared_experts: int = 0
+    """Always-on shared experts (DeepSeek style)."""
+    every_k_layers: int = 1
+    """MoE replaces the MLP on every k-th layer."""
+    first_dense_layers: int = 0
+    """The first N layers keep a dense MLP."""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    aux_loss_coef: float = 0.01
+    aux_loss_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): per-step update of the routing bias; 0 disables."""
+    capacity_factor: float = 0.0
+    """Tokens per expert = capacity_factor * tokens * top_k / n_experts per token group; 0 means dropless."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_experts > 0
+
+    def validate(self) -> None:
+        if not self.enabled:
+            return
+        if self.top_k < 1 or self.top_k > self.n_experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} must be in [1, model.moe.n_experts={self.n_experts}]; "
+                f"lower top_k or add experts")
+        if self.capacity_factor < 0:
+            raise ConfigError(
+                f"model.moe.capacity_factor={self.capacity_factor} must be > 0 (capacity mode) or 0 (dropless); "
+                f"set e.g. 1.25 or 0")
+        if self.every_k_layers < 1:
+            raise ConfigError(f"model.moe.every_k_layers={self.every_k_layers} must be >= 1; set 1 for every layer")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """Decoder shape. Every field has the meaning it has in Llama/Megatron configs."""
+
+    preset: str | None = None
+    """Name of a preset in `models.config.PRESETS` to start from; explicit fields override it."""
+    vocab_size: int = 8192
+    hidden: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    """Grouped-query attention: key/value heads; None means n_heads (multi-head attention)."""
+    ffn_hidden: int | None = None
+    """MLP hidden size; None means the Llama rule (8/3 * hidden rounded up to `ffn_multiple_of`)."""
+    ffn_multiple_of: int = 64
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    tied_embeddings: bool = False
+    init_std: float = 0.02
+    depth_scaled_init: bool = True
+    """Output projections of each block use std / sqrt(2 * n_layers) (GPT-2 / Megatron)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.mlp == "gelu":
+            return 4 * self.hidden
+        h = int(8 * self.hidden / 3)
+        m = self.ffn_multiple_of
+        return m * ((h + m - 1) // m)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) has an MoE MLP instead of a dense one."""
+        moe = self.moe
+        return moe.enabled and layer >= moe.first_dense_layers and (layer + 1) % moe.every_k_layers == 0
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1; set a positive value")
+        if self.hidden % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} must divide model.hidden={self.hidden}; "
+                f"choose n_heads in {[d for d in range(1, 129) if self.hidden % d == 0]}")
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}; "
+                f"choose one of {[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"model.hidden / model.n_heads = {self.head_dim} must be even for RoPE; change hidden or n_heads")
+        if self.init_std <= 0:
+            raise ConfigError(f"model.init_std={self.init_std} must be > 0; the usual value is 0.02")
+
+
+def _p(**kw: object) -> dict[str, object]:
+    return kw
+
+
+PRESETS: dict[str, dict[str, object]] = {
+    # Test and smoke sizes (CPU).
+    "test-tiny": _p(vocab_size=512, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256),
+    "smoke-3m": _p(vocab_size=4096, hidden=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_hidden=512,
+                   max_seq_len=512, tied_embeddings=True),
+    "test-moe": _p(vocab_size=512, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256,
+                   moe=dict(n_experts=4, top_k=2, expert_hidden=64)),
+    # Llama shapes (meta device only on a laptop).
+    "llama-1b": _p(vocab_size=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
+                   rope_theta=500000.0, max_seq_len=8192, tied_embeddings=True),
+    "llama2-7b": _p(vocab_size=32000, hidden=4096, n_layers=32, n_heads=32, ffn_hidden=11008, max_seq_len=4096),
+    "llama3-8b": _p(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                    rope_theta=500000.0, max_seq_len=8192),
+    "llama2-70b": _p(vocab_size=32000, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                     max_seq_len=4096),
+    "llama3-70b": _p(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                     rope_theta=500000.0, max_seq_len=8192),
+    "llama3-405b": _p(vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
+                      rope_theta=500000.0, max_seq_len=8192),
+    # GPT-3 175B (Brown et al. 2020): GELU MLP of 4 x hidden, untied embeddings.
+    "gpt3-175b": _p(vocab_size=51200, hidden=12288, n_layers=96, n_heads=96, mlp="gelu", norm="layernorm",
+                    max_seq_len=2048),
+}
+
+
+def _resolve_preset(name: str) -> dict[str, object]:
+    if name not in PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(PRESETS), n=3)
+        raise ConfigError(
+            f"model.preset={name!r} is not a known preset; "
+            + (f"did you mean {', '.join(close)}? " if close else "")
+            + f"known: {', '.join(sorted(PRESETS))}")
+    return dict(PRESETS[name])
+
+
+def model_config(preset: str | None = None, **overrides: object) -> ModelConfig:
+    """A ModelConfig from a preset name plus explicit field overrides (validated)."""
+    from framework.config.core import deep_merge, from_dict
+
+    data: dict[str, object] = _resolve_preset(preset) if preset else {}
+    data = deep_merge(data, overrides)
+    if preset:
+        data["preset"] = preset
+    cfg = from_dict(ModelConfig, data, "model")
+    cfg.moe.validate()
+    cfg.validate()
+    return cfg
+
+
+def resolve_preset_fields(cfg: ModelConfig, explicit: dict[str, object]) -> ModelConfig:
+    """Apply `cfg.preset` underneath the fields the user wrote explicitly (`explicit`)."""
+    if not cfg.preset:
+        return cfg
+    return model_config(cfg.preset, **{k: v for k, v in explicit.items() if k != "preset"})
+
+
+__all__ = ["MoEConfig", "ModelConfig", "PRESETS", "model_config"]

@@ -1,0 +1,140 @@
+"""The Llama-style decoder.
+
+Layers live in an `nn.ModuleDict` keyed by layer index, and the embedding, final norm and head are optional
+(`None`), so a pipeline stage is the same class with some parts removed: FQNs such as `layers.7.attention.wq`
+stay stable across every layout, which is what checkpoints and per-FQN initialization key on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import Attention, FeedForward, build_norm, rope_tables
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = build_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = build_norm(cfg)
+        self.feed_forward: nn.Module
+        if cfg.is_moe_layer(layer_id):
+            from models.moe import MoE  # only MoE configs pay for it
+
+            self.feed_forward = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope, attn_mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states instead where parts are None."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = build_norm(cfg)
+        self.output: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tied_embeddings:
+            assert self.output is not None and self.tok_embeddings is not None
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.rope, attn_mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, device: torch.device | None = None) -> None:
+        """Initialize every parameter from a generator seeded by (seed, FQN), on CPU, and the RoPE buffer.
+
+        The values depend only on the seed and the parameter's name, never on the layout or rank, so a model
+        built under any parallel layout holds bitwise the same full parameters as the 1-process model.
+        Parameters that are DTensors receive their local shard of the full value.
+        """
+        device = device or self.rope.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        self.rope = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        for fqn, param in self.named_parameters():
+            full = initial_value(self.cfg, fqn, tuple(_full_shape(param)), seed)
+            _copy_full_into(param, full)
+
+
+def _full_shape(param: torch.Tensor) -> torch.Size:
+    return param.shape  # DTensor.shape is the global shape
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+                                  src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full.to(param.device, param.dtype))
+
+
+def fqn_seed(seed: int, fqn: str) -> int:
+    """A 63-bit generator seed from the run seed and a parameter's canonical FQN."""
+    canonical = canonical_fqn(fqn)
+    digest = hashlib.sha256(f"{seed}:{canonical}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def canonical_fqn(fqn: str) -> str:
+    """Strip wrapper prefixes (activation checkpointing, torch.compile) so names match the plain model."""
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
+        fqn = fqn.replace(junk, "")
+    return fqn
+
+
+def initial_value(cfg: ModelConfig, fqn: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full initial value (fp32, CPU) of parameter `fqn`.
+
+    Norm weights are ones, biases zeros; embeddings and input projections N(0, init_std); output projections of
+    each block (`wo`, `w2`) N(0, init_std / sqrt(2 n_layers)) when `depth_scaled_init` (GPT-2, Megatron).
+    """
+    name = canonical_fqn(fqn)
+    parts = name.split(".")
+    leaf = parts[-1]
+    if len(parts) >= 2 and parts[-2].endswith("norm"):
+        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+    if leaf == "bias" or leaf.endswith("_bias"):
+        return torch.zeros(shape)
+    std = cfg.init_std
+    if cfg.depth_scaled_init and (".wo." in name or ".w2" in name or name.endswith(".w2")):
+        std = std / math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator().manual_seed(fqn_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def build_model(cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> Decoder:
+    """Build and initialize a decoder; with `device="meta"` nothing is allocated (for large presets)."""
+    with torch.device(device):
+        model = Decoder(cfg)
+    if torch.device(device).type != "meta":
+        model.init_weights(seed)
+    return model

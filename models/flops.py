@@ -1,0 +1,107 @@
+"""Parameter counts and training FLOPs per token — the one definition observability and the planner reuse.
+
+Convention (Kaplan et al. 2020; PaLM appendix B; torchtitan): training FLOPs per token
+    6 * N + 12 * n_layers * hidden * seq_len
+where N counts the parameters a token's matmuls touch, excluding the input embedding (a lookup, no FLOPs) but
+including the output head, and for MoE only the routed top-k and shared experts. The attention term counts
+Q·K^T and A·V for every key position; with `causal=True` it is halved, since a causal kernel skips the masked
+half.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by part of the model."""
+
+    embedding: int
+    head: int
+    attention: int
+    """All layers' attention projections (q, k, v, o)."""
+    dense_mlp: int
+    """All dense-MLP layers' weights."""
+    experts: int
+    """All routed experts of all MoE layers."""
+    active_experts: int
+    """Routed experts one token touches (top_k per MoE layer) plus shared experts."""
+    router: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.head + self.attention + self.dense_mlp + self.experts + self.router + self.norms
+
+    @property
+    def active_non_embedding(self) -> int:
+        """N of the FLOPs formula: what one token's matmuls touch, without the input embedding."""
+        return self.head_flop_params + self.attention + self.dense_mlp + self.active_experts + self.router + self.norms
+
+    head_flop_params: int = 0
+
+
+def _mlp_params(cfg: ModelConfig, hidden_ffn: int) -> int:
+    n_mats = 3 if cfg.mlp == "swiglu" else 2
+    bias = 0 if cfg.mlp == "swiglu" else hidden_ffn + cfg.hidden  # GPT blocks carry biases
+    return n_mats * cfg.hidden * hidden_ffn + bias
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Exact parameter counts of `models.decoder.Decoder(cfg)` (checked against the built module in tests)."""
+    d, hd = cfg.hidden, cfg.head_dim
+    attn_one = d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd + cfg.n_heads * hd * d
+    if cfg.mlp == "gelu":  # GPT blocks: qkv and output biases
+        attn_one += cfg.n_heads * hd + 2 * cfg.kv_heads * hd + d
+    norm_one = d if cfg.norm == "rmsnorm" else 2 * d
+    dense_mlp = experts = active = router = 0
+    moe = cfg.moe
+    expert_ffn = moe.expert_hidden or cfg.ffn
+    for layer in range(cfg.n_layers):
+        if cfg.is_moe_layer(layer):
+            experts += moe.n_experts * _mlp_params(cfg, expert_ffn)
+            shared = moe.n_shared_experts * _mlp_params(cfg, expert_ffn)
+            dense_mlp += shared
+            active += moe.top_k * _mlp_params(cfg, expert_ffn)
+            router += d * moe.n_experts
+        else:
+            dense_mlp += _mlp_params(cfg, cfg.ffn)
+    head = cfg.vocab_size * d
+    return ParamCounts(
+        embedding=cfg.vocab_size * d,
+        head=0 if cfg.tied_embeddings else head,
+        attention=cfg.n_layers * attn_one,
+        dense_mlp=dense_mlp,
+        experts=experts,
+        active_experts=active,
+        router=router,
+        norms=(2 * cfg.n_layers + 1) * norm_one,
+        head_flop_params=head,
+    )
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Total trainable parameters (tied embeddings counted once)."""
+    return param_counts(cfg).total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, recompute: bool = False) -> float:
+    """Training FLOPs (forward + backward) per token.
+
+    Args:
+        cfg: model shape.
+        seq_len: tokens per sequence (the attention term grows with it).
+        causal: halve the attention term, as a causal kernel skips the masked half.
+        recompute: hardware FLOPs with full activation recomputation (one extra forward: 8N instead of 6N
+            and 16·L·h·s instead of 12·L·h·s), the "HFU" convention of Narayanan et al. 2021.
+    """
+    n = param_counts(cfg).active_non_embedding
+    attn = 12 * cfg.n_layers * cfg.hidden * seq_len
+    if causal:
+        attn /= 2
+    if recompute:
+        return 8 * n + attn * 4 / 3
+    return 6 * n + attn

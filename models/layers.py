@@ -1,0 +1,102 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU / GELU MLP.
+
+Plain single-device PyTorch; parallelism is applied from outside (framework/parallel) by FQN.
+Shape legend: B batch, T sequence, D hidden, H query heads, K key/value heads, E head dim, F ffn hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
+                ) -> torch.Tensor:
+    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    ang = torch.outer(t, inv)
+    return torch.stack([ang.cos(), ang.sin()], dim=-1).float()
+
+
+def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels (interleaved, as Llama's complex formulation) by position-dependent angles."""
+    b, t, h, e = x_BTHE.shape
+    xf = x_BTHE.float().reshape(b, t, h, e // 2, 2)
+    cos = rope_TE2[:t, None, :, 0]
+    sin = rope_TE2[:t, None, :, 1]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.reshape(b, t, h, e).type_as(x_BTHE)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention through `scaled_dot_product_attention`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.kv_heads
+        bias = cfg.mlp == "gelu"
+        self.wq = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=bias)
+
+    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        b, t, _ = x_BTD.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x_BTD).view(b, t, -1, self.head_dim)
+        k = self.wk(x_BTD).view(b, t, -1, self.head_dim)
+        v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E)
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        if attn_mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.wo(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x); or GELU MLP w2(gelu(w1 x)) for GPT blocks."""
+
+    def __init__(self, cfg: ModelConfig, hidden_ffn: int | None = None) -> None:
+        super().__init__()
+        f = hidden_ffn or cfg.ffn
+        self.gated = cfg.mlp == "swiglu"
+        self.w1 = nn.Linear(cfg.hidden, f, bias=not self.gated)
+        self.w2 = nn.Linear(f, cfg.hidden, bias=not self.gated)
+        self.w3 = nn.Linear(cfg.hidden, f, bias=False) if self.gated else None
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
+        return self.w2(F.gelu(self.w1(x_BTD), approximate="tanh"))
