@@ -7,7 +7,6 @@ Large presets are only ever built on the meta device on a laptop.
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -188,4 +187,4 @@ def resolve_preset_fields(cfg: ModelConfig, explicit: dict[str, object]) -> Mode
     return model_config(cfg.preset, **{k: v for k, v in explicit.items() if k != "preset"})
 
 
-__all__ = ["MoEConfig", "ModelConfig", "PRESETS", "model_config"]
+__all__ = ["PRESETS", "MoEConfig", "ModelConfig", "model_config"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
-
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints

@@ -1,0 +1,116 @@
+"""`tessera` — one CLI with subcommands.
+
+    tessera train CONFIG [a.b.c=value ...]   train (or resume) a run; under torchrun/SLURM every rank runs this
+    tessera smoke [overrides]                the end-to-end smoke job on the embedded corpus
+    tessera <other>                          subcommands registered by subsystems (data, plan, launch, ckpt ...)
+
+Subsystems register their subcommands through a `register(subparsers)` function in the modules listed in
+`SUBCOMMAND_MODULES`; registration is cheap (argparse only) — heavy imports happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+
+SUBCOMMAND_MODULES = [
+    "data_pipeline.cli",
+    "framework.parallel.cli",
+    "framework.checkpoint.cli",
+    "framework.observe.cli",
+    "framework.plan.cli",
+    "launch.cli",
+]
+
+SMOKE_CONFIG = "configs/smoke/smoke.yaml"
+
+
+def init_distributed() -> None:
+    """Initialize the default process group when launched with several ranks (torchrun or srun)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from launch.env import dist_env  # type: ignore[import-not-found]
+    except ImportError:
+        dist_env = None
+    if dist_env is not None:
+        env = dist_env()
+        world, rank, local_rank = env.world_size, env.rank, env.local_rank
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    timeout = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", "600"))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from framework.config import load_config
+    from framework.train.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    init_distributed()
+    torch_threads = os.environ.get("TESSERA_NUM_THREADS")
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(int(torch_threads))
+    result = Trainer(cfg).train()
+    print(f"run {result.run_dir}: steps {result.start_step}->{result.final_step}, "
+          f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, {result.tokens_per_s:.0f} tokens/s")
+    return 0
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    from framework.smoke import run_smoke
+
+    return run_smoke(args.config, args.overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM pretraining framework")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("train", help="train or resume a run from a YAML config")
+    p.add_argument("config", help="YAML config, e.g. configs/smoke/smoke.yaml")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides (values parsed as YAML)")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("smoke", help="end-to-end smoke job on the embedded standard-library corpus")
+    p.add_argument("--config", default=SMOKE_CONFIG)
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_smoke)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name and name.startswith(err.name):
+                continue  # that subsystem is not part of this build
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from framework.errors import TesseraError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TesseraError as err:
+        print(f"tessera: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

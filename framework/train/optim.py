@@ -1,0 +1,49 @@
+"""AdamW with weight-decay groups; the kernel (fused / foreach / for-loop) chosen for the device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from framework.train.config import TrainConfig
+
+
+def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict[str, object]]:
+    """Two groups: matrices decay; norms, biases and embeddings do not (GPT-3, Llama practice).
+
+    Parameters shared between modules (tied embeddings) are listed once.
+    """
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for module in modules:
+        for name, p in module.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.ndim < 2 or "norm" in name or "embeddings" in name or name.endswith("bias"):
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _impl_flags(cfg: TrainConfig, device: torch.device, params: list[torch.Tensor]) -> dict[str, bool]:
+    from torch.distributed.tensor import DTensor
+
+    impl = cfg.optimizer_impl
+    if impl == "auto":
+        mixed = any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params)
+        # foreach over a mix of DTensors and plain tensors fails (ARCHITECTURE.md, known traps)
+        impl = "fused" if device.type == "cuda" else ("for_loop" if mixed else "foreach")
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def build_optimizer(modules: list[nn.Module], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over `modules` (pipeline stages hold several) with decoupled weight decay."""
+    groups = param_groups(modules, cfg.weight_decay)
+    params = [p for g in groups for p in g["params"]]  # type: ignore[attr-defined]
+    flags = _impl_flags(cfg, device, params)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)  # type: ignore[arg-type]

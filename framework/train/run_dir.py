@@ -1,0 +1,141 @@
+"""One run = one directory: resolved config, metrics.jsonl, a readable log, checkpoints.
+
+    runs/<name>/config.yaml      the resolved config of the latest start
+    runs/<name>/metrics.jsonl    one JSON record per line (schema in docs/METRICS.md)
+    runs/<name>/train.log        the console log lines, all ranks' warnings, rank 0's info
+    runs/<name>/checkpoints/     step_N directories and the `latest` pointer
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from framework.errors import ConfigError
+
+LOG_FORMAT = "%(asctime)s [%(levelname)s] %(rankprefix)s%(message)s"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        self.prefix = f"[rank {rank}/{world}] " if world > 1 else ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rankprefix = self.prefix
+        return True
+
+
+def setup_logging(rank: int = 0, world: int = 1, log_file: Path | None = None, all_ranks: bool = False) -> None:
+    """Rank-aware logging: rank 0 logs INFO to the console (and the file); other ranks log warnings only."""
+    root = logging.getLogger("tessera")
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    level = logging.INFO if (rank == 0 or all_ranks) else logging.WARNING
+    fmt = logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S")
+    rank_filter = _RankFilter(rank, world)
+    console = logging.StreamHandler(sys.stdout)
+    console.setLevel(level)
+    console.setFormatter(fmt)
+    console.addFilter(rank_filter)
+    root.addHandler(console)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(log_file, mode="a")
+        fh.setLevel(level)
+        fh.setFormatter(fmt)
+        fh.addFilter(rank_filter)
+        root.addHandler(fh)
+
+
+def get_logger(name: str = "tessera") -> logging.Logger:
+    return logging.getLogger(name if name.startswith("tessera") else f"tessera.{name}")
+
+
+class RunDir:
+    """The run directory of one training run (rank 0 writes; every rank may read)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def log_file(self) -> Path:
+        return self.path / "train.log"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def create(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / ".write-probe"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(
+                f"run.dir={str(self.path)!r} is not writable ({err.strerror}); choose a writable directory "
+                f"with run.dir=... or fix its permissions") from err
+
+    def write_config(self, text: str) -> None:
+        _atomic_write(self.config_file, text)
+
+    def truncate_metrics_after(self, step: int) -> int:
+        """Drop train/eval records after `step` (a resume from `step`), so the file reads as one run.
+
+        Returns how many records were dropped.
+        """
+        if not self.metrics_file.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.metrics_file.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1  # a torn last line from a killed run
+                continue
+            if isinstance(rec.get("step"), int) and rec["step"] > step:
+                dropped += 1
+            else:
+                kept.append(line)
+        _atomic_write(self.metrics_file, "".join(k + "\n" for k in kept))
+        return dropped
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with self.metrics_file.open("a") as f:
+            f.write(json.dumps(record, sort_keys=False) + "\n")
+            f.flush()
+
+    def read_metrics(self, kind: str | None = "train") -> list[dict[str, Any]]:
+        if not self.metrics_file.exists():
+            return []
+        out = []
+        for line in self.metrics_file.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if kind is None or rec.get("type") == kind:
+                    out.append(rec)
+        return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,257 @@
+"""The training loop: a few small functions — setup, step, evaluate, log, save — around an `Engine`.
+
+    trainer = Trainer(cfg); result = trainer.train()
+
+Running the same config again resumes from the run directory's `latest` checkpoint; metrics.jsonl records
+after the resumed step are dropped so the file always reads as one run.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from framework.checkpoint import dcp as ckpt
+from framework.config import Config, dump_config, to_dict
+from framework.errors import CheckpointError, ConfigError
+from framework.train.engine import Engine, LocalEngine, resolve_device
+from framework.train.run_dir import RunDir, get_logger, setup_logging
+from framework.train.schedule import lr_at
+
+log = get_logger("train")
+
+
+class MetricSink(Protocol):
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """metrics.jsonl, always on (rank 0)."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run_dir.append_metrics(record)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int
+    final_step: int
+    losses: dict[int, float] = field(default_factory=dict)
+    """Train loss by step (this start only)."""
+    tokens_per_s: float = 0.0
+    mean_step_time_s: float = 0.0
+    eval: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def first_loss(self) -> float:
+        return self.losses[min(self.losses)] if self.losses else float("nan")
+
+    @property
+    def last_loss(self) -> float:
+        return self.losses[max(self.losses)] if self.losses else float("nan")
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def build_engine(cfg: Config, device: torch.device) -> Engine:
+    """The single-process engine for a 1-rank run without parallel settings; the parallel engine otherwise."""
+    _, world = _world()
+    p = cfg.parallel
+    if world == 1 and p.tp == p.pp == p.ep == p.dp_replicate == 1 and p.dp_shard in (-1, 1):
+        return LocalEngine(cfg.model, cfg.train, device)
+    try:
+        from framework.parallel.engine import build_parallel_engine  # type: ignore[import-not-found]
+    except ImportError as err:
+        raise ConfigError(
+            f"parallel layout tp={p.tp} pp={p.pp} dp_shard={p.dp_shard} on world size {world} needs the parallel "
+            f"engine (framework/parallel), which failed to import: {err}") from err
+    engine: Engine = build_parallel_engine(cfg, device)
+    return engine
+
+
+class Trainer:
+    """Owns one run: its directory, data, engine, and the loop."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.rank, self.world = _world()
+        self.run_dir = RunDir(cfg.run.path)
+        if self.rank == 0:
+            self.run_dir.create()
+        setup_logging(self.rank, self.world, self.run_dir.log_file)
+        self.device = resolve_device(cfg.run.device)
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        self.data = self._prepare_data()
+        self.engine = build_engine(cfg, self.device)
+        from data_pipeline.loader import BatchLoader
+
+        self.loader = BatchLoader(self.data.train, global_batch_size=cfg.train.global_batch_size,
+                                  micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.engine.dp_rank,
+                                  dp_size=self.engine.dp_size)
+        self.sinks: list[MetricSink] = [JsonlSink(self.run_dir)] if self.rank == 0 else []
+        self.step = 0
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+
+    # --- setup ---------------------------------------------------------------------------------------------
+    def _prepare_data(self) -> Any:
+        from data_pipeline.prepare import prepare_data
+
+        data = prepare_data(self.cfg.data, is_builder=self.rank == 0)
+        if data.vocab_size > self.cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={self.cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({data.vocab_size}); set model.vocab_size={data.vocab_size} or larger")
+        return data
+
+    def resume(self) -> bool:
+        """Load `latest` when it exists (and checkpoint.resume); truncate metrics after it. True if resumed."""
+        if not self.cfg.checkpoint.resume:
+            return False
+        path = ckpt.latest_checkpoint(self.run_dir.checkpoints)
+        if path is None:
+            return False
+        meta = ckpt.load_checkpoint(path, self.engine.model_parts, self.engine.optimizers)
+        if meta.get("data_fingerprint") not in (None, self.data.fingerprint):
+            raise CheckpointError(
+                f"checkpoint {path} was trained on data fingerprint {meta['data_fingerprint']}, this run's data "
+                f"has {self.data.fingerprint}; restore the data config or start a new run.name")
+        self.step = int(meta["step"])
+        self.loader.load_state_dict(meta["loader"])
+        if self.rank == 0:
+            dropped = self.run_dir.truncate_metrics_after(self.step)
+            log.info("resumed from %s (step %d); dropped %d later metric records", path.name, self.step, dropped)
+        return True
+
+    # --- the loop ------------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns its train record."""
+        t0 = time.perf_counter()
+        batch = self.loader.next_batch()
+        t_data = time.perf_counter()
+        loss = self.engine.forward_backward(batch)
+        t_fb = time.perf_counter()
+        grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
+        lr = lr_at(self.cfg.train, self.step)
+        applied = self.engine.optimizer_step(lr)
+        t_end = time.perf_counter()
+        self.step += 1
+        dt = t_end - t0
+        record = {
+            "type": "train", "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
+            "step_time_s": dt, "data_time_s": t_data - t0, "fwd_bwd_time_s": t_fb - t_data,
+            "optim_time_s": t_end - t_fb, "memory_mb": memory_mb(self.device), "skipped": not applied,
+        }
+        record.update(self.engine.extra_metrics())
+        return record
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss per domain on its held-out split (the same batches every time)."""
+        out: dict[str, float] = {}
+        for name, samples in self.data.val.items():
+            from data_pipeline.loader import BatchLoader
+
+            per_rank = self.cfg.train.micro_batch_size * self.engine.dp_size
+            loader = BatchLoader(samples, global_batch_size=per_rank, micro_batch_size=self.cfg.train.micro_batch_size,
+                                 dp_rank=self.engine.dp_rank, dp_size=self.engine.dp_size)
+            n = max(1, min(self.cfg.train.eval_batches, len(samples) // per_rank))
+            losses = [self.engine.eval_loss(loader.next_batch()) for _ in range(n)]
+            out[f"val_loss/{name}"] = float(np.mean(losses))
+        if out:
+            out["val_loss/mean"] = float(np.mean(list(out.values())))
+        return out
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+        if record["type"] == "train" and (record["step"] % self.cfg.train.log_interval == 0
+                                          or record["step"] == self.cfg.train.steps):
+            log.info("step %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %7.0f tok/s  %.3fs/step",
+                     record["step"], self.cfg.train.steps, record["loss"], record["lr"], record["grad_norm"],
+                     record["tokens_per_s"], record["step_time_s"])
+        elif record["type"] == "eval":
+            log.info("eval step %d: %s", record["step"],
+                     "  ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("val_")))
+
+    def save(self) -> Path:
+        meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
+                "data_fingerprint": self.data.fingerprint}
+        path = ckpt.save_checkpoint(self.run_dir.checkpoints, self.step, self.engine.model_parts,
+                                    self.engine.optimizers, meta)
+        if self.rank == 0:
+            ckpt.prune_checkpoints(self.run_dir.checkpoints, self.cfg.checkpoint.keep_last,
+                                   self.cfg.checkpoint.keep_every)
+            log.info("saved checkpoint %s", path)
+        return path
+
+    def _should_save(self) -> bool:
+        interval = self.cfg.checkpoint.interval
+        return (interval > 0 and self.step % interval == 0) or (
+            self.step == self.cfg.train.steps and self.cfg.checkpoint.save_final)
+
+    def _should_eval(self) -> bool:
+        interval = self.cfg.train.eval_interval
+        return bool(self.data.val) and interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
+
+    def train(self, stop_at: int | None = None) -> TrainResult:
+        """Run (or resume) to `train.steps` — or stop early after step `stop_at`; returns a summary."""
+        if self.rank == 0:
+            self.run_dir.write_config(dump_config(self.cfg))
+        self.resume()
+        result = TrainResult(self.run_dir.path, self.step, self.step)
+        times = []
+        log.info("training %s from step %d to %d on %d rank(s), %s", self.cfg.run.name, self.step,
+                 self.cfg.train.steps, self.world, self.device)
+        end = min(self.cfg.train.steps, stop_at) if stop_at is not None else self.cfg.train.steps
+        while self.step < end:
+            record = self.train_step()
+            result.losses[self.step] = record["loss"]
+            times.append(record["step_time_s"])
+            self.log_record(record)
+            if self._should_eval():
+                result.eval = self.evaluate()
+                self.log_record({"type": "eval", "step": self.step, **result.eval})
+            if self._should_save() or self.step == stop_at:
+                self.save()
+        result.final_step = self.step
+        if times:
+            steady = times[1:] or times  # the first step pays one-off allocation costs
+            result.mean_step_time_s = float(np.mean(steady))
+            result.tokens_per_s = self.tokens_per_step / result.mean_step_time_s
+        for sink in self.sinks:
+            sink.close()
+        return result
+
