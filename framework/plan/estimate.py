@@ -15,6 +15,7 @@ hardware FLOPs add the recomputed forward under full recompute).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from framework.plan.bubble import bubble_fraction
@@ -43,6 +44,12 @@ class Estimate:
     time: dict[str, float] = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=256)
+def _flops(cfg: ModelConfig, seq: int, recompute: bool) -> float:
+    return flops_per_token(cfg, seq, recompute=recompute)
+
+
+@functools.lru_cache(maxsize=256)
 def _layer_and_head_flops(cfg: ModelConfig, seq: int, recompute: bool) -> tuple[float, float]:
     """(FLOPs per token of one average layer, FLOPs per token of the head and final norm), forward + backward."""
     total = flops_per_token(cfg, seq, recompute=recompute)
@@ -75,7 +82,7 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
         is_last = lay.pp * lay.virtual - 1 in rank_chunks(lay, rank)
         compute = (n_layers * layer_f + (head_f if is_last else 0.0)) * tokens_micro / lay.tp / rate
         tp = tp_comm_per_micro(work, lay, hw, n_layers)
-        ep = ep_comm_per_micro(work, lay, hw, sum(cfg.is_moe_layer(i) for i in params.layers))
+        ep = ep_comm_per_micro(work, lay, hw, params.n_moe)
         t = compute + tp.seconds + ep.seconds
         if worst is None or t > worst[0]:
             worst = (t, compute, tp, ep, params)
@@ -92,8 +99,8 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
     optimizer_s = 2 * state_bytes / (hw.hbm_gbps * 1e9)
     step = pipeline + pp.seconds + dp_exposed + optimizer_s
     tokens = work.global_batch * s
-    model_flops = flops_per_token(cfg, s) * tokens
-    hw_flops = flops_per_token(cfg, s, recompute=full_rc) * tokens
+    model_flops = _flops(cfg, s, False) * tokens
+    hw_flops = _flops(cfg, s, full_rc) * tokens
     denom = step * lay.world * hw.peak_flops
     comm = {"tp": _scaled(tp_c, m), "ep": _scaled(ep_c, m), "pp": pp, "dp_reduce": dp["reduce"],
             "dp_gather": dp["gather"]}

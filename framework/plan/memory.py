@@ -14,6 +14,7 @@ on a rank and N the ZeRO group, stage 0 keeps Ψ(p + m + g + o), stage 1 Ψ(p + 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from framework.plan.activations import (
@@ -38,6 +39,8 @@ class RankParams:
     largest_layer: int
     """The biggest layer on this rank, for gather/reduce buffers."""
     layers: tuple[int, ...]
+    n_moe: int = 0
+    """MoE layers among `layers`."""
 
     @property
     def total(self) -> int:
@@ -76,15 +79,19 @@ def rank_chunks(lay: Layout, rank: int) -> list[int]:
 
 def rank_params(cfg: ModelConfig, lay: Layout, rank: int) -> RankParams:
     """Parameters on pipeline rank `rank` (any tp/dp rank within it holds the same count)."""
-    n_chunks = lay.pp * lay.virtual
+    return _rank_params(cfg, lay.tp, lay.pp, lay.ep, lay.virtual, tuple(rank_chunks(lay, rank)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_params(cfg: ModelConfig, tp: int, pp: int, ep: int, virtual: int, chunks: tuple[int, ...]) -> RankParams:
+    n_chunks = pp * virtual
     per_chunk = cfg.n_layers // n_chunks
-    chunks = rank_chunks(lay, rank)
     layers = tuple(i for c in chunks for i in range(c * per_chunk, (c + 1) * per_chunk))
     dense = experts = largest = 0
     for i in layers:
-        d, e = layer_params(cfg, i, lay.tp, lay.ep)
+        d, e = layer_params(cfg, i, tp, ep)
         dense, experts, largest = dense + d, experts + e, max(largest, d + e)
-    vocab_shard = cfg.vocab_size // lay.tp * cfg.hidden
+    vocab_shard = cfg.vocab_size // tp * cfg.hidden
     first, last = 0 in chunks, n_chunks - 1 in chunks
     if first:
         dense += vocab_shard
@@ -92,7 +99,8 @@ def rank_params(cfg: ModelConfig, lay: Layout, rank: int) -> RankParams:
         dense += cfg.hidden * (1 if cfg.norm == "rmsnorm" else 2)
         if not (cfg.tied_embeddings and first):  # tied weights on one rank are one tensor
             dense += vocab_shard
-    return RankParams(dense, experts, max(largest, vocab_shard), layers)
+    n_moe = sum(cfg.is_moe_layer(i) for i in layers)
+    return RankParams(dense, experts, max(largest, vocab_shard), layers, n_moe)
 
 
 def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[str, float]:
@@ -127,11 +135,16 @@ def moe_layer_extra_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int,
 
 def layer_bytes(work: Workload, lay: Layout, recompute: Recompute) -> float:
     """Activation bytes of one layer and micro-batch on one rank, by the workload's activation model."""
-    cfg = work.model
+    return _layer_bytes(work, lay.tp, lay.micro_batch, recompute)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_bytes(work: Workload, tp: int, micro_batch: int, recompute: Recompute) -> float:
+    cfg, sp = work.model, tp > 1
     if work.activations == "korthikanti":
-        return korthikanti_layer_bytes(work.seq_len, lay.micro_batch, cfg.hidden, cfg.n_heads, tp=lay.tp,
-                                       sp=lay.sp, recompute=recompute, flash=work.kernel == "flash")
-    return tessera_layer_bytes(cfg, work.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=recompute,
+        return korthikanti_layer_bytes(work.seq_len, micro_batch, cfg.hidden, cfg.n_heads, tp=tp, sp=sp,
+                                       recompute=recompute, flash=work.kernel == "flash")
+    return tessera_layer_bytes(cfg, work.seq_len, micro_batch, tp=tp, sp=sp, recompute=recompute,
                                act_bytes=work.precision.act, kernel=work.kernel)
 
 
@@ -144,8 +157,7 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     per_layer = layer_bytes(work, lay, lay.recompute)
     full_layer = layer_bytes(work, lay, "none")
     moe_extra = moe_layer_extra_bytes(cfg, s, b, lay.tp, act) if cfg.moe.enabled else 0
-    n_moe = sum(cfg.is_moe_layer(i) for i in params.layers)
-    stage_layers = len(params.layers) * per_layer + (n_moe * moe_extra if lay.recompute == "none" else 0)
+    stage_layers = len(params.layers) * per_layer + (params.n_moe * moe_extra if lay.recompute == "none" else 0)
     m = lay.n_micro(work.global_batch)
     chunks = rank_chunks(lay, rank)
     last = lay.pp * lay.virtual - 1 in chunks
@@ -176,5 +188,14 @@ def peak_memory(work: Workload, lay: Layout) -> tuple[float, int, dict[str, floa
     return best
 
 
-__all__ = ["RankParams", "layer_params", "model_state_bytes", "moe_layer_extra_bytes", "layer_bytes", "peak_memory",
-           "rank_chunks", "rank_memory", "rank_params"]
+__all__ = [
+    "RankParams",
+    "layer_bytes",
+    "layer_params",
+    "model_state_bytes",
+    "moe_layer_extra_bytes",
+    "peak_memory",
+    "rank_chunks",
+    "rank_memory",
+    "rank_params",
+]

@@ -9,6 +9,7 @@ schedules with their virtual-stage counts. A layout is kept when its peak per-ra
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ class PlanResult:
     gpus: int
     feasible: list[Estimate]
     rejected: Counter[str] = field(default_factory=Counter)
+    """Rejections by kind of reason (numbers blanked out)."""
+    examples: dict[str, str] = field(default_factory=dict)
+    """One concrete sentence per kind of reason."""
     closest_over_memory: tuple[float, Layout] | None = None
     """The layout that came closest to fitting: (peak bytes, layout)."""
     evaluated: int = 0
@@ -115,8 +119,12 @@ def candidates(work: Workload, gpus: int, hw: Hardware, space: SearchSpace) -> I
 
 def _reason_key(problem: str) -> str:
     """Group similar rejection sentences ('tp=16 exceeds ...' and 'tp=32 exceeds ...')."""
-    words = problem.split()
-    return " ".join(w if not any(ch.isdigit() for ch in w) else "#" for w in words)
+    return re.sub(r"(?<![A-Za-z])\d+(\.\d+)?", "#", problem)
+
+
+def _reject(result: PlanResult, key: str, example: str) -> None:
+    result.rejected[key] += 1
+    result.examples.setdefault(key, example)
 
 
 def plan(work: Workload, gpus: int, hw: Hardware, space: SearchSpace | None = None, *,
@@ -130,15 +138,20 @@ def plan(work: Workload, gpus: int, hw: Hardware, space: SearchSpace | None = No
         result.evaluated += 1
         problem = layout_problem(work, lay, hw)
         if problem is not None:
-            result.rejected[_reason_key(problem)] += 1
+            _reject(result, _reason_key(problem), problem)
             continue
-        mem, _, _ = peak_memory(work, lay)
+        mem = peak_memory(work, lay)[0]
         if mem > limit:
-            result.rejected[f"peak memory over {limit / GIB:.1f} GiB usable"] += 1
+            _reject(result, "peak memory over the usable GPU memory",
+                    f"peak memory {mem / GIB:.1f} GiB over {limit / GIB:.1f} GiB usable ({lay.describe()})")
             if result.closest_over_memory is None or mem < result.closest_over_memory[0]:
                 result.closest_over_memory = (mem, lay)
             continue
         result.feasible.append(estimate(work, lay, hw))
+    if result.closest_over_memory is not None:
+        mem, lay = result.closest_over_memory
+        result.examples["peak memory over the usable GPU memory"] = (
+            f"peak memory over {limit / GIB:.1f} GiB usable; closest: {lay.describe()} at {mem / GIB:.1f} GiB")
     result.feasible.sort(key=lambda e: (e.step_s, e.memory_bytes))
     return result
 
@@ -174,7 +187,8 @@ def smallest_cluster(work: Workload, hw: Hardware, space: SearchSpace | None = N
 def valid_gpu_counts_near(work: Workload, gpus: int, hw: Hardware, space: SearchSpace, n: int = 2) -> list[int]:
     """Up to n GPU counts below and above `gpus` (whole nodes) that admit a memory-feasible layout."""
     node = hw.gpus_per_node
-    below, above = [], []
+    below: list[int] = []
+    above: list[int] = []
     c = (gpus // node) * node
     while c >= node and len(below) < n and gpus - c <= 64 * node:
         if c != gpus and fits_somewhere(work, c, hw, space):
@@ -209,8 +223,7 @@ def explain_infeasible(work: Workload, gpus: int, hw: Hardware, space: SearchSpa
     """A message naming why each group of layouts was rejected and the smallest cluster that would fit."""
     lines = [f"no layout of {gpus} x {hw.name} fits {describe_workload(work)} "
              f"({result.evaluated} candidates):"]
-    for reason, count in result.rejected.most_common(6):
-        lines.append(f"  {count:6d} x {reason}")
+    lines += rejection_lines(result, 6)
     if result.closest_over_memory is not None:
         mem, lay = result.closest_over_memory
         lines.append(f"  closest: {lay.describe()} needs {mem / GIB:.1f} GiB per GPU, "
@@ -224,6 +237,12 @@ def explain_infeasible(work: Workload, gpus: int, hw: Hardware, space: SearchSpa
         lines.append(f"  fix: the smallest cluster that fits is {n} x {hw.name} ({lay.describe()}); "
                      f"or change --global-batch so it divides into the data-parallel ranks")
     return "\n".join(lines)
+
+
+def rejection_lines(result: PlanResult, limit: int | None = None) -> list[str]:
+    """'  count x example' per kind of rejection, most frequent first."""
+    return [f"  {count:6d} x {result.examples[key]}" + (" (and similar)" if count > 1 else "")
+            for key, count in result.rejected.most_common(limit)]
 
 
 def describe_workload(work: Workload) -> str:
@@ -241,6 +260,6 @@ def published_rank(result: PlanResult, tp: int, pp: int, ep: int = 1) -> str:
 
 
 __all__ = ["DEFAULT_SCHEDULES", "PlanResult", "SearchSpace", "candidates", "degrees", "explain_infeasible",
-           "fits_somewhere", "plan", "plan_or_explain", "published_rank", "smallest_cluster", "usable_bytes",
-           "valid_gpu_counts_near"]
+           "fits_somewhere", "plan", "plan_or_explain", "published_rank", "rejection_lines", "smallest_cluster",
+           "usable_bytes", "valid_gpu_counts_near"]
 
