@@ -91,7 +91,7 @@ def training_state(parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.
 
 def rng_state() -> dict[str, Any]:
     """This rank's RNG states as JSON-safe values."""
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
     py_state = random.getstate()
     state: dict[str, Any] = {
         "python": [py_state[0], list(py_state[1]), py_state[2]],

@@ -43,7 +43,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"unpickle it (the file is corrupt or was crafted); restore the checkpoint from a trusted copy")
 
 
-def read_dcp_metadata(stream: io.BufferedIOBase | io.BytesIO) -> Metadata:
+def read_dcp_metadata(stream: Any) -> Metadata:
     """Unpickle a DCP `.metadata` stream, allowing only DCP metadata classes and torch dtypes."""
     try:
         meta = _MetadataUnpickler(stream).load()
@@ -63,7 +63,7 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = read_dcp_metadata(stream)
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
