@@ -123,7 +123,10 @@ class Trainer:
         self.loader = BatchLoader(self.data.train, global_batch_size=cfg.train.global_batch_size,
                                   micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.engine.dp_rank,
                                   dp_size=self.engine.dp_size)
-        self.sinks: list[MetricSink] = [JsonlSink(self.run_dir)] if self.rank == 0 else []
+        from framework.observe.observer import Observer
+
+        self.observer = Observer(cfg, self.run_dir.path, self.rank, self.world, self.device)
+        self.sinks: list[MetricSink] = [JsonlSink(self.run_dir), *self.observer.sinks] if self.rank == 0 else []
         self.step = 0
         self.ft = FaultTolerance(cfg.checkpoint, self.run_dir.path, self.device)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -176,7 +179,7 @@ class Trainer:
                     self.cfg.checkpoint.guard.max_consecutive, bad_step, path.name if path else "nothing (no "
                     "checkpoint yet: weights kept)", *window)
         # The skipped steps' records stay in metrics.jsonl (the rollback record explains the repeated steps).
-        self.log_record({"type": "rollback", "at_step": bad_step, "to_step": self.step, "skipped_samples": window,
+        self.log_record({"type": "rollback", "step": self.step, "from_step": bad_step, "skipped_samples": window,
                          "checkpoint": path.name if path else None})
 
     # --- the loop ------------------------------------------------------------------------------------------
@@ -211,6 +214,7 @@ class Trainer:
             log.warning("guard: step %d skipped (%s, loss %s, grad_norm %s); %d skipped so far", self.step,
                         verdict.reason, loss, grad_norm, self.ft.guard.skipped_total)
         record.update(self.engine.extra_metrics())
+        record.update(self.observer.on_step(record))
         return record
 
     def evaluate(self) -> dict[str, float]:
@@ -227,6 +231,7 @@ class Trainer:
             out[f"val_loss/{name}"] = float(np.mean(losses))
         if out:
             out["val_loss/mean"] = float(np.mean(list(out.values())))
+        out.update(self.observer.eval_metrics(out))
         return out
 
     def log_record(self, record: dict[str, Any]) -> None:
@@ -239,7 +244,7 @@ class Trainer:
                      record["tokens_per_s"], record["step_time_s"])
         elif record["type"] == "eval":
             log.info("eval step %d: %s", record["step"],
-                     "  ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("val_")))
+                     "  ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("val_loss/")))
 
     def save(self, blocking: bool = False) -> None:
         """Checkpoint this step (in the background with checkpoint.async_save unless `blocking`)."""
@@ -256,14 +261,24 @@ class Trainer:
         interval = self.cfg.train.eval_interval
         return bool(self.data.val) and interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
 
-    def _stop_for_requeue(self, result: TrainResult) -> None:
+    def _timed_save(self, blocking: bool = False) -> float:
+        """Save and log the time the loop spent on it (with async saves: the staging copy only)."""
+        t_save = time.perf_counter()
+        self.save(blocking=blocking)
+        t_save = time.perf_counter() - t_save
+        self.log_record({"type": "checkpoint", "step": self.step, "checkpoint_time_s": t_save})
+        return t_save
+
+    def _stop_for_requeue(self, result: TrainResult) -> float:
         """A stop signal reached some rank: make sure this step is committed, then report the requeue code."""
+        t_save = 0.0
         if self.ft.manager.last_saved_step != self.step:
-            self.save(blocking=True)
+            t_save = self._timed_save(blocking=True)
         self.ft.manager.wait()
         result.exit_code = self.ft.exit_code
         log.warning("stopping at step %d on %s: checkpoint committed; exit code %d (requeue)", self.step,
                     self.ft.stop_reason, result.exit_code)
+        return t_save
 
     def train(self, stop_at: int | None = None) -> TrainResult:
         """Run (or resume) to `train.steps` — or stop early after step `stop_at`; returns a summary."""
@@ -272,7 +287,7 @@ class Trainer:
         self.ft.manager.remove_partial_saves()
         self.resume()
         result = TrainResult(self.run_dir.path, self.step, self.step)
-        times = []
+        times, ckpt_time = [], 0.0
         log.info("training %s from step %d to %d on %d rank(s), %s", self.cfg.run.name, self.step,
                  self.cfg.train.steps, self.world, self.device)
         end = min(self.cfg.train.steps, stop_at) if stop_at is not None else self.cfg.train.steps
@@ -290,15 +305,16 @@ class Trainer:
                     result.eval = self.evaluate()
                     self.log_record({"type": "eval", "step": self.step, **result.eval})
                 if self._should_save() or self.step == stop_at:
-                    self.save(blocking=self.step == stop_at)
+                    ckpt_time += self._timed_save(blocking=self.step == stop_at)
                 if self.ft.stop_requested():
-                    self._stop_for_requeue(result)
+                    ckpt_time += self._stop_for_requeue(result)
                     break
         result.final_step = self.step
         if times:
             steady = times[1:] or times  # the first step pays one-off allocation costs
             result.mean_step_time_s = float(np.mean(steady))
             result.tokens_per_s = self.tokens_per_step / result.mean_step_time_s
+        self.log_record(self.observer.summary(self.step, result.eval, ckpt_time))
         for sink in self.sinks:
             sink.close()
         return result

@@ -86,7 +86,7 @@ def test_nan_steps_are_skipped_then_rolled_back(tmp_path: Path) -> None:
     assert skipped == [(3, "nonfinite_loss"), (5, "nonfinite_loss"), (6, "nonfinite_loss")]
     rollback = [r for r in records if r["type"] == "rollback"]
     g = cfg.train.global_batch_size
-    assert rollback == [{"type": "rollback", "at_step": 6, "to_step": 4, "skipped_samples": [4 * g, 6 * g],
+    assert rollback == [{"type": "rollback", "step": 4, "from_step": 6, "skipped_samples": [4 * g, 6 * g],
                          "checkpoint": "step_4"}]
     log = (run / "train.log").read_text()
     assert "rolled back to step_4" in log and "step 3 skipped (nonfinite_loss" in log
