@@ -12,6 +12,7 @@ Parallelism is installed from outside (framework/parallel/expert.py) by replacin
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -25,6 +26,22 @@ from models.moe.router import Router, capacity_mask, expert_capacity
 
 # Layout of the per-step statistics vector (float64): counts per expert, then these five scalars.
 STAT_FIELDS = ("dropped", "assigned", "lb_loss", "z_loss", "groups")
+
+
+class TokenShards(Protocol):
+    """The tp ranks' sequence shards of one token group (framework/parallel/expert.py implements it)."""
+
+    def gather(self, t_BtX: torch.Tensor) -> torch.Tensor:
+        """Every rank's (B, T/tp, X) -> the group's (B, T, X), in sequence order; no gradient."""
+        ...
+
+    def local(self, t_BTX: torch.Tensor) -> torch.Tensor:
+        """This rank's (B, T/tp, X) part of a group tensor."""
+        ...
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the tp ranks; no gradient."""
+        ...
 
 
 def _recording() -> bool:
@@ -47,6 +64,8 @@ class MoE(nn.Module):
         self.shared_experts: FeedForward | None = (
             FeedForward(cfg, hidden_ffn=moe.n_shared_experts * expert_hidden) if moe.n_shared_experts else None)
         self.dispatcher: Dispatcher = LocalDispatcher()
+        self.token_shards: TokenShards | None = None
+        """Set under tensor parallelism: this rank holds a sequence shard of the token group."""
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Sum a tensor over the data ranks (set by the parallel engine); None on one process."""
         self.aux_loss_scale = 1.0
@@ -62,33 +81,58 @@ class MoE(nn.Module):
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d)
         routing = self.router(x_ND)
-        counts_E = torch.bincount(routing.expert_idx_NK.reshape(-1), minlength=self.n_experts)
-        keep_NK = None
-        if self.moe_cfg.capacity_factor > 0:
-            cap = expert_capacity(b * t, self.top_k, self.n_experts, self.moe_cfg.capacity_factor)
-            keep_NK = capacity_mask(routing.expert_idx_NK, routing.weights_NK, self.n_experts, cap)
+        keep_NK, counts_E, dropped, n_group = self._decide(routing.expert_idx_NK, routing.weights_NK, b, t)
         y_ND = self.dispatcher(x_ND, routing.expert_idx_NK, routing.weights_NK, keep_NK, self.experts)
         if self.shared_experts is not None:
-            y_ND = y_ND + self.shared_experts(x_ND)
+            y_ND = y_ND + self.shared_experts(x_BTD).reshape(b * t, d)
         y_BTD = y_ND.view(b, t, d).to(x_BTD.dtype)
 
         scope_counts = counts_E.to(torch.float32)
         if self.moe_cfg.aux_loss_scope == "global_batch" and self.reduce_counts is not None:
             scope_counts = self.reduce_counts(scope_counts)
-        lb = load_balancing_loss(routing.probs_NE, scope_counts)
-        z = router_z_loss(routing.logits_NE)
+        # Means over the whole token group: this rank's tokens contribute their share (all of it on one rank).
+        share = (b * t) / n_group
+        lb = load_balancing_loss(routing.probs_NE, scope_counts) * share
+        z = router_z_loss(routing.logits_NE) * share
         aux = self.moe_cfg.aux_loss_coef * lb + self.moe_cfg.z_loss_coef * z
-        self.last_aux_loss = aux.detach()
+        lb_z = torch.stack([lb.detach(), z.detach()])
+        if self.token_shards is not None:
+            lb_z = self.token_shards.sum(lb_z)
+        self.last_aux_loss = self.moe_cfg.aux_loss_coef * lb_z[0] + self.moe_cfg.z_loss_coef * lb_z[1]
         if _recording():
-            dropped = 0 if keep_NK is None else int((~keep_NK).sum())
-            self._record(counts_E, dropped, lb.detach(), z.detach())
+            self._record(counts_E, dropped, lb_z)
         if aux.requires_grad and (self.moe_cfg.aux_loss_coef > 0 or self.moe_cfg.z_loss_coef > 0):
             y_BTD = AuxLossInjector.apply(y_BTD, aux, self.aux_loss_scale)
         return y_BTD
 
+    def _decide(self, idx_NK: torch.Tensor, weights_NK: torch.Tensor, b: int, t: int
+                ) -> tuple[torch.Tensor | None, torch.Tensor, int, int]:
+        """Capacity drops and expert counts over the whole token group.
+
+        Returns (this rank's kept mask or None when dropless, the group's assignments per expert, the group's
+        dropped assignments, the group's token count). Under tensor parallelism each tp rank holds a sequence
+        shard of the group: the (detached) choices are all-gathered so drops are decided on the whole group,
+        exactly as on one device, and every tp rank reports the same group statistics.
+        """
+        full_idx, full_w = idx_NK, weights_NK.detach()
+        if self.token_shards is not None:
+            full_idx = self.token_shards.gather(idx_NK.view(b, t, -1)).reshape(-1, self.top_k)
+            full_w = self.token_shards.gather(full_w.view(b, t, -1)).reshape(-1, self.top_k)
+        n_group = full_idx.shape[0]
+        counts_E = torch.bincount(full_idx.reshape(-1), minlength=self.n_experts)
+        if self.moe_cfg.capacity_factor <= 0:
+            return None, counts_E, 0, n_group
+        cap = expert_capacity(n_group, self.top_k, self.n_experts, self.moe_cfg.capacity_factor)
+        keep = capacity_mask(full_idx, full_w, self.n_experts, cap)
+        dropped = int((~keep).sum())
+        if self.token_shards is not None:
+            keep = self.token_shards.local(keep.view(b, -1, self.top_k)).reshape(-1, self.top_k)
+        return keep, counts_E, dropped, n_group
+
     @torch.no_grad()
-    def _record(self, counts_E: torch.Tensor, dropped: int, lb: torch.Tensor, z: torch.Tensor) -> None:
-        scalars = torch.tensor([dropped, int(counts_E.sum()), float(lb), float(z), 1.0], dtype=torch.float64)
+    def _record(self, counts_E: torch.Tensor, dropped: int, lb_z: torch.Tensor) -> None:
+        lb, z = lb_z.tolist()
+        scalars = torch.tensor([dropped, int(counts_E.sum()), lb, z, 1.0], dtype=torch.float64)
         vec = torch.cat([counts_E.cpu().to(torch.float64), scalars])
         self.step_stats = vec if self.step_stats is None else self.step_stats + vec
         if self.moe_cfg.bias_update_rate > 0:

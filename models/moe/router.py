@@ -9,6 +9,7 @@ losses, and bf16 rounding there flips choices between otherwise identical runs (
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,8 @@ class Router(nn.Module):
         self.renormalize = moe.renormalize
         self.weight = nn.Parameter(torch.empty(moe.n_experts, hidden))
         self.register_buffer("expert_bias", torch.zeros(moe.n_experts), persistent=True)
+        self.weight_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Applied to the weight before use; tensor parallelism installs a sum-of-gradients over tp here."""
 
     def reset_buffers(self) -> None:
         """Zero the routing bias (called by `Decoder.init_weights`, also after meta-device construction)."""
@@ -56,7 +59,10 @@ class Router(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
         with torch.autocast(x_ND.device.type, enabled=False):
-            logits = F.linear(x_ND.float(), _local(self.weight).float())
+            weight = _local(self.weight)
+            if self.weight_hook is not None:
+                weight = self.weight_hook(weight)
+            logits = F.linear(x_ND.float(), weight.float())
         if self.kind == "softmax":
             scores = logits.softmax(dim=-1)
             probs = scores
