@@ -87,6 +87,12 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         kt, vt = get_args(tp) or (Any, Any)
         return {_convert(k, kt, f"{path}.<key>"): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
     if tp is float:
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads 3e-4 — no dot in the mantissa — as a string; accept what float() reads.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}={value!r}: expected a float; write a number such as 3e-4")
         return float(value)
