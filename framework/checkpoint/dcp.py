@@ -72,7 +72,7 @@ def optimizer_state(parts: Sequence[nn.Module], optimizers: Sequence[torch.optim
 
 def rng_state() -> dict[str, Any]:
     """This rank's RNG states as JSON-safe values."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     py_state = random.getstate()
     state: dict[str, Any] = {
         "python": [py_state[0], list(py_state[1]), py_state[2]],

@@ -33,7 +33,7 @@ def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
     if dataclasses.is_dataclass(tp):
-        return f"a mapping ({tp.__name__})"
+        return f"a mapping ({getattr(tp, '__name__', tp)})"
     if origin is not None:
         return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", str(tp))

@@ -89,7 +89,7 @@ def test_overrides_parse_yaml() -> None:
     assert load_config(REPO / "configs/smoke/tiny.yaml", ["train.lr=3e-4"]).train.lr == 3e-4
     assert parse_override("x={k: 1}") == (["x"], {"k": 1})
     assert apply_overrides({"a": {"b": 1, "c": 2}}, ["a.b=5"]) == {"a": {"b": 5, "c": 2}}
-    with pytest.raises(ConfigError, match="a.b.c=value"):
+    with pytest.raises(ConfigError, match=r"a\.b\.c=value"):
         parse_override("novalue")
 
 
