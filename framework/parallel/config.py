@@ -7,13 +7,19 @@ from typing import Literal
 
 from framework.errors import ConfigError
 
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""The seven schedules of torch.distributed.pipelining, by the names its `get_schedule_class` accepts."""
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""V-shaped schedules: exactly two stages per rank, rank r holding stages r and 2*pp-1-r."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree; must divide model.n_heads and model.n_kv_heads."""
     pp: int = 1
-    """Pipeline-parallel degree (stages)."""
+    """Pipeline-parallel degree (ranks along the pipeline)."""
     dp_shard: int = -1
     """ZeRO/FSDP sharding degree; -1 infers it from the world size."""
     dp_replicate: int = 1
@@ -23,13 +29,65 @@ class ParallelConfig:
     ep: int = 1
     """Expert parallelism, carved out of dp_shard x tp."""
     zero_stage: Literal[0, 1, 2, 3] = 1
-    """0: replicate; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
+    """0: replicate (DDP all-reduce); 1: shard optimizer state, reduce-scatter gradients once per step;
+    2: + reduce-scatter every micro-batch; 3: + parameters resharded after forward."""
+    cpu_offload: bool = False
+    """ZeRO-Offload: FSDP2 `CPUOffloadPolicy` (sharded parameters, gradients and the optimizer step on CPU)."""
+    fsdp_layers_per_unit: int = 1
+    """Transformer blocks per FSDP unit: the all-gather / reduce-scatter bucket is one unit's parameters."""
+    fsdp_prefetch: int = 1
+    """Units all-gathered ahead in forward and backward (FSDP2 explicit prefetching); 0 keeps FSDP2's default."""
+    fsdp_reduce_fp32: bool = True
+    """Reduce gradients in fp32 under bf16/fp16 (MixedPrecisionPolicy.reduce_dtype)."""
+    sequence_parallel: bool = True
+    """With tp > 1, shard norms and residuals over the sequence (Korthikanti et al. 2022)."""
+    loss_parallel: bool = True
+    """With tp > 1, compute cross-entropy on vocab-sharded logits without gathering them."""
+    pp_schedule: str = "1F1B"
+    """One of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
+    pp_virtual_stages: int = 0
+    """Stages per pipeline rank; 0 means 1 for GPipe/1F1B and 2 for the multi-stage schedules."""
+    pp_layer_split: list[int] | None = None
+    """Explicit layers per stage (pp x virtual stages entries summing to model.n_layers); None splits evenly."""
+    recompute: Literal["none", "full", "selective"] = "none"
+    """Activation recomputation: full (keep only block inputs) or selective (keep matmul/attention outputs)."""
+    recompute_every: int = 1
+    """Recompute on every k-th block (layer index % k == 0)."""
+    comm_log: bool = False
+    """Count bytes per collective per mesh axis per step (reported in extra_metrics and by the logger)."""
+
+    @property
+    def virtual_stages(self) -> int:
+        if self.pp_virtual_stages:
+            return self.pp_virtual_stages
+        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "dp_replicate", "cp", "ep"):
+        for name in ("tp", "pp", "dp_replicate", "cp", "ep", "recompute_every", "fsdp_layers_per_unit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to infer from the world size")
         if self.cp != 1:
             raise ConfigError(f"parallel.cp={self.cp}: context parallelism is reserved; set parallel.cp=1")
+        if self.pp_schedule not in SCHEDULES:
+            import difflib
+
+            lower = {s.lower(): s for s in SCHEDULES}
+            close = [lower[c] for c in difflib.get_close_matches(self.pp_schedule.lower(), list(lower), n=2)]
+            raise ConfigError(
+                f"parallel.pp_schedule={self.pp_schedule!r} is not a pipeline schedule; "
+                + (f"did you mean {', '.join(close)}? " if close else "") + f"valid: {', '.join(SCHEDULES)}")
+        v = self.virtual_stages
+        if v < 1:
+            raise ConfigError(f"parallel.pp_virtual_stages={self.pp_virtual_stages} must be >= 0 (0: automatic)")
+        if self.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+            raise ConfigError(
+                f"parallel.pp_virtual_stages={v} needs a multi-stage schedule; {self.pp_schedule} runs one stage "
+                f"per rank: set parallel.pp_virtual_stages=1 or parallel.pp_schedule=Interleaved1F1B")
+        if self.pp_schedule in V_SCHEDULES and v != 2:
+            raise ConfigError(
+                f"parallel.pp_virtual_stages={v}: {self.pp_schedule} places exactly 2 stages per rank (a V); "
+                f"set parallel.pp_virtual_stages=2 or 0")
+        if self.fsdp_prefetch < 0:
+            raise ConfigError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 0 (0: FSDP2 default)")

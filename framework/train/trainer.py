@@ -121,7 +121,10 @@ class Trainer:
         self.loader = BatchLoader(self.data.train, global_batch_size=cfg.train.global_batch_size,
                                   micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.engine.dp_rank,
                                   dp_size=self.engine.dp_size)
-        self.sinks: list[MetricSink] = [JsonlSink(self.run_dir)] if self.rank == 0 else []
+        from framework.observe.observer import Observer
+
+        self.observer = Observer(cfg, self.run_dir.path, self.rank, self.world, self.device)
+        self.sinks: list[MetricSink] = [JsonlSink(self.run_dir), *self.observer.sinks] if self.rank == 0 else []
         self.step = 0
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
 
@@ -176,6 +179,7 @@ class Trainer:
             "optim_time_s": t_end - t_fb, "memory_mb": memory_mb(self.device), "skipped": not applied,
         }
         record.update(self.engine.extra_metrics())
+        record.update(self.observer.on_step(record))
         return record
 
     def evaluate(self) -> dict[str, float]:
@@ -192,6 +196,7 @@ class Trainer:
             out[f"val_loss/{name}"] = float(np.mean(losses))
         if out:
             out["val_loss/mean"] = float(np.mean(list(out.values())))
+        out.update(self.observer.eval_metrics(out))
         return out
 
     def log_record(self, record: dict[str, Any]) -> None:
@@ -204,7 +209,7 @@ class Trainer:
                      record["tokens_per_s"], record["step_time_s"])
         elif record["type"] == "eval":
             log.info("eval step %d: %s", record["step"],
-                     "  ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("val_")))
+                     "  ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("val_loss/")))
 
     def save(self) -> Path:
         meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
@@ -232,7 +237,7 @@ class Trainer:
             self.run_dir.write_config(dump_config(self.cfg))
         self.resume()
         result = TrainResult(self.run_dir.path, self.step, self.step)
-        times = []
+        times, ckpt_time = [], 0.0
         log.info("training %s from step %d to %d on %d rank(s), %s", self.cfg.run.name, self.step,
                  self.cfg.train.steps, self.world, self.device)
         end = min(self.cfg.train.steps, stop_at) if stop_at is not None else self.cfg.train.steps
@@ -245,12 +250,17 @@ class Trainer:
                 result.eval = self.evaluate()
                 self.log_record({"type": "eval", "step": self.step, **result.eval})
             if self._should_save() or self.step == stop_at:
+                t_save = time.perf_counter()
                 self.save()
+                t_save = time.perf_counter() - t_save
+                ckpt_time += t_save
+                self.log_record({"type": "checkpoint", "step": self.step, "checkpoint_time_s": t_save})
         result.final_step = self.step
         if times:
             steady = times[1:] or times  # the first step pays one-off allocation costs
             result.mean_step_time_s = float(np.mean(steady))
             result.tokens_per_s = self.tokens_per_step / result.mean_step_time_s
+        self.log_record(self.observer.summary(self.step, result.eval, ckpt_time))
         for sink in self.sinks:
             sink.close()
         return result

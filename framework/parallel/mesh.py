@@ -1,0 +1,250 @@
+"""The device mesh: `ParallelDims` validates a layout and lays ranks out as a pure function, then builds meshes.
+
+world = pp x dp_replicate x dp_shard x cp x tp, row-major with tp fastest (ranks of one tensor-parallel group are
+neighbours, so on GPUs they share a node's NVLink; pipeline stages are the slowest axis). Expert parallelism is
+carved out of the data ranks: the flattened (dp_shard, cp, tp) ranks of one (pp, dp_replicate) slice are cut
+into contiguous blocks of `ep` ranks; dense gradients reduce over all data ranks, expert gradients over the
+"edp" ranks (same position inside an ep block, any block, any dp_replicate index).
+
+Everything here except `build_mesh` / `build_ep_mesh` is arithmetic: no process group is needed to validate a
+layout or to know which ranks talk to which, so the layout is golden-tested at thousands of ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from framework.errors import ParallelismError, divisors
+from framework.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from models.config import ModelConfig
+
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh axes, slowest first."""
+EP_AXES: tuple[str, ...] = ("pp", "dp_replicate", "edp", "ep")
+"""Axes of the expert mesh: edp = (dp_shard x cp x tp) / ep blocks."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """A validated layout. Sizes are all resolved (no -1)."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int = 1
+
+    # --- construction and validation ------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int, model: ModelConfig | None = None) -> ParallelDims:
+        """Resolve `dp_shard=-1` from `world_size` and validate against the world and (optionally) the model.
+
+        Raises:
+            ParallelismError: the layout does not fit the world size or the model; the message names the fix.
+        """
+        fixed = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
+        dp_shard = cfg.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ParallelismError(
+                    f"world size {world_size} is not divisible by pp x dp_replicate x cp x tp = {cfg.pp} x "
+                    f"{cfg.dp_replicate} x {cfg.cp} x {cfg.tp} = {fixed}, so parallel.dp_shard=-1 cannot be "
+                    f"inferred; launch a multiple of {fixed} ranks or change the degrees")
+            dp_shard = world_size // fixed
+        dims = cls(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
+        if dims.world_size != world_size:
+            raise ParallelismError(
+                f"layout pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x cp={dims.cp} "
+                f"x tp={dims.tp} = {dims.world_size} ranks, but the world size is {world_size}; launch "
+                f"{dims.world_size} ranks or set parallel.dp_shard=-1 to infer it")
+        dims.validate(cfg, model)
+        return dims
+
+    def validate(self, cfg: ParallelConfig, model: ModelConfig | None = None) -> None:
+        """Check the layout against the ZeRO stage, the experts and the model shape."""
+        data_tp = self.dp_shard * self.cp * self.tp
+        if data_tp % self.ep:
+            raise ParallelismError(
+                f"parallel.ep={self.ep} must divide dp_shard x cp x tp = {data_tp} (experts are carved out of the "
+                f"data and tensor ranks); valid ep: {divisors(data_tp)}")
+        if cfg.zero_stage == 0 and self.dp_shard > 1:
+            raise ParallelismError(
+                f"parallel.zero_stage=0 (replicate only) cannot shard over parallel.dp_shard={self.dp_shard}; set "
+                f"parallel.zero_stage to 1, 2 or 3, or move the data ranks to parallel.dp_replicate")
+        if cfg.cpu_offload and self.dp_shard == 1:
+            raise ParallelismError(
+                "parallel.cpu_offload=true needs FSDP sharding (parallel.dp_shard > 1); raise dp_shard or disable it")
+        if model is not None:
+            self._validate_model(cfg, model)
+
+    def _validate_model(self, cfg: ParallelConfig, model: ModelConfig) -> None:
+        for field, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads),
+                             ("vocab_size", model.vocab_size), ("ffn_hidden", model.ffn)):
+            if value % self.tp:
+                valid = divisors(math.gcd(model.n_heads, model.kv_heads, model.vocab_size, model.ffn))
+                raise ParallelismError(
+                    f"parallel.tp={self.tp} must divide model.{field}={value} (tensor parallelism shards it); "
+                    f"valid tp for this model: {valid}")
+        stages = self.pp * cfg.virtual_stages
+        if cfg.pp_layer_split is not None:
+            split = list(cfg.pp_layer_split)
+            if len(split) != stages or sum(split) != model.n_layers or min(split) < 1:
+                raise ParallelismError(
+                    f"parallel.pp_layer_split={split} must have pp x virtual stages = {stages} entries, each >= 1, "
+                    f"summing to model.n_layers={model.n_layers}; e.g. {even_split(model.n_layers, stages)}")
+        else:
+            if self.pp > model.n_layers:
+                raise ParallelismError(
+                    f"parallel.pp={self.pp} is larger than model.n_layers={model.n_layers}: every stage needs a "
+                    f"layer; set parallel.pp <= {model.n_layers}")
+            if model.n_layers % stages:
+                raise ParallelismError(
+                    f"pp x virtual stages = {self.pp} x {cfg.virtual_stages} = {stages} stages do not divide "
+                    f"model.n_layers={model.n_layers}; choose virtual stages so that pp x v divides "
+                    f"{model.n_layers}, or give parallel.pp_layer_split explicitly")
+        if self.ep > 1:
+            if not model.moe.enabled:
+                raise ParallelismError(f"parallel.ep={self.ep} needs a mixture-of-experts model (model.moe.n_experts"
+                                       f" > 0); set parallel.ep=1 for a dense model")
+            if model.moe.n_experts % self.ep:
+                raise ParallelismError(
+                    f"parallel.ep={self.ep} must divide model.moe.n_experts={model.moe.n_experts}; valid ep: "
+                    f"{[d for d in divisors(model.moe.n_experts) if (self.dp_shard * self.cp * self.tp) % d == 0]}")
+
+    # --- sizes -----------------------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks that read different data (the loader's dp_size)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp_size(self) -> int:
+        """Ranks over which expert gradients are reduced."""
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp // self.ep
+
+    def size(self, axis: str) -> int:
+        return self.shape[AXES.index(axis)]
+
+    # --- the rank layout (pure) -------------------------------------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of `rank` by axis name."""
+        if not 0 <= rank < self.world_size:
+            raise ParallelismError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        out: dict[str, int] = {}
+        for axis, n in zip(reversed(AXES), reversed(self.shape)):
+            out[axis] = rank % n
+            rank //= n
+        return {a: out[a] for a in AXES}
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank at the given coordinates (missing axes are 0)."""
+        rank = 0
+        for axis, n in zip(AXES, self.shape):
+            rank = rank * n + coords.get(axis, 0)
+        return rank
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def groups(self, axes: str | Sequence[str]) -> list[list[int]]:
+        """Every group of ranks that differ only along `axes` (one group per fixed value of the other axes)."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in axes if a not in AXES]
+        if unknown:
+            raise ParallelismError(f"unknown mesh axes {unknown}; axes are {AXES}")
+        others = [a for a in AXES if a not in axes]
+        out = []
+        for fixed in itertools.product(*(range(self.size(a)) for a in others)):
+            base = dict(zip(others, fixed))
+            members = []
+            for var in itertools.product(*(range(self.size(a)) for a in AXES if a in axes)):
+                members.append(self.rank_of(**base, **dict(zip([a for a in AXES if a in axes], var))))
+            out.append(sorted(members))
+        return sorted(out)
+
+    def group_of(self, rank: int, axes: str | Sequence[str]) -> list[int]:
+        """The ranks that share every coordinate with `rank` except along `axes`."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        c = self.coords(rank)
+        ranges = [range(self.size(a)) if a in axes else [c[a]] for a in AXES]
+        return sorted(self.rank_of(**dict(zip(AXES, combo))) for combo in itertools.product(*ranges))
+
+    def ep_layout(self) -> list[list[list[list[int]]]]:
+        """Ranks as a nested list [pp][dp_replicate][edp][ep] (contiguous blocks of the flattened data x tp)."""
+        block = self.dp_shard * self.cp * self.tp
+        out = []
+        for p in range(self.pp):
+            per_rep = []
+            for r in range(self.dp_replicate):
+                start = self.rank_of(pp=p, dp_replicate=r)
+                flat = list(range(start, start + block))
+                per_rep.append([flat[i:i + self.ep] for i in range(0, block, self.ep)])
+            out.append(per_rep)
+        return out
+
+    def ep_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: each holds all experts between its ranks."""
+        return sorted(g for p in self.ep_layout() for r in p for g in r)
+
+    def edp_groups(self) -> list[list[int]]:
+        """Expert-data-parallel groups: the ranks holding the same experts (reduce expert gradients over them)."""
+        out = []
+        for per_rep in self.ep_layout():
+            for pos in range(self.ep):
+                out.append(sorted(g[pos] for rep in per_rep for g in rep))
+        return sorted(out)
+
+    # --- process groups ---------------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The 5-axis `DeviceMesh` (every rank must call this; size-1 axes create no communication)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+
+    def build_ep_mesh(self, device_type: str) -> DeviceMesh:
+        """The expert mesh (pp, dp_replicate, edp, ep) over the same ranks; sub-meshes `["ep"]`, `["edp"]`."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.tensor(self.ep_layout(), dtype=torch.int)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=EP_AXES)
+
+
+def even_split(n_layers: int, stages: int) -> list[int]:
+    """Layers per stage, as even as possible (earlier stages take the remainder)."""
+    base, extra = divmod(n_layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def stage_layers(n_layers: int, stages: int, split: Sequence[int] | None = None) -> list[list[int]]:
+    """Layer indices of every pipeline stage, in stage order."""
+    counts = list(split) if split is not None else even_split(n_layers, stages)
+    bounds = list(itertools.accumulate(counts, initial=0))
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """Stage indices held by pipeline rank `pp_rank`: looped (r, r+pp, ...) or V-shaped (r, 2pp-1-r)."""
+    from framework.parallel.config import V_SCHEDULES
+
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(virtual)]

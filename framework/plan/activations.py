@@ -1,0 +1,204 @@
+"""Activation bytes saved for backward, per transformer layer and per pipeline stage.
+
+Two formulas, both plain functions of the shape:
+
+* `tessera_layer_bytes` — Tessera's own block (`models.layers`: RMSNorm or LayerNorm, grouped-query attention
+  with RoPE and the key/value heads repeated to the query heads, SDPA, SwiGLU or GELU MLP), derived tensor by
+  tensor from what autograd actually keeps (`tessera_layer_terms` lists them by name) and checked byte for byte
+  against saved-tensor measurements on CPU (`framework.plan.measure`, tests/plan).
+* `korthikanti_layer_bytes` — Korthikanti et al. 2022 (Reducing activation recomputation in large transformer
+  models), sbh(34 + 5as/h) for a GPT block with 16-bit activations and dropout, the published reference.
+
+Symbols: s sequence, b micro-batch, h hidden, a query heads, f MLP hidden, t tensor-parallel degree, p bytes of
+one activation element (2 for bf16, 4 for fp32). Every count is for one rank and one micro-batch.
+
+Recompute modes (they must match the engine's activation checkpointing):
+  none       everything autograd saves;
+  selective  the selective-checkpoint policy "save the outputs of aten.mm/addmm and of the fused SDPA kernels,
+             recompute the rest" (norms, RoPE, the key/value repeat, activations, and the math-SDPA core);
+  full       only the block input is kept; the whole block is recomputed in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from models.config import ModelConfig
+
+Recompute = Literal["none", "selective", "full"]
+AttnKernel = Literal["flash", "math"]
+RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class SavedTerm:
+    """One tensor autograd keeps for backward: its name, bytes on one rank, and whether selective keeps it."""
+
+    name: str
+    nbytes: int
+    selective: bool = False
+    """Saved under the selective policy (an mm/addmm or fused-SDPA output, or the block input)."""
+
+
+def _norm_terms(prefix: str, cfg: ModelConfig, rows: int, width: int, p: int) -> list[SavedTerm]:
+    """What one pre-norm keeps, on `rows` tokens of `width` channels.
+
+    RMSNorm (models.layers.RMSNorm) computes in fp32: it saves its fp32 input (the input itself in fp32 runs,
+    an upcast copy otherwise), the fp32 reciprocal RMS per token, and the normalized tensor cast back to the
+    activation dtype (kept by the multiply with the weight). nn.LayerNorm keeps its input, mean and rstd.
+    """
+    if cfg.norm == "rmsnorm":
+        return [SavedTerm(f"{prefix}.input_fp32", FP32 * rows * width), SavedTerm(f"{prefix}.rstd", FP32 * rows),
+                SavedTerm(f"{prefix}.normalized", p * rows * width)]
+    return [SavedTerm(f"{prefix}.input", p * rows * width), SavedTerm(f"{prefix}.mean_rstd", 2 * FP32 * rows)]
+
+
+def tessera_layer_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+                        act_bytes: int = 2, kernel: AttnKernel = "flash") -> list[SavedTerm]:
+    """Every tensor one dense Tessera block saves for backward (no recompute), on one rank.
+
+    Args:
+        cfg: model shape (dense layers; MoE layers are approximated by `moe_mlp_terms`).
+        seq: sequence length s.
+        micro_batch: micro-batch size b.
+        tp: tensor-parallel degree; attention heads, kv heads and the MLP hidden are split t ways.
+        sp: sequence parallel: the norm region is split t ways along the sequence. The input of the column-
+            parallel projections is the all-gathered (full) tensor, which DTensor's matmul saves in full.
+        act_bytes: bytes of one activation element (2 bf16/fp16, 4 fp32).
+        kernel: "flash" (the flash/efficient SDPA kernels on CUDA, and the flash kernel PyTorch uses on CPU)
+            saves q, k, v, out and the fp32 logsumexp — no s x s matrix; "math" (the composite SDPA) saves
+            the scaled q and k, v, the s x s attention probabilities and writes a new output for `wo`.
+
+    Returns:
+        The saved tensors in forward order; their `nbytes` sum to the layer's activation bytes.
+    """
+    p, s, b, h, t = act_bytes, seq, micro_batch, cfg.hidden, tp
+    rows = s * b
+    norm_rows = rows // t if sp else rows
+    a_t = cfg.n_heads // t
+    # The block repeats key/value heads up to the query heads before SDPA, so k and v reach SDPA h/t wide.
+    h_t = a_t * cfg.head_dim
+    terms = _norm_terms("attention_norm", cfg, norm_rows, h, p)
+    terms.append(SavedTerm("attention.input", p * rows * h))  # shared by wq, wk, wv
+    if kernel == "flash":
+        terms += [SavedTerm("attention.q", p * rows * h_t), SavedTerm("attention.k", p * rows * h_t),
+                  SavedTerm("attention.v", p * rows * h_t),
+                  SavedTerm("attention.out", p * rows * h_t, selective=True),  # also wo's input (same storage)
+                  SavedTerm("attention.logsumexp", FP32 * a_t * s * b, selective=True)]
+    else:
+        terms += [SavedTerm("attention.q_scaled", p * rows * h_t), SavedTerm("attention.k_scaled", p * rows * h_t),
+                  SavedTerm("attention.v", p * rows * h_t),
+                  SavedTerm("attention.probs", p * a_t * s * s * b),
+                  SavedTerm("attention.wo_input", p * rows * h_t)]
+    terms += _norm_terms("ffn_norm", cfg, norm_rows, h, p)
+    terms.append(SavedTerm("feed_forward.input", p * rows * h))  # shared by w1 (and w3)
+    terms += mlp_terms(cfg, rows, cfg.ffn // t, p)
+    return terms
+
+
+def mlp_terms(cfg: ModelConfig, rows: int, ffn_t: int, p: int) -> list[SavedTerm]:
+    """The MLP's saved tensors: SwiGLU keeps w1x, w3x, silu(w1x) and the product; GELU keeps w1x and gelu(w1x)."""
+    n = p * rows * ffn_t
+    if cfg.mlp == "swiglu":
+        return [SavedTerm("feed_forward.w1_out", n, selective=True), SavedTerm("feed_forward.w3_out", n, True),
+                SavedTerm("feed_forward.silu", n), SavedTerm("feed_forward.product", n)]
+    return [SavedTerm("feed_forward.w1_out", n, selective=True), SavedTerm("feed_forward.gelu", n)]
+
+
+def selective_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+                    act_bytes: int = 2, kernel: AttnKernel = "flash") -> list[SavedTerm]:
+    """What the selective policy keeps: block input + every mm/addmm output + the fused SDPA outputs.
+
+    Row-parallel projections (wo, w2) output a full-width partial sum before the all-reduce/reduce-scatter,
+    and the policy keeps it too (it cannot tell which matmul outputs backward needs).
+    """
+    p, rows, h, t = act_bytes, seq * micro_batch, cfg.hidden, tp
+    kv_t = cfg.kv_heads // t * cfg.head_dim
+    q_t = cfg.n_heads // t * cfg.head_dim
+    terms = [SavedTerm("block.input", p * (rows // t if sp else rows) * h, True),
+             SavedTerm("attention.wq_out", p * rows * q_t, True),
+             SavedTerm("attention.wk_out", p * rows * kv_t, True),
+             SavedTerm("attention.wv_out", p * rows * kv_t, True)]
+    full = tessera_layer_terms(cfg, seq, micro_batch, tp=tp, sp=sp, act_bytes=act_bytes, kernel=kernel)
+    terms += [term for term in full if term.selective and term.name.startswith("attention.")]
+    terms.append(SavedTerm("attention.wo_out", p * rows * h, True))
+    terms += [term for term in full if term.selective and term.name.startswith("feed_forward.")]
+    terms.append(SavedTerm("feed_forward.w2_out", p * rows * h, True))
+    return terms
+
+
+def tessera_layer_bytes(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+                        recompute: Recompute = "none", act_bytes: int = 2, kernel: AttnKernel = "flash") -> int:
+    """Activation bytes one Tessera block keeps for backward on one rank, per micro-batch.
+
+    Args:
+        cfg, seq, micro_batch, tp, sp, act_bytes, kernel: as in `tessera_layer_terms`.
+        recompute: "none" (every saved tensor), "selective" (`selective_terms`), "full" (the block input only,
+            sequence-sharded under sp).
+
+    Returns:
+        Bytes, exact for the CPU fp32 path (tested against saved-tensor measurements).
+    """
+    if recompute == "full":
+        rows = seq * micro_batch // (tp if sp else 1)
+        return act_bytes * rows * cfg.hidden
+    if recompute == "selective":
+        terms = selective_terms(cfg, seq, micro_batch, tp=tp, sp=sp, act_bytes=act_bytes, kernel=kernel)
+    else:
+        terms = tessera_layer_terms(cfg, seq, micro_batch, tp=tp, sp=sp, act_bytes=act_bytes, kernel=kernel)
+    return sum(term.nbytes for term in terms)
+
+
+def head_bytes(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+               act_bytes: int = 2) -> int:
+    """Bytes the final norm, the output projection and the cross-entropy keep (last pipeline stage).
+
+    The final norm saves like a block norm, the (gathered) head input is kept by the projection, and the loss
+    keeps the fp32 log-probabilities over this rank's vocabulary shard (vocab-parallel cross-entropy).
+    """
+    rows = seq * micro_batch
+    terms = _norm_terms("norm", cfg, rows // tp if sp else rows, cfg.hidden, act_bytes)
+    return sum(x.nbytes for x in terms) + act_bytes * rows * cfg.hidden + FP32 * rows * (cfg.vocab_size // tp)
+
+
+def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
+                            sp: bool = False, recompute: Recompute = "none") -> float:
+    """Korthikanti et al. 2022, activation bytes per GPT layer (16-bit activations, 1-byte dropout masks).
+
+    none: sbh(34 + 5as/h) at t=1; sbh(10 + 24/t + 5as/(ht)) with tensor parallelism; sbh(34/t + 5as/(ht)) with
+    sequence parallelism. selective (recompute the attention core): sbh(10 + 24/t), or 34 sbh/t with SP.
+    full: the layer input, 2sbh (2sbh/t with SP).
+    """
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    attn_core = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    if sp:
+        return sbh * (34 / t + attn_core)
+    return sbh * (10 + 24 / t + attn_core)
+
+
+def in_flight_factor(schedule: str, pp: int, n_micro: int, virtual: int = 1) -> float:
+    """Layers' worth of one micro-batch's activations that the first pipeline stage holds, over n_layers.
+
+    1F1B-like schedules keep min(p, m) micro-batches of L/p layers on stage 0, i.e. L layers when m >= p;
+    the interleaved schedule multiplies that by 1 + (p-1)/(p·v) (Korthikanti et al. 2022 §4.2.3); GPipe and
+    the breadth-first LoopedBFS keep all m micro-batches (m/p of L); DualPipeV keeps p+1 micro-batches
+    (DeepSeek-V3 report) of the L/p layers, counted here as (p+1)/p.
+    """
+    if pp == 1:
+        return 1.0
+    if schedule in ("GPipe", "LoopedBFS"):
+        return n_micro / pp
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return min(pp, n_micro) / pp * (1 + (pp - 1) / (pp * virtual))
+    if schedule == "DualPipeV":
+        return min(pp + 1, n_micro) / pp
+    return min(pp, n_micro) / pp  # 1F1B, ZBVZeroBubble
+
+
+__all__ = ["RECOMPUTE_MODES", "AttnKernel", "Recompute", "SavedTerm", "head_bytes", "in_flight_factor",
+           "korthikanti_layer_bytes", "mlp_terms", "selective_terms", "tessera_layer_bytes", "tessera_layer_terms"]

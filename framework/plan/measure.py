@@ -1,0 +1,158 @@
+"""Measure, on CPU, what the planner predicts: bytes saved for backward and model-state bytes.
+
+Activations are measured by storage liveness, not by assumption: a dispatch mode records every storage the
+forward creates (with a weak reference), the caller drops its own references to intermediate tensors, and
+whatever is still alive is held by autograd — saved tensors, the selective-checkpoint cache, or the input a
+full checkpoint keeps. This works the same for no recompute, selective and full activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from framework.plan.activations import AttnKernel, Recompute
+
+# The selective-recompute policy the planner's formula assumes: keep matmul outputs and fused attention
+# outputs, recompute everything else (norms, RoPE, the kv-head repeat, activations, the math-SDPA core).
+SELECTIVE_SAVE_OPS: tuple[str, ...] = (
+    "aten.mm.default", "aten.addmm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+)
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """`create_selective_checkpoint_contexts` policy: save `SELECTIVE_SAVE_OPS` outputs, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if str(op) in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@dataclass
+class _Record:
+    ref: StorageWeakRef
+    nbytes: int
+    op: str
+
+
+@dataclass
+class StorageTracker(TorchDispatchMode):
+    """Records every storage created by ops inside it (except `static` data pointers: parameters, buffers)."""
+
+    static: set[int] = field(default_factory=set)
+    records: dict[int, _Record] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
+                continue
+            storage = leaf.untyped_storage()
+            ptr = storage.data_ptr()
+            old = self.records.get(ptr)
+            # A freed storage's address is reused by later allocations: the newest live storage wins.
+            if ptr and ptr not in self.static and (old is None or old.ref.expired()):
+                self.records[ptr] = _Record(StorageWeakRef(storage), storage.nbytes(), str(func))
+        return out
+
+    def live(self, exclude: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+        """Bytes of recorded storages still alive, by the op that created them (`exclude`: e.g. the output)."""
+        skip = {t.untyped_storage().data_ptr() for t in exclude}
+        by_op: dict[str, int] = {}
+        for ptr, rec in self.records.items():
+            if ptr not in skip and not rec.ref.expired():
+                by_op[rec.op] = by_op.get(rec.op, 0) + rec.nbytes
+        return by_op
+
+
+def _static_ptrs(module: torch.nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+
+def saved_bytes(module: torch.nn.Module, make_input: Callable[[], torch.Tensor],
+                forward: Callable[[torch.Tensor], torch.Tensor], static: Iterable[torch.Tensor] = ()
+                ) -> tuple[int, dict[str, int]]:
+    """Bytes autograd keeps after `forward(make_input())`, excluding parameters, buffers and the output.
+
+    The input is created inside the tracked region (from a leaf that requires grad) and released before the
+    count, so it counts only when something keeps it for backward. `static`: other constant tensors (the
+    RoPE table, the leaf) whose views must not count.
+    """
+    ptrs = _static_ptrs(module) | {t.untyped_storage().data_ptr() for t in static}
+    tracker = StorageTracker(static=ptrs)
+    with tracker:
+        x = make_input()
+        out = forward(x)
+        del x
+    by_op = tracker.live(exclude=[out])
+    assert out.grad_fn is not None  # keeps the graph (and its saved tensors) alive until here
+    return sum(by_op.values()), by_op
+
+
+def layer_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x_leaf: torch.Tensor, *,
+                      recompute: Recompute = "none", kernel: AttnKernel = "flash") -> tuple[int, dict[str, int]]:
+    """Measured activation bytes of one decoder block's forward on `x_leaf` (B, T, D) under a recompute mode."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if recompute == "none":
+            return block(x, rope)  # type: ignore[no-any-return]
+        context_fn: Callable[[], Any] = contextlib.nullcontext
+        if recompute == "selective":
+            context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+            return checkpoint(block, x, rope, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
+        return checkpoint(block, x, rope, use_reentrant=False)  # type: ignore[no-any-return]
+
+    backend = SDPBackend.MATH if kernel == "math" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel(backend):
+        return saved_bytes(block, lambda: x_leaf * 1.0, run, static=(rope, x_leaf))
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer states on this rank (local shards of DTensors), by kind.
+
+    Storages are counted once (tied weights); the per-parameter `step` counters of AdamW are reported apart.
+    """
+    def local(t: torch.Tensor) -> torch.Tensor:
+        to_local = getattr(t, "to_local", None)
+        return to_local() if to_local is not None else t
+
+    seen: set[int] = set()
+    out = {"params": 0, "grads": 0, "optimizer": 0, "optimizer_step": 0}
+
+    def add(kind: str, t: torch.Tensor) -> None:
+        t = local(t)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            out[kind] += t.numel() * t.element_size()
+
+    for p in model.parameters():
+        add("params", p)
+        if p.grad is not None:
+            add("grads", p.grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    add("optimizer_step" if key == "step" else "optimizer", value)
+    return out
+
+
+__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_state_bytes", "saved_bytes",
+           "selective_policy"]
