@@ -29,7 +29,7 @@ SUBCOMMAND_MODULES = [
 SMOKE_CONFIG = "configs/smoke/smoke.yaml"
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: float | None = None) -> None:
     """Initialize the default process group when launched with several ranks (torchrun or srun)."""
     import torch
     import torch.distributed as dist
@@ -52,7 +52,7 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    timeout = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", "600"))
+    timeout = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", timeout_s or 600))  # env overrides config
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
 
 
@@ -61,7 +61,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from framework.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    init_distributed()
+    init_distributed(cfg.checkpoint.collective_timeout_s)
     torch_threads = os.environ.get("TESSERA_NUM_THREADS")
     if torch_threads:
         import torch
@@ -70,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = Trainer(cfg).train()
     print(f"run {result.run_dir}: steps {result.start_step}->{result.final_step}, "
           f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, {result.tokens_per_s:.0f} tokens/s")
-    return 0
+    return result.exit_code
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
