@@ -14,6 +14,7 @@ from framework.plan.activations import (
     tessera_layer_terms,
 )
 from framework.plan.measure import layer_saved_bytes, model_saved_bytes
+from framework.plan.memory import moe_layer_extra_bytes
 from models.config import model_config
 from models.decoder import build_model
 
@@ -118,3 +119,14 @@ def test_bf16_block_matches_saved_tensors() -> None:
             measured, by_op = layer_saved_bytes(model.layers["0"], model.rope, x, recompute=recompute,
                                                 kernel=kernel)
             assert measured == tessera_layer_bytes(cfg, 32, 2, recompute=recompute, act_bytes=2, kernel=kernel), by_op
+
+
+@pytest.mark.parametrize("moe", [{}, {"n_experts": 8, "top_k": 2, "expert_hidden": 64, "n_shared_experts": 1}])
+def test_moe_layer_within_one_percent(moe: dict[str, object]) -> None:
+    torch.set_num_threads(1)
+    cfg = model_config("test-moe", **({"moe": moe} if moe else {}))
+    model = build_model(cfg)
+    x = torch.randn(2, 64, cfg.hidden, requires_grad=True)
+    measured, by_op = layer_saved_bytes(model.layers["0"], model.rope, x)
+    predicted = tessera_layer_bytes(cfg, 64, 2, act_bytes=4) + moe_layer_extra_bytes(cfg, 64, 2, 1, 4)
+    assert measured == pytest.approx(predicted, rel=0.01), by_op
