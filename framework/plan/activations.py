@@ -164,18 +164,19 @@ def head_bytes(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp:
 
 
 def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
-                            sp: bool = False, recompute: Recompute = "none") -> float:
+                            sp: bool = False, recompute: Recompute = "none", flash: bool = False) -> float:
     """Korthikanti et al. 2022, activation bytes per GPT layer (16-bit activations, 1-byte dropout masks).
 
     none: sbh(34 + 5as/h) at t=1; sbh(10 + 24/t + 5as/(ht)) with tensor parallelism; sbh(34/t + 5as/(ht)) with
     sequence parallelism. selective (recompute the attention core): sbh(10 + 24/t), or 34 sbh/t with SP.
-    full: the layer input, 2sbh (2sbh/t with SP).
+    full: the layer input, 2sbh (2sbh/t with SP). `flash=True` models Megatron with a fused attention kernel:
+    the 5as/h term (softmax output, dropout mask and output) is gone, as under selective recompute.
     """
     s, b, h, a, t = seq, micro_batch, hidden, heads, tp
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
-    attn_core = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    attn_core = 0.0 if recompute == "selective" or flash else 5 * a * s / (h * t)
     if sp:
         return sbh * (34 / t + attn_core)
     return sbh * (10 + 24 / t + attn_core)
