@@ -8,7 +8,8 @@ Step time on the slowest pipeline rank:
 Data-parallel traffic overlaps with compute: the once-per-step gradient reduction with the last micro-batch's
 backward and the drain half of the bubble, the parameter gather with the first forward and the fill half;
 per-micro-batch ZeRO-2/3 traffic with that micro-batch's backward/forward. Only the excess is exposed.
-FLOPs come from `models.flops.flops_per_token` (model FLOPs, non-causal as Megatron and PaLM count them;
+Selective recompute adds the memory traffic of rewriting what it recomputes (norms, RoPE, activations are
+memory-bound). FLOPs come from `models.flops.flops_per_token` (model FLOPs, non-causal as Megatron and PaLM count them;
 hardware FLOPs add the recomputed forward under full recompute).
 """
 
@@ -22,7 +23,7 @@ from framework.plan.bubble import bubble_fraction
 from framework.plan.comm import AxisComm, dp_comm_per_step, ep_comm_per_micro, pp_comm_per_step, tp_comm_per_micro
 from framework.plan.hardware import Hardware
 from framework.plan.layout import Layout, Workload
-from framework.plan.memory import RankParams, peak_memory, rank_chunks, rank_params
+from framework.plan.memory import RankParams, layer_bytes, peak_memory, rank_chunks, rank_params
 from models.config import ModelConfig
 from models.flops import flops_per_token
 
@@ -81,6 +82,10 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
         n_layers = len(params.layers)
         is_last = lay.pp * lay.virtual - 1 in rank_chunks(lay, rank)
         compute = (n_layers * layer_f + (head_f if is_last else 0.0)) * tokens_micro / lay.tp / rate
+        if lay.recompute == "selective":
+            # The recomputed norms, RoPE and activations are memory-bound: rewrite what they produce.
+            redo = layer_bytes(work, lay, "none") - layer_bytes(work, lay, "selective")
+            compute += n_layers * 2 * max(0.0, redo) / (hw.hbm_gbps * 1e9)
         tp = tp_comm_per_micro(work, lay, hw, n_layers)
         ep = ep_comm_per_micro(work, lay, hw, params.n_moe)
         t = compute + tp.seconds + ep.seconds

@@ -123,6 +123,17 @@ def layer_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x_leaf: torch.
         return saved_bytes(block, lambda: x_leaf * 1.0, run, static=(rope, x_leaf))
 
 
+def model_saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[int, dict[str, int]]:
+    """Measured activation bytes of a whole decoder forward plus cross-entropy on `tokens` (B, T+1)."""
+    vocab = model.cfg.vocab_size  # type: ignore[union-attr]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        logits = model(x[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1))
+
+    return saved_bytes(model, tokens.clone, forward, static=(tokens,))
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states on this rank (local shards of DTensors), by kind.
 
@@ -182,5 +193,5 @@ def trained_state_bytes(preset: str, *, shard: bool = False, seq: int = 16, batc
     return model_state_bytes(model, opt)
 
 
-__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_state_bytes", "saved_bytes",
-           "selective_policy", "trained_state_bytes"]
+__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_saved_bytes", "model_state_bytes",
+           "saved_bytes", "selective_policy", "trained_state_bytes"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from framework.plan.activations import (
     FP32,
     Recompute,
+    embedding_bytes,
     head_bytes,
     in_flight_factor,
     korthikanti_layer_bytes,
@@ -166,7 +167,7 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
         in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual) * lay.pp
     else:
         in_flight = max(1.0, float(lay.pp - rank)) if m >= lay.pp else 1.0
-    out["activations"] = stage_layers * in_flight
+    out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
     if last:
         out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act)
         out["logits"] = s * b * (cfg.vocab_size // lay.tp) * (act + FP32)
