@@ -33,6 +33,9 @@ def test_tessera_block_hand_computed() -> None:
     # selective: block input, wq, wk (kv 32 wide), wv, sdpa out + lse, wo out, w1 out, w3 out, w2 out.
     assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4, recompute="selective") == 4 * (
         sbh + sbh + 2 * 32 * 2 * 32 + sbh + 4 * sb + sbh + 2 * sbf + sbh)
+    # selective with the math kernel: the two bmm outputs (fp32 scores a·s·s·b and probs·v) replace sdpa out + lse.
+    assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4, recompute="selective", kernel="math") == 4 * (
+        sbh + sbh + 2 * 32 * 2 * 32 + 4 * 32 * 32 * 2 + sbh + sbh + 2 * sbf + sbh)
     assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4, recompute="full") == 4 * sbh
     # bf16: the norm keeps an fp32 upcast of its input, the rest is 2 bytes.
     assert tessera_layer_bytes(cfg, 32, 2, act_bytes=2) == 2 * 4 * sbh + 2 * (8 * sbh + 4 * sbf) + 4 * (
@@ -51,6 +54,10 @@ def test_tessera_block_tp_sp() -> None:
     # sequence parallel shards only the norm region.
     assert tessera_layer_bytes(cfg, s, b, tp=t, sp=True) == 2 * (4 * sbh_t + 4 * sb // t + 2 * sbh_t) + tail
     assert tessera_layer_bytes(cfg, s, b, tp=t, sp=True, recompute="full") == 2 * sbh // t
+    # selective under TP + SP: input/t, wq/t, wk+wv (kv 1024 wide)/t, out/t, lse, wo full, w1+w3/t, w2 full, 2 RS/t.
+    kv = s * b * 1024 // t
+    assert tessera_layer_bytes(cfg, s, b, tp=t, sp=True, recompute="selective") == 2 * (
+        sbh_t + sbh_t + 2 * kv + sbh_t + sbh + 2 * sbf_t + sbh + 2 * sbh_t) + 4 * (32 // t) * sb
     names = [term.name for term in tessera_layer_terms(cfg, s, b)]
     assert "attention.logsumexp" in names and "attention.probs" not in names
 
