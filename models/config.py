@@ -30,19 +30,37 @@ class MoEConfig:
     first_dense_layers: int = 0
     """The first N layers keep a dense MLP."""
     router: Literal["softmax", "sigmoid"] = "softmax"
+    """softmax: top-k of softmax probabilities (Switch/GShard/Mixtral); sigmoid: top-k of per-expert sigmoid
+    affinities (DeepSeek-V3)."""
+    topk_renormalize: bool | None = None
+    """Rescale the k routing weights of a token to sum to 1; None: sigmoid yes (DeepSeek-V3), softmax no
+    (Switch/GShard). Mixtral's softmax over the top-k logits is softmax with True."""
     aux_loss_coef: float = 0.01
+    """Load-balancing loss coefficient (Switch/GShard form, Fedus et al. 2021); 0 disables it."""
     aux_loss_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    """micro_batch: expert fractions of this token group; global_batch: fractions all-reduced over the data
+    ranks (same micro-batch index), probabilities local (Qiu et al. 2025)."""
     z_loss_coef: float = 0.0
+    """Router z-loss coefficient (ST-MoE, Zoph et al. 2022): mean logsumexp(logits)^2; 0 disables it."""
     bias_update_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): per-step update of the routing bias; 0 disables."""
     capacity_factor: float = 0.0
-    """Tokens per expert = capacity_factor * tokens * top_k / n_experts per token group; 0 means dropless."""
+    """Tokens per expert = ceil(capacity_factor * tokens * top_k / n_experts) per token group (data rank,
+    micro-batch); the lowest-weight assignments above it are dropped. 0 means dropless."""
+    experts_impl: Literal["auto", "loop", "grouped_mm"] = "auto"
+    """Expert matmuls: a loop over local experts, or one `torch._grouped_mm` (auto: where it runs)."""
 
     @property
     def enabled(self) -> bool:
         return self.n_experts > 0
 
+    @property
+    def renormalize(self) -> bool:
+        return self.router == "sigmoid" if self.topk_renormalize is None else self.topk_renormalize
+
     def validate(self) -> None:
+        if self.n_experts < 0:
+            raise ConfigError(f"model.moe.n_experts={self.n_experts} must be >= 0; 0 means a dense model")
         if not self.enabled:
             return
         if self.top_k < 1 or self.top_k > self.n_experts:
@@ -55,6 +73,13 @@ class MoEConfig:
                 f"set e.g. 1.25 or 0")
         if self.every_k_layers < 1:
             raise ConfigError(f"model.moe.every_k_layers={self.every_k_layers} must be >= 1; set 1 for every layer")
+        for name in ("expert_hidden", "n_shared_experts", "first_dense_layers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.moe.{name}={getattr(self, name)} must be >= 0; set 0 or a positive value")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if not value >= 0:  # also rejects NaN
+                raise ConfigError(f"model.moe.{name}={value} must be >= 0; 0 disables it")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -123,6 +148,14 @@ class ModelConfig:
                 f"model.hidden / model.n_heads = {self.head_dim} must be even for RoPE; change hidden or n_heads")
         if self.init_std <= 0:
             raise ConfigError(f"model.init_std={self.init_std} must be > 0; the usual value is 0.02")
+        if self.moe.enabled:
+            if self.mlp != "swiglu":
+                raise ConfigError(f"model.mlp={self.mlp!r}: MoE experts are SwiGLU; set model.mlp=swiglu")
+            if not any(self.is_moe_layer(i) for i in range(self.n_layers)):
+                raise ConfigError(
+                    f"model.moe.n_experts={self.moe.n_experts} but no layer is MoE (n_layers={self.n_layers}, "
+                    f"first_dense_layers={self.moe.first_dense_layers}, every_k_layers={self.moe.every_k_layers}); "
+                    f"lower first_dense_layers/every_k_layers or set n_experts=0")
 
 
 def _p(**kw: object) -> dict[str, object]:
@@ -136,6 +169,10 @@ PRESETS: dict[str, dict[str, object]] = {
                    max_seq_len=512, tied_embeddings=True),
     "test-moe": _p(vocab_size=512, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256,
                    moe=dict(n_experts=4, top_k=2, expert_hidden=64)),
+    "smoke-moe": _p(vocab_size=4096, hidden=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384,
+                    max_seq_len=512, tied_embeddings=True,
+                    moe=dict(n_experts=8, top_k=2, expert_hidden=128, n_shared_experts=1, first_dense_layers=1,
+                             capacity_factor=1.25, z_loss_coef=1e-3)),
     # Llama shapes (meta device only on a laptop).
     "llama-1b": _p(vocab_size=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
                    rope_theta=500000.0, max_seq_len=8192, tied_embeddings=True),
@@ -148,6 +185,25 @@ PRESETS: dict[str, dict[str, object]] = {
                      rope_theta=500000.0, max_seq_len=8192),
     "llama3-405b": _p(vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
                       rope_theta=500000.0, max_seq_len=8192),
+    # MoE shapes for the planner (meta device only). Mixtral 8x7B (Jiang et al. 2024): softmax over the top-2
+    # logits, i.e. renormalized top-2 softmax weights; 46.7B parameters, 12.9B active.
+    "mixtral-8x7b": _p(vocab_size=32000, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                       rope_theta=1e6, max_seq_len=32768,
+                       moe=dict(n_experts=8, top_k=2, expert_hidden=14336, topk_renormalize=True)),
+    # DeepSeek-V3-like (DeepSeek-AI 2024): 3 dense layers, then 256 fine-grained experts + 1 shared, top-8 sigmoid
+    # routing with aux-loss-free bias balancing and a tiny sequence aux loss. Multi-head attention of the same
+    # width stands in for MLA (similar parameter count), so the total lands at ~671B as the paper's model.
+    "deepseek-v3-671b": _p(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128, ffn_hidden=18432,
+                           max_seq_len=4096,
+                           moe=dict(n_experts=256, top_k=8, expert_hidden=2048, n_shared_experts=1,
+                                    first_dense_layers=3, router="sigmoid", aux_loss_coef=0.0001,
+                                    bias_update_rate=0.001)),
+    # A ~535B-class fine-grained MoE (the size class users read about): 128 experts, top-8, 1 shared, 2 dense
+    # layers, GQA; ~536B total, ~44B active per token.
+    "moe-535b": _p(vocab_size=131072, hidden=6144, n_layers=64, n_heads=48, n_kv_heads=8, ffn_hidden=16384,
+                   rope_theta=500000.0, max_seq_len=8192,
+                   moe=dict(n_experts=128, top_k=8, expert_hidden=3584, n_shared_experts=1, first_dense_layers=2,
+                            router="sigmoid", aux_loss_coef=0.0001, bias_update_rate=0.001)),
     # GPT-3 175B (Brown et al. 2020): GELU MLP of 4 x hidden, untied embeddings.
     "gpt3-175b": _p(vocab_size=51200, hidden=12288, n_layers=96, n_heads=96, mlp="gelu", norm="layernorm",
                     max_seq_len=2048),

@@ -80,6 +80,10 @@ class Decoder(nn.Module):
         for fqn, param in self.named_parameters():
             full = initial_value(self.cfg, fqn, tuple(_full_shape(param)), seed)
             _copy_full_into(param, full)
+        for module in self.modules():  # state buffers (MoE routing bias) start from their reset value
+            reset = getattr(module, "reset_buffers", None)
+            if callable(reset):
+                reset()
 
 
 def _full_shape(param: torch.Tensor) -> torch.Size:

@@ -26,6 +26,7 @@ from framework.config.core import (
     validate_tree,
 )
 from framework.errors import ConfigError
+from framework.observe.config import ObserveConfig
 from framework.parallel.config import ParallelConfig
 from framework.train.config import TrainConfig
 from models.config import PRESETS, ModelConfig
@@ -58,6 +59,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def validate(self) -> None:
         if self.data.seq_len > self.model.max_seq_len:

@@ -21,6 +21,7 @@ from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import build_model
+from models.moe.step import moe_metrics, set_aux_loss_scale, update_routing_bias
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,6 +82,7 @@ class LocalEngine:
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(self.model_parts, train_cfg, device)]
         self.dp_rank, self.dp_size = 0, 1
         self.scaler = torch.amp.GradScaler(device.type, enabled=train_cfg.precision == "fp16")
+        self.is_moe = model_cfg.moe.enabled
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for part in self.model_parts:
@@ -90,6 +92,9 @@ class LocalEngine:
         batch = batch.to(self.device, non_blocking=True)
         n_micro = batch.shape[0]
         total = torch.zeros((), device=self.device)
+        if self.is_moe:  # MoE (issue 5): aux losses join the gradients through each layer's output, scaled as the loss
+            loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+            set_aux_loss_scale(self.model_parts, loss_scale / n_micro)
         for mb in batch:
             inputs, labels = mb[:, :-1], mb[:, 1:]
             with autocast(self.device, self.train_cfg.precision):
@@ -114,6 +119,8 @@ class LocalEngine:
             self.scaler.step(opt)
             opt.zero_grad(set_to_none=True)
         self.scaler.update()
+        if self.is_moe:  # MoE (issue 5): auxiliary-loss-free balancing moves the routing bias after the step
+            update_routing_bias(self.model_parts)
         return not (self.scaler.is_enabled() and self.scaler.get_scale() < scale_before)
 
     @torch.no_grad()
@@ -127,4 +134,7 @@ class LocalEngine:
         return float(torch.stack(losses).mean())
 
     def extra_metrics(self) -> dict[str, float]:
-        return {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+        out = {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+        if self.is_moe:  # MoE (issue 5): per-layer load, drops, aux and z losses of the step
+            out.update(moe_metrics(self.model_parts))
+        return out

@@ -1,0 +1,95 @@
+"""Observability configuration (`cfg.observe`): extra metric sinks, MFU accounting and the preflight ladder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from framework.errors import ConfigError
+
+
+@dataclass(kw_only=True, frozen=True)
+class WandbConfig:
+    """Weights & Biases sink. Offline unless the user asks for online explicitly.
+
+    The API key is never a config field: wandb reads it from WANDB_API_KEY or ~/.netrc itself, so it is never in
+    config.yaml, metrics.jsonl, the log or the wandb run files Tessera writes.
+    """
+
+    enabled: bool = False
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """offline writes run files under the run directory (sync later with `wandb sync`); online needs a project."""
+    project: str | None = None
+    """wandb project; None means 'tessera'. Required for mode=online."""
+    entity: str | None = None
+    group: str | None = None
+    """Groups runs in the UI (ablations set it to the sweep name)."""
+    tags: list[str] = field(default_factory=list)
+    dir: str | None = None
+    """Where the `wandb/` folder goes; None means inside the run directory."""
+
+    def validate(self) -> None:
+        if self.enabled and self.mode == "online" and not self.project:
+            raise ConfigError(
+                "observe.wandb.mode='online' needs observe.wandb.project; set observe.wandb.project=<name> or keep "
+                "observe.wandb.mode=offline (sync later with `wandb sync`)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PreflightConfig:
+    """Budgets and thresholds of `tessera preflight` (see framework/observe/preflight.py)."""
+
+    overfit_steps: int = 60
+    """Stage 1: optimizer steps on one sample."""
+    overfit_lr: float = 3e-3
+    """Stage 1 learning rate (constant): the stage asks whether the model can memorize, not whether train.lr is
+    good — stage 2 checks the configured optimizer settings."""
+    overfit_loss: float = 0.5
+    """Stage 1 passes when the final loss on the sample is below this (nats/token)."""
+    batch_steps: int = 20
+    """Stage 2: steps on one small fixed batch with the run's optimizer settings and compressed LR schedule."""
+    batch_sequences: int = 4
+    min_loss_drop: float = 0.1
+    """Stage 2 passes when the last loss is at least this fraction below the first (and all values finite)."""
+    full_steps: int = 6
+    """Stage 3: steps of a real Trainer run on a small dataset; it checkpoints at the end and reloads."""
+    disk_headroom: float = 2.0
+    """Free space needed on the checkpoint filesystem, as a multiple of the estimated checkpoint size."""
+
+    def validate(self) -> None:
+        for name in ("overfit_steps", "batch_steps", "batch_sequences", "full_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"observe.preflight.{name}={getattr(self, name)} must be >= 1")
+        if self.overfit_lr <= 0 or self.overfit_loss <= 0:
+            raise ConfigError(f"observe.preflight.overfit_lr={self.overfit_lr} and overfit_loss="
+                              f"{self.overfit_loss} must be > 0; e.g. 3e-3 and 0.5")
+        if not 0 <= self.min_loss_drop < 1:
+            raise ConfigError(f"observe.preflight.min_loss_drop={self.min_loss_drop} must be in [0, 1); e.g. 0.1")
+        if self.disk_headroom < 1:
+            raise ConfigError(f"observe.preflight.disk_headroom={self.disk_headroom} must be >= 1; e.g. 2")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ObserveConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run dir>/tensorboard (needs the `tensorboard` package)."""
+    mfu: bool = True
+    """Add per-device throughput, MFU and HFU to every train record."""
+    accelerator: str = "auto"
+    """Row of the peak-FLOPs table (a100, h100, h100-pcie, h200, cpu); auto detects it from the device."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s per device, overriding the table (and the CPU measurement)."""
+    recompute: bool = False
+    """Full activation recomputation is on: HFU counts the extra forward (8N instead of 6N)."""
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+
+    def validate(self) -> None:
+        from framework.observe.mfu import PEAK_TFLOPS
+
+        known = ("auto", "cpu", *PEAK_TFLOPS)
+        if self.accelerator not in known:
+            raise ConfigError(f"observe.accelerator={self.accelerator!r} is not known; use one of {', '.join(known)}"
+                              f" or set observe.peak_tflops")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"observe.peak_tflops={self.peak_tflops} must be > 0 (TFLOP/s per device) or null")

@@ -1,0 +1,123 @@
+"""Throughput per device, model FLOPs utilization (MFU) and hardware FLOPs utilization (HFU).
+
+All FLOPs come from the one definition in `models.flops.flops_per_token`. Three figures per step:
+
+    mfu         common convention: 6N + 12·L·h·s per token (N without the input embedding, no causal halving) —
+                what PaLM, Megatron and torchtitan publish, so numbers compare across papers;
+    mfu_causal  the attention term halved, as a causal kernel skips the masked half — the honest figure;
+    hfu         hardware FLOPs, counting the extra forward of full activation recomputation (8N + 16·L·h·s;
+                Narayanan et al. 2021) when `observe.recompute` is set; equal to `mfu` otherwise.
+
+MFU = (tokens/s per device) x (FLOPs per token) / (peak FLOP/s per device). The peak is the dense bf16 figure of
+the table below for GPUs (sparsity excluded, as everyone reports) and a measured fp32 matmul rate on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from models.config import ModelConfig
+from models.flops import flops_per_token
+
+PEAK_TFLOPS: dict[str, float] = {
+    "a100": 312.0,  # A100 SXM/PCIe, bf16 dense tensor core (NVIDIA A100 datasheet)
+    "h100": 989.0,  # H100 SXM, bf16 dense (989.4; the datasheet's 1,979 assumes 2:4 sparsity)
+    "h100-pcie": 756.0,
+    "h200": 989.0,  # H200 SXM: the H100 SXM compute die with more and faster HBM
+}
+"""Peak dense bf16 TFLOP/s per device, by accelerator name."""
+
+
+def detect_accelerator(device: torch.device) -> str:
+    """The peak-table row of `device` ('cpu' on CPU); raises KeyError for an unknown GPU."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for key in ("h200", "a100"):
+        if key in name:
+            return key
+    if "h100" in name:
+        return "h100-pcie" if "pcie" in name else "h100"
+    raise KeyError(name)
+
+
+@functools.lru_cache(maxsize=4)
+def measure_cpu_peak_tflops(size: int = 512, seconds: float = 0.3, threads: int | None = None) -> float:
+    """Best observed fp32 matmul rate on this CPU, in TFLOP/s, with torch's current thread count.
+
+    A square matmul of `size` is timed repeatedly for about `seconds`; the best run counts (others are noise from
+    a shared machine). This is the achievable peak for our kernels, not a datasheet figure.
+    """
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        out = torch.empty(size, size)
+        torch.mm(a, b, out=out)  # warm-up
+        best = float("inf")
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * size**3 / best / 1e12
+    finally:
+        torch.set_num_threads(old)
+
+
+def peak_tflops(device: torch.device, accelerator: str = "auto", override: float | None = None) -> float:
+    """Peak TFLOP/s per device: `override`, else the table row (detected when 'auto'), else measured on CPU."""
+    if override is not None:
+        return override
+    key = detect_accelerator(device) if accelerator == "auto" else accelerator
+    if key == "cpu":
+        return measure_cpu_peak_tflops()
+    return PEAK_TFLOPS[key]
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_tok: float, peak_tflops_per_device: float) -> float:
+    """Achieved FLOP/s over peak FLOP/s (a fraction, not a percentage)."""
+    return tokens_per_s_per_device * flops_per_tok / (peak_tflops_per_device * 1e12)
+
+
+@dataclass(frozen=True)
+class FlopsMeter:
+    """Per-step MFU/HFU for one model shape, sequence length and number of devices.
+
+    Args:
+        flops_common: training FLOPs per token, common convention.
+        flops_causal: the same with the attention term halved.
+        flops_hardware: executed FLOPs per token (with recomputation when it is on).
+        n_devices: devices sharing each step (the world size).
+        peak_tflops: peak TFLOP/s of one device.
+    """
+
+    flops_common: float
+    flops_causal: float
+    flops_hardware: float
+    n_devices: int
+    peak_tflops: float
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, seq_len: int, n_devices: int, peak: float,
+                  recompute: bool = False) -> FlopsMeter:
+        return cls(flops_common=flops_per_token(model, seq_len),
+                   flops_causal=flops_per_token(model, seq_len, causal=True),
+                   flops_hardware=flops_per_token(model, seq_len, recompute=recompute),
+                   n_devices=n_devices, peak_tflops=peak)
+
+    def metrics(self, tokens_per_s: float) -> dict[str, float]:
+        """Record fields for a step that processed `tokens_per_s` tokens/s over all devices."""
+        per_device = tokens_per_s / self.n_devices
+        return {
+            "tokens_per_s_per_device": per_device,
+            "tflops_per_device": per_device * self.flops_common / 1e12,
+            "mfu": mfu(per_device, self.flops_common, self.peak_tflops),
+            "mfu_causal": mfu(per_device, self.flops_causal, self.peak_tflops),
+            "hfu": mfu(per_device, self.flops_hardware, self.peak_tflops),
+        }

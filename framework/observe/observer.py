@@ -1,0 +1,90 @@
+"""The trainer's one hook into observability: extra sinks, MFU fields, perplexities and the end-of-run summary.
+
+The trainer calls, in order:
+
+    obs = Observer(cfg, run_dir, rank, world, device)   # builds wandb/TensorBoard sinks on rank 0
+    record.update(obs.on_step(record))                   # per train step: tokens/s per device, MFU, HFU
+    out.update(obs.eval_metrics(out))                     # per evaluation: val_ppl/<domain>
+    obs.summary(step, final_eval, checkpoint_time_s)      # once per start: a `summary` record
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from framework.observe.config import ObserveConfig
+from framework.observe.mfu import FlopsMeter, peak_tflops
+
+BREAKDOWN = ("data_time_s", "fwd_bwd_time_s", "optim_time_s")
+
+
+class Observer:
+    """Observability of one Trainer (see module docstring).
+
+    Args:
+        cfg: the root config (the model shape and sequence length feed the FLOPs count; the whole tree is logged
+            as the wandb run config).
+        run_dir: the run directory.
+        rank: this process's global rank; only rank 0 builds sinks.
+        world: number of devices sharing each step.
+        device: this rank's device (selects the peak-FLOPs row).
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int, device: torch.device) -> None:
+        obs: ObserveConfig = cfg.observe
+        self.meter: FlopsMeter | None = None
+        if obs.mfu:
+            peak = peak_tflops(device, obs.accelerator, obs.peak_tflops)
+            self.meter = FlopsMeter.for_model(cfg.model, cfg.data.seq_len, world, peak, obs.recompute)
+        self._n_steps, self._peak_mb = 0, 0.0
+        self._last: dict[str, Any] | None = None
+        self._sums: dict[str, float] = {}
+        self.sinks: list[Any] = []
+        if rank == 0:
+            from framework.config import to_dict
+            from framework.observe.sinks import build_sinks
+
+            self.sinks = build_sinks(obs, run_dir, cfg.run.name, to_dict(cfg))
+
+    def on_step(self, record: dict[str, Any]) -> dict[str, float]:
+        """Throughput per device, MFU (common and causal) and HFU of a train record; also feeds the summary."""
+        self._n_steps += 1
+        self._last = record
+        if self._n_steps > 1:  # steady state: the first step pays one-off allocation and warm-up costs
+            for key in ("step_time_s", *BREAKDOWN):
+                self._sums[key] = self._sums.get(key, 0.0) + float(record[key])
+        self._peak_mb = max(self._peak_mb, float(record["memory_mb"]))
+        return self.meter.metrics(record["tokens_per_s"]) if self.meter else {}
+
+    @staticmethod
+    def eval_metrics(out: dict[str, float]) -> dict[str, float]:
+        """Perplexity exp(loss) next to every validation loss (val_loss/x -> val_ppl/x)."""
+        return {k.replace("val_loss/", "val_ppl/", 1): math.exp(min(v, 700.0))
+                for k, v in out.items() if k.startswith("val_loss/")}
+
+    def summary(self, step: int, final_eval: dict[str, float], checkpoint_time_s: float) -> dict[str, Any]:
+        """The `summary` record of this start: final loss and eval, steady-state throughput and time breakdown."""
+        out: dict[str, Any] = {"type": "summary", "step": step}
+        last = self._last
+        if last is not None:
+            out["final_loss"] = last["loss"]
+            out["tokens"] = last["tokens"]
+            if self._n_steps > 1:
+                n = self._n_steps - 1
+                means = {key: total / n for key, total in self._sums.items()}
+            else:
+                means = {key: float(last[key]) for key in ("step_time_s", *BREAKDOWN)}
+            out["mean_step_time_s"] = means["step_time_s"]
+            out.update({f"mean_{key}": means[key] for key in BREAKDOWN})
+            out["checkpoint_time_s"] = checkpoint_time_s
+            tokens_per_step = last["tokens_per_s"] * last["step_time_s"]
+            out["tokens_per_s"] = tokens_per_step / means["step_time_s"]
+            if self.meter:
+                out.update(self.meter.metrics(out["tokens_per_s"]))
+            out["peak_memory_mb"] = self._peak_mb
+        out.update(final_eval)
+        return out

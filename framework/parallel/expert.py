@@ -1,0 +1,259 @@
+"""Expert parallelism: experts sharded over the `ep` axis, tokens moved to them with all-to-all (docs/MOE.md).
+
+The `ep` ranks are carved out of the data and tensor ranks (framework/parallel/mesh.py): each holds
+n_experts / ep whole experts. A token group's kept assignments are sorted by expert, sent to the expert's rank
+with `all_to_all_single` (uneven splits, autograd-aware: the backward is the reverse all-to-all), computed as
+one grouped matmul per rank, sent back and combined in the original slot order.
+
+Under tensor parallelism the experts are *not* sharded over tp (expert-tensor-parallel = 1, as torchtitan and
+DeepSeek-V3): each tp rank routes the sequence shard it already holds (sequence parallelism), while capacity
+drops are decided on the whole token group from all-gathered choices, so drops never depend on tp. Router
+weights are replicated over tp with summed gradients; shared experts are tensor-parallel like a dense MLP.
+Expert gradients are reduced over the "edp" ranks that hold the same experts (`ExpertGradSync`, or FSDP over
+the edp mesh with `gradient_divide_factor = dp_size`).
+
+Order of application (ARCHITECTURE.md): TP -> EP -> activation checkpointing -> FSDP -> pipeline stage wrap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from framework.errors import ParallelismError, divisors
+from models.moe import MoE, combine, permute
+from models.moe.experts import GroupedExperts
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all_single_autograd(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                               group: dist.ProcessGroup) -> torch.Tensor:
+    """`all_to_all_single` along dim 0 with uneven splits; its backward sends the gradients back the same way."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)  # type: ignore[no-any-return]
+
+
+class ExpertParallelDispatcher:
+    """Dispatch/combine over an ep group: rank r holds experts [r * E/ep, (r+1) * E/ep)."""
+
+    def __init__(self, group: dist.ProcessGroup, n_experts: int) -> None:
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.n_experts = n_experts
+        self.n_local = n_experts // self.ep
+
+    def __call__(self, x_ND: torch.Tensor, expert_idx_NK: torch.Tensor, weights_NK: torch.Tensor,
+                 keep_NK: torch.Tensor | None, experts: GroupedExperts) -> torch.Tensor:
+        perm = permute(expert_idx_NK, keep_NK, self.n_experts)
+        send_E = perm.counts_E
+        # recv_SL[s, l]: rows source rank s sends to my local expert l (one small equal-split all-to-all)
+        recv = torch.empty_like(send_E)
+        dist.all_to_all_single(recv, send_E, group=self.group)
+        recv_SL = recv.view(self.ep, self.n_local)
+        in_splits = send_E.view(self.ep, self.n_local).sum(1).tolist()
+        out_splits = recv_SL.sum(1).tolist()
+        x_recv = all_to_all_single_autograd(x_ND[perm.tokens_M], out_splits, in_splits, self.group)
+        # rows arrive grouped by source rank, then expert: regroup by local expert (stable: source order kept)
+        local_e = torch.repeat_interleave(torch.arange(self.n_local, device=recv.device).repeat(self.ep),
+                                          recv.reshape(-1))
+        order = torch.sort(local_e, stable=True).indices
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y_sorted = experts(x_recv[order], recv_SL.sum(0))
+        y_back = all_to_all_single_autograd(y_sorted[inverse], in_splits, out_splits, self.group)
+        return combine(y_back, perm, weights_NK)
+
+
+class SequenceShards:
+    """`models.moe.layer.TokenShards` over the tp group: rank i holds sequence positions [i T/tp, (i+1) T/tp)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def gather(self, t_BtX: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t_BtX) for _ in range(self.size)]
+        dist.all_gather(parts, t_BtX.detach().contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def local(self, t_BTX: torch.Tensor) -> torch.Tensor:
+        return t_BTX.chunk(self.size, dim=1)[self.rank]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over `group` (Megatron's copy-to-TP-region)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_grad_over(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda w: _SumGrad.apply(w, group)  # type: ignore[no-any-return]
+
+
+def moe_modules(model: nn.Module) -> Iterator[MoE]:
+    for module in model.modules():
+        if isinstance(module, MoE):
+            yield module
+
+
+def check_expert_parallel(n_experts: int, ep: int) -> None:
+    """Raise `ParallelismError` unless `ep` divides the experts."""
+    if n_experts % ep:
+        raise ParallelismError(
+            f"parallel.ep={ep} must divide model.moe.n_experts={n_experts}; valid ep: {divisors(n_experts)}")
+
+
+def _shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
+    for name, param in list(moe.experts.named_parameters(recurse=False)):
+        dt = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+        moe.experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool, dtensor_residual: bool) -> None:
+    moe.token_shards = SequenceShards(tp_mesh.get_group())
+    moe.router.weight = nn.Parameter(distribute_tensor(moe.router.weight.data, tp_mesh, [Replicate()],
+                                                       src_data_rank=None))
+    moe.router.weight_hook = sum_grad_over(tp_mesh.get_group())
+    if moe.shared_experts is not None:  # a dense SwiGLU MLP over the group's shards: Megatron TP
+        parallelize_module(moe.shared_experts, tp_mesh, {
+            "": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))})
+    residual = Shard(1) if sequence_parallel else Replicate()
+    # the MoE always works on this rank's sequence shard; without SP that is a local slice of the replicated input
+    parallelize_module(moe, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=(residual,), desired_input_layouts=(Shard(1),), use_local_input=True,
+        output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=not dtensor_residual))
+
+
+def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None,
+                          sequence_parallel: bool = True, dtensor_residual: bool = True) -> None:
+    """Parallelize every MoE layer of `model` (a decoder or a pipeline stage of it) in place.
+
+    Args:
+        model: built on any device (meta included), before `init_weights` and FSDP.
+        ep_mesh: the 1-D `ep` mesh (`ParallelDims.build_ep_mesh(...)["ep"]`); experts become DTensors
+            Shard(0) over it, so initialization and checkpoints see their full shapes.
+        tp_mesh: the 1-D `tp` mesh when tensor parallelism is on.
+        sequence_parallel: the residual stream is sharded over the sequence (else replicated) under TP.
+        dtensor_residual: the rest of the block is tensor-parallel (DTensor residual); False when only the
+            MoE layers are (tests).
+    """
+    ep = ep_mesh.size() if ep_mesh is not None else 1
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    for moe in moe_modules(model):
+        if ep > 1:
+            assert ep_mesh is not None
+            check_expert_parallel(moe.n_experts, ep)
+            _shard_experts(moe, ep_mesh)
+            moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), moe.n_experts)
+        if tp > 1:
+            assert tp_mesh is not None
+            _tensor_parallel_moe(moe, tp_mesh, sequence_parallel, dtensor_residual)
+
+
+def set_data_reduce(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Install the sum over data ranks used by the global-batch balancing loss."""
+    for moe in moe_modules(model):
+        moe.reduce_counts = reduce
+
+
+def sum_over(groups: list[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A reduce function summing a tensor over `groups` (applied one after another; they must be orthogonal).
+
+    Differentiable inputs are not expected: MoE counts and statistics carry no gradient.
+    """
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone()
+        for g in groups:
+            dist.all_reduce(out, group=g)
+        return out
+    return reduce
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for moe in moe_modules(model) for p in moe.experts.parameters()]
+
+
+def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, **fsdp_kwargs: Any) -> None:
+    """`fully_shard` every MoE layer's experts over the edp ranks (call before FSDP wraps the blocks).
+
+    FSDP averages the expert gradients over the edp_size ranks; the expert gradient must be divided by the
+    data-parallel size instead (see `ExpertGradSync`), so the experts scale their gradients by edp / dp.
+
+    Args:
+        model: a decoder or pipeline stage after `apply_expert_parallel` and `init_weights`.
+        edp_mesh: `ParallelDims.build_ep_mesh(...)["edp"]` (or `["dp_replicate", "edp"]` for HSDP).
+        dp_size: data-parallel ranks (dp_replicate x dp_shard).
+        **fsdp_kwargs: passed to `fully_shard` (mp_policy, offload_policy, reshard_after_forward).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    edp_size = edp_mesh.size()
+    for moe in moe_modules(model):
+        fully_shard(moe.experts, mesh=edp_mesh, **fsdp_kwargs)
+        moe.experts.grad_scale = edp_size / dp_size
+
+
+class ExpertGradSync:
+    """Without FSDP on the experts: sum expert gradients over the edp group, divide by the data-parallel size.
+
+    Every rank of an ep group holding expert e receives the rows of all its ep peers, so after the sum over the
+    edp ranks (the other holders of e) each token of the global batch has contributed once; dividing by dp_size
+    turns the sum of per-rank mean losses into the global mean, as the dense gradients' average does.
+    """
+
+    def __init__(self, params: list[nn.Parameter], edp_group: dist.ProcessGroup | None, dp_size: int) -> None:
+        self.params, self.group, self.dp_size = params, edp_group, dp_size
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if self.group is not None:
+                dist.all_reduce(g, group=self.group)
+            g.div_(self.dp_size)

@@ -1,0 +1,100 @@
+"""`tessera launch ...`: the launchers' subcommands (registered by framework.cli through `register`).
+
+    tessera launch slurm CONFIG --nodes N (--gpus-per-node G | --procs-per-node P) --time T
+                         [--partition P] [--account A] [--mode srun|torchrun] [--dry-run] [a.b.c=value ...]
+    tessera launch local --nproc N CONFIG ...   (launch.local, when present)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+class _OverridesParser(argparse.ArgumentParser):
+    """Lets `a.b.c=value` overrides follow the options: argparse fills positionals only up to the first option,
+    so `CONFIG --nodes 2 train.lr=1e-3` would otherwise reject the override."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
+        ns, extras = super().parse_known_args(args, namespace)
+        late = [a for a in extras if "=" in a and not a.startswith("-")]
+        if late and hasattr(ns, "overrides"):
+            ns.overrides = [*(ns.overrides or []), *late]
+            extras = [a for a in extras if a not in late]
+        return ns, extras
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from framework.config import load_config
+    from launch.slurm import SlurmSpec, check_cluster, render_sbatch, submit, validate_spec
+
+    cfg = load_config(args.config, args.overrides)
+    gpus = args.gpus_per_node or 0
+    procs = args.procs_per_node or gpus
+    if procs < 1:
+        from launch.env import LaunchError
+
+        raise LaunchError("give --gpus-per-node G (one rank per GPU) or, on CPU nodes, --procs-per-node P")
+    spec = SlurmSpec(nodes=args.nodes, procs_per_node=procs, gpus_per_node=gpus, cpus_per_rank=args.cpus_per_rank,
+                     time=args.time, partition=args.partition, account=args.account, mode=args.mode,
+                     signal_lead_s=args.signal_lead, extra_sbatch=tuple(args.sbatch_arg))
+    degrees = validate_spec(cfg, spec)
+    script = render_sbatch(cfg, spec, args.config, list(args.overrides), python=sys.executable, degrees=degrees)
+    if args.dry_run:
+        sys.stdout.write(script)
+        return 0
+    check_cluster(spec)
+    job_id = submit(script, cfg.run.path)
+    print(job_id)
+    print(f"submitted job {job_id}; log: {cfg.run.path}/slurm-{job_id}.out", file=sys.stderr)
+    return 0
+
+
+def _register_slurm(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("slurm", help="render an sbatch script from a config and submit it (or --dry-run)",
+                       description="Render an sbatch script for CONFIG, check it against the parallel layout and "
+                                   "the cluster, and submit it with sbatch (prints the job id).")
+    p.add_argument("config", help="YAML config, e.g. configs/pretrain/llama3-70b-128n-h100.yaml")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides, passed on to `tessera train`")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one rank each (0: CPU nodes)")
+    p.add_argument("--procs-per-node", type=int, default=0, help="ranks per node on CPU nodes")
+    p.add_argument("--cpus-per-rank", type=int, default=1, help="cores (and OpenMP threads) per rank")
+    p.add_argument("--time", default="01:00:00", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
+    p.add_argument("--partition", default=None, help="required when the cluster has no default partition")
+    p.add_argument("--account", default=None)
+    p.add_argument("--mode", choices=("srun", "torchrun"), default="srun",
+                   help="srun: one task per rank; torchrun: one torchrun agent per node, c10d rendezvous")
+    p.add_argument("--signal-lead", type=int, default=300,
+                   help="seconds before the time limit at which SIGUSR1 asks the trainer to save and requeue")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="OPT",
+                   help="extra #SBATCH option, verbatim (repeatable), e.g. --sbatch-arg=--qos=high")
+    p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    p.set_defaults(func=cmd_slurm)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `launch` with its launchers: `slurm` here, `local` from launch.local when that module exists."""
+    launch = subparsers.add_parser("launch", help="launch training on one node (local) or a SLURM cluster (slurm)")
+    sub = launch.add_subparsers(dest="launcher", required=True, metavar="LAUNCHER", parser_class=_OverridesParser)
+    _register_slurm(sub)
+    try:
+        local = importlib.import_module("launch.local")
+    except ModuleNotFoundError as err:
+        if err.name != "launch.local":
+            raise
+        return
+    if hasattr(local, "register"):
+        local.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m launch.cli slurm ...` (the same as `tessera launch slurm ...`)."""
+    from framework.cli import main as tessera_main
+
+    return tessera_main(["launch", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""`tessera launch slurm`: render an sbatch script from a config, check it against the layout and the cluster, submit.
+
+The rendered script is meant to be read by a person before it is submitted (`--dry-run`). What it does:
+
+- asks for `nodes` x `procs_per_node` ranks (GPUs only when `gpus_per_node` > 0), appends SLURM's output to
+  `runs/<run.name>/slurm-%j.out` so the log survives requeues, and asks SLURM to send SIGUSR1 `signal_lead_s`
+  seconds before the time limit (`--signal=USR1@lead`; it reaches every process of the step);
+- runs the ranks either directly (`srun python -m framework.cli train ...`, one task per rank, `launch.env`
+  reads SLURM's variables) or through torchrun (`srun` one agent per node, c10d rendezvous on the first node);
+- on SIGUSR1 the trainer saves a checkpoint and exits with `checkpoint.requeue_exit_code` (42); the script sees it and
+  runs `scontrol requeue`, and the restarted job resumes from `latest` in the same run directory.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from framework.config import Config
+from framework.errors import ParallelismError
+from launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError
+
+try:  # the checkpoint subsystem owns the code; 42 until it defines one
+    from framework.checkpoint import REQUEUE_EXIT_CODE  # type: ignore[attr-defined]
+except ImportError:
+    REQUEUE_EXIT_CODE = 42
+
+
+def requeue_exit_code(cfg: Config) -> int:
+    """The code the trainer exits with after a SIGUSR1 save: checkpoint.requeue_exit_code when configurable."""
+    return int(getattr(cfg.checkpoint, "requeue_exit_code", REQUEUE_EXIT_CODE))
+
+Mode = Literal["srun", "torchrun"]
+# Signals torchrun's agent traps and forwards to its workers. Its default (SIGTERM, SIGINT, SIGHUP, SIGQUIT) lacks
+# SIGUSR1, and an agent killed by an unhandled SIGUSR1 would take its workers down mid-checkpoint.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """What to ask SLURM for; built from the CLI flags (see `launch.cli`)."""
+
+    nodes: int
+    procs_per_node: int
+    gpus_per_node: int = 0
+    cpus_per_rank: int = 1
+    time: str = "01:00:00"
+    partition: str | None = None
+    account: str | None = None
+    mode: Mode = "srun"
+    signal_lead_s: int = 300
+    """Seconds before the time limit at which SIGUSR1 asks the trainer to save and requeue."""
+    extra_sbatch: tuple[str, ...] = ()
+    """Further `#SBATCH` options, verbatim (e.g. --qos=high, --constraint=h100)."""
+
+
+def parse_time_s(text: str) -> int:
+    """Seconds in a SLURM time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."""
+    m = _TIME.match(text.strip())
+    if not m:
+        raise LaunchError(f"--time={text!r} is not a SLURM time; use e.g. 90 (minutes), 04:00:00 or 2-00:00:00")
+    days, a, b, c = (int(g) if g else None for g in m.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        return days * 86400 + (a or 0) * 3600 + (b or 0) * 60 + (c or 0)
+    if b is None:
+        return (a or 0) * 60
+    if c is None:
+        return (a or 0) * 60 + b
+    return (a or 0) * 3600 + b * 60 + c
+
+
+def layout_degrees(cfg: Config, world: int) -> dict[str, int]:
+    """The parallel degrees for `world` ranks (dp_shard=-1 inferred), or a ParallelismError with the fix."""
+    p = cfg.parallel
+    fixed = p.tp * p.pp * p.dp_replicate * p.cp
+    dp_shard = p.dp_shard if p.dp_shard > 0 else world // fixed
+    if (p.dp_shard > 0 and fixed * p.dp_shard != world) or dp_shard < 1 or world % fixed:
+        need = f"{fixed * p.dp_shard}" if p.dp_shard > 0 else f"a multiple of {fixed}"
+        raise ParallelismError(
+            f"nodes x procs-per-node = {world} ranks, but the layout tp={p.tp} x pp={p.pp} x "
+            f"dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} needs {need}; change --nodes/--procs-per-node "
+            f"(or --gpus-per-node) to match, or set parallel.dp_shard=-1 to infer it from the world size")
+    return {"tp": p.tp, "pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard}
+
+
+def validate_spec(cfg: Config, spec: SlurmSpec) -> dict[str, int]:
+    """Checks that need no cluster: sizes, time limit vs signal lead, the layout's world size."""
+    for name in ("nodes", "procs_per_node", "cpus_per_rank"):
+        if getattr(spec, name) < 1:
+            raise LaunchError(f"--{name.replace('_', '-')}={getattr(spec, name)} must be >= 1")
+    if spec.gpus_per_node < 0:
+        raise LaunchError(f"--gpus-per-node={spec.gpus_per_node} must be >= 0 (0 for CPU-only nodes)")
+    if spec.gpus_per_node and spec.procs_per_node != spec.gpus_per_node:
+        raise LaunchError(
+            f"--procs-per-node={spec.procs_per_node} with --gpus-per-node={spec.gpus_per_node}: one rank drives one "
+            f"GPU; drop --procs-per-node or set it to {spec.gpus_per_node}")
+    limit = parse_time_s(spec.time)
+    if not 0 < spec.signal_lead_s < limit:
+        raise LaunchError(
+            f"--signal-lead={spec.signal_lead_s}s must be > 0 and shorter than --time={spec.time} ({limit}s), "
+            f"or SIGUSR1 would arrive before training starts; lower --signal-lead or raise --time")
+    if spec.signal_lead_s > 65535:
+        raise LaunchError(f"--signal-lead={spec.signal_lead_s}s exceeds SLURM's maximum of 65535 s; lower it")
+    try:
+        return layout_degrees(cfg, spec.nodes * spec.procs_per_node)
+    except ParallelismError as err:
+        p = cfg.parallel
+        unit = p.tp * p.pp * p.dp_replicate * p.cp * max(p.dp_shard, 1)
+        fits = [n for n in range(1, 4 * spec.nodes + 1) if (n * spec.procs_per_node) % unit == 0
+                and (p.dp_shard < 0 or n * spec.procs_per_node == unit)][:4]
+        hint = f" (with {spec.procs_per_node} per node: --nodes {' or '.join(map(str, fits))})" if fits else ""
+        raise ParallelismError(f"{err}{hint}") from None
+
+
+def _partitions() -> dict[str, bool]:
+    """Partition name -> is default, from `scontrol show partition -o`."""
+    out = subprocess.run(["scontrol", "show", "partition", "-o"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise LaunchError(f"`scontrol show partition` failed: {out.stderr.strip()}; is SLURM reachable from here?")
+    parts = {}
+    for line in out.stdout.splitlines():
+        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        if "PartitionName" in fields:
+            parts[fields["PartitionName"]] = fields.get("Default") == "YES"
+    return parts
+
+
+def check_cluster(spec: SlurmSpec) -> None:
+    """Checks against the live cluster before submission: the partition exists, or a default one does."""
+    if shutil.which("scontrol") is None or shutil.which("sbatch") is None:
+        raise LaunchError("sbatch/scontrol not found: submit from a SLURM login node, or use --dry-run to print "
+                          "the script")
+    parts = _partitions()
+    if spec.partition is None and not any(parts.values()):
+        raise LaunchError(f"no --partition given and this cluster has no default partition; pass --partition, "
+                          f"one of: {', '.join(sorted(parts)) or '(none visible)'}")
+    if spec.partition is not None and spec.partition not in parts:
+        raise LaunchError(f"--partition={spec.partition} does not exist on this cluster; "
+                          f"use one of: {', '.join(sorted(parts)) or '(none visible)'}")
+
+
+def _header(cfg: Config, spec: SlurmSpec, run_dir: str) -> list[str]:
+    tasks, cpus = (1, spec.cpus_per_rank * spec.procs_per_node) if spec.mode == "torchrun" \
+        else (spec.procs_per_node, spec.cpus_per_rank)
+    lines = [f"--job-name={cfg.run.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={tasks}",
+             f"--cpus-per-task={cpus}"]
+    if spec.gpus_per_node > 0:
+        lines += [f"--gpus-per-node={spec.gpus_per_node}", "--exclusive", "--mem=0"]
+    lines.append(f"--time={spec.time}")
+    lines += [f"--partition={spec.partition}"] if spec.partition else []
+    lines += [f"--account={spec.account}"] if spec.account else []
+    lines += [f"--output={run_dir}/slurm-%j.out", "--open-mode=append", f"--signal=USR1@{spec.signal_lead_s}",
+              "--requeue", *spec.extra_sbatch]
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def _env_block(spec: SlurmSpec) -> list[str]:
+    lines = [
+        "# Threads: each rank gets --cpus-per-task cores; more OpenMP/MKL threads than cores only thrash.",
+        f"export OMP_NUM_THREADS={spec.cpus_per_rank}",
+        f"export TESSERA_NUM_THREADS={spec.cpus_per_rank}",
+        "# Collectives: a rank that dies or hangs must fail the job within the collective timeout instead of",
+        "# burning the allocation; the timeout is the trainer's process-group timeout.",
+        "export TESSERA_COLLECTIVE_TIMEOUT_S=${TESSERA_COLLECTIVE_TIMEOUT_S:-1800}",
+    ]
+    if spec.gpus_per_node > 0:
+        lines += [
+            "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # abort communicators on error/timeout (no silent hang)",
+            "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
+            "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # less fragmentation",
+        ]
+    return lines
+
+
+def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
+    prog = " ".join(shlex.quote(a) for a in program)
+    if spec.mode == "srun":
+        return [
+            "# One task per rank: launch.env reads SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS and the MASTER_* above.",
+            "# srun gets --cpus-per-task again: since SLURM 22.05 it no longer inherits it from sbatch.",
+            f'srun --ntasks-per-node={spec.procs_per_node} --cpus-per-task={spec.cpus_per_rank} \\',
+            f'    "$PYTHON" {prog}',
+        ]
+    return [
+        "# One torchrun agent per node; c10d rendezvous on the first node. SIGUSR1 must be among the signals the",
+        "# agent handles: older torchrun reads TORCHELASTIC_SIGNALS_TO_HANDLE, newer ones overwrite it from",
+        "# --signals-to-handle, whose default is PET_SIGNALS_TO_HANDLE. On SIGUSR1 the agent forwards it and gives",
+        "# the workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to save before SIGKILL. launch.torchrun is torchrun",
+        "# exiting with $TESSERA_REQUEUE_EXIT_CODE when its workers asked for a requeue (plain torchrun exits 1).",
+        f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHRUN_SIGNALS}",
+        "export PET_SIGNALS_TO_HANDLE=$TORCHELASTIC_SIGNALS_TO_HANDLE",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={spec.signal_lead_s}",
+        f"srun --ntasks-per-node=1 --cpus-per-task={spec.cpus_per_rank * spec.procs_per_node} \\",
+        '    "$PYTHON" -m launch.torchrun \\',
+        f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={spec.procs_per_node} \\',
+        '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\',
+        f'    --max-restarts=0 {prog}',
+    ]
+
+
+def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: list[str], python: str,
+                  degrees: dict[str, int] | None = None, program: list[str] | None = None) -> str:
+    """The sbatch script for `cfg` (loaded from `config_path` + `overrides`), run with interpreter `python`.
+
+    Paths in the script are relative to the submission directory (`SLURM_SUBMIT_DIR`), except `python`,
+    which is the interpreter the caller runs under (`sys.executable`), so the job trains with the same one.
+    `program` (the interpreter's arguments) defaults to `-m framework.cli train CONFIG OVERRIDES`.
+    """
+    degrees = degrees or validate_spec(cfg, spec)
+    run_dir = cfg.run.dir or f"runs/{cfg.run.name}"
+    world = spec.nodes * spec.procs_per_node
+    layout = " x ".join(f"{k} {v}" for k, v in degrees.items())
+    program = program or ["-m", "framework.cli", "train", config_path, *overrides]
+    hardware = f"{spec.gpus_per_node} GPUs" if spec.gpus_per_node else f"{spec.procs_per_node} CPU ranks"
+    lines = [
+        "#!/bin/bash",
+        f"# Tessera run `{cfg.run.name}`, rendered by `tessera launch slurm` (mode: {spec.mode}).",
+        f"# {spec.nodes} nodes x {hardware} per node = {world} ranks = {layout}.",
+        f"# Config: {' '.join(shlex.quote(a) for a in [config_path, *overrides])}",
+        *_header(cfg, spec, run_dir),
+        "",
+        "# No `set -e`: the ranks' exit code decides below whether the job is requeued.",
+        "set -uo pipefail",
+        'cd "$SLURM_SUBMIT_DIR"',
+        f"PYTHON={shlex.quote(python)}",
+        f"export TESSERA_REQUEUE_EXIT_CODE={requeue_exit_code(cfg)}  # checkpoint.requeue_exit_code: saved on SIGUSR1",
+        "",
+        "# Rendezvous on the first node; the port comes from the job id (same rule as launch.env).",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"MASTER_PORT=$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))",
+        "export MASTER_ADDR MASTER_PORT",
+        *_env_block(spec),
+        "",
+        'echo "[tessera] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST' +
+        ' ($MASTER_ADDR:$MASTER_PORT) at $(date -u +%FT%TZ)"',
+        *_launch_block(spec, program),
+        "rc=$?",
+        'echo "[tessera] ranks exited with $rc at $(date -u +%FT%TZ)"',
+        'if [ "$rc" -eq "$TESSERA_REQUEUE_EXIT_CODE" ]; then',
+        '    echo "[tessera] checkpoint saved on SIGUSR1: requeueing job $SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 0",
+        "fi",
+        'exit "$rc"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def submit(script: str, run_dir: Path) -> str:
+    """Write the script into the run directory (SLURM opens slurm-%j.out there) and sbatch it; the job id."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "sbatch.sh"
+    path.write_text(script)
+    out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise LaunchError(f"sbatch rejected {path}: {out.stderr.strip()}; read the script with --dry-run")
+    return out.stdout.strip().split(";")[0]
+
+
+__all__ = ["REQUEUE_EXIT_CODE", "SlurmSpec", "check_cluster", "layout_degrees", "parse_time_s", "render_sbatch",
+           "requeue_exit_code", "submit", "validate_spec"]

@@ -1,0 +1,128 @@
+"""Routed experts as batched SwiGLU weights, computed with a loop over experts or one grouped matmul.
+
+Shape legend: M routed rows (token-expert assignments sorted by expert), E experts held here (all of them on one
+device; E / ep under expert parallelism), F expert hidden, D model hidden.
+Weights follow nn.Linear's (out, in) convention per expert, so `w1_EFD[e]` is what a dense MLP calls
+`w1.weight`; FQNs `experts.w1 / w2 / w3` get N(0, init_std), `w2` depth-scaled (models/decoder.initial_value).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.errors import ConfigError
+
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands a contiguous gradient on: `_grouped_mm`'s backward rejects the
+    zero-stride gradients that, e.g., `.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale` (set by expert-parallel FSDP, see below)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward here (probed once per device type and dtype)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
+                w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+                y.backward(torch.ones_like(y))
+                ok = bool(torch.isfinite(w.grad).all()) if w.grad is not None else False  # type: ignore[union-attr]
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_MM_OK[key] = ok
+    return _GROUPED_MM_OK[key]
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The local expert shard of an expert-parallel DTensor (Shard(0) over `ep`), or `w` itself."""
+    to_local = getattr(w, "to_local", None)
+    return to_local() if callable(to_local) else w
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: y = w2 (silu(w1 x) * w3 x) for the rows routed to each expert."""
+
+    def __init__(self, n_experts: int, hidden: int, expert_hidden: int,
+                 impl: Literal["auto", "loop", "grouped_mm"] = "auto") -> None:
+        super().__init__()
+        self.impl = impl
+        self.grad_scale = 1.0
+        """Multiplies the weights' gradients: FSDP over the edp ranks averages over edp_size ranks, while the
+        expert gradient must be divided by the data-parallel size (gloo has no pre-multiplied reduce-scatter
+        for FSDP's gradient_divide_factor), so expert parallelism sets edp_size / dp_size here."""
+        self.w1 = nn.Parameter(torch.empty(n_experts, expert_hidden, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, expert_hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, expert_hidden, hidden))
+
+    def use_grouped_mm(self, x_MD: torch.Tensor) -> bool:
+        if self.impl == "loop":
+            return False
+        f, d = self.w1.shape[1], self.w1.shape[2]
+        # _grouped_mm needs 16-byte-aligned strides
+        aligned = (f * x_MD.element_size()) % 16 == 0 and (d * x_MD.element_size()) % 16 == 0
+        ok = aligned and grouped_mm_available(x_MD.device, x_MD.dtype)
+        if self.impl == "grouped_mm" and not ok:
+            raise ConfigError(
+                f"model.moe.experts_impl='grouped_mm' but torch._grouped_mm does not run for {x_MD.dtype} on "
+                f"{x_MD.device.type} with hidden={d}, expert_hidden={f}; set model.moe.experts_impl=auto or loop")
+        return ok
+
+    def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows `x_MD` sorted by expert, `counts_E[e]` of them for local expert e -> outputs in the same order."""
+        w1, w2, w3 = (_local(w).to(x_MD.dtype) for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        if self.use_grouped_mm(x_MD):
+            return self._grouped(x_MD, counts_E, w1, w2, w3)
+        return self._loop(x_MD, counts_E, w1, w2, w3)
+
+    @staticmethod
+    def _loop(x_MD: torch.Tensor, counts_E: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+              ) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(x_MD, counts_E.tolist())):
+            # experts with no rows still take part, so every expert weight gets a (zero) gradient on every rank
+            h = F.silu(rows @ w1[e].T) * (rows @ w3[e].T)
+            outs.append(h @ w2[e].T)
+        return torch.cat(outs) if outs else x_MD.new_zeros(0, w2.shape[1])
+
+    @staticmethod
+    def _grouped(x_MD: torch.Tensor, counts_E: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+                 ) -> torch.Tensor:
+        offs = torch.cumsum(counts_E, 0).to(device=x_MD.device, dtype=torch.int32)
+        h1 = _ContiguousGrad.apply(torch._grouped_mm(x_MD, w1.transpose(-2, -1), offs=offs))
+        h3 = _ContiguousGrad.apply(torch._grouped_mm(x_MD, w3.transpose(-2, -1), offs=offs))
+        h = F.silu(h1) * h3
+        # the output's consumers (combine's index_copy, the ep all-to-all's gather) pass contiguous gradients
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)

@@ -1,0 +1,118 @@
+"""`tessera launch slurm`: the rendered script (snapshots of a 128-node H100 run) and checks before submission."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from slurm_cluster import REPO, SlurmCluster, job_env
+
+from framework.config import load_config
+from framework.errors import ParallelismError
+from launch.env import LaunchError
+from launch.slurm import SlurmSpec, check_cluster, layout_degrees, parse_time_s, render_sbatch, validate_spec
+
+CONFIG = "configs/pretrain/llama3-70b-128n-h100.yaml"
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+PYTHON = "/opt/tessera/.venv/bin/python"  # stands in for sys.executable so the snapshot is machine-independent
+H100 = dict(nodes=128, procs_per_node=8, gpus_per_node=8, cpus_per_rank=12, time="2-00:00:00", partition="h100",
+            account="llm")
+
+
+@pytest.mark.parametrize("mode", ["srun", "torchrun"])
+def test_h100_128_node_script_matches_snapshot(mode: str) -> None:
+    cfg = load_config(REPO / CONFIG)
+    script = render_sbatch(cfg, SlurmSpec(**H100, mode=mode), CONFIG, [], python=PYTHON)  # type: ignore[arg-type]
+    snapshot = SNAPSHOTS / f"llama3-70b-128n-h100.{mode}.sbatch"
+    if os.environ.get("TESSERA_UPDATE_SNAPSHOTS") == "1":
+        snapshot.write_text(script)
+    assert script == snapshot.read_text(), f"rendered script differs from {snapshot}; review the diff, then " \
+        f"rerun with TESSERA_UPDATE_SNAPSHOTS=1 if the change is intended"
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid shell
+    assert "--gpus-per-node=8" in script and "--signal=USR1@300" in script and "--requeue" in script
+    assert "--output=runs/llama3-70b-128n-h100/slurm-%j.out" in script and "--open-mode=append" in script
+    assert "tp 8 x pp 4 x dp_replicate 1 x dp_shard 32" in script
+
+
+def test_cli_dry_run_prints_the_script_with_this_interpreter() -> None:
+    args = [CONFIG, "--nodes", "128", "--gpus-per-node", "8", "--cpus-per-rank", "12", "--time", "2-00:00:00",
+            "--partition", "h100", "--account", "llm", "--dry-run"]
+    out = subprocess.run([sys.executable, "-m", "framework.cli", "launch", "slurm", *args], cwd=REPO,
+                         env={**os.environ, **job_env()}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = (SNAPSHOTS / "llama3-70b-128n-h100.srun.sbatch").read_text().replace(PYTHON, sys.executable)
+    assert out.stdout == expected
+
+
+def test_cpu_script_requests_no_gpus_and_passes_overrides() -> None:
+    cfg = load_config(REPO / "configs/smoke/tiny.yaml", ["parallel.tp=2"])
+    script = render_sbatch(cfg, SlurmSpec(nodes=2, procs_per_node=2, time="30"), "configs/smoke/tiny.yaml",
+                           ["parallel.tp=2", "train.lr=1e-3"], python="python3")
+    assert "gpus" not in script and "NCCL" not in script and "--exclusive" not in script
+    assert "--ntasks-per-node=2" in script and "--cpus-per-task=1" in script
+    assert '"$PYTHON" -m framework.cli train configs/smoke/tiny.yaml parallel.tp=2 train.lr=1e-3' in script
+    assert "--partition" not in script and "--account" not in script
+
+
+@pytest.mark.parametrize(("overrides", "spec", "message"), [
+    (["parallel.tp=2", "parallel.dp_shard=4"], dict(nodes=2, procs_per_node=2),
+     r"nodes x procs-per-node = 4 ranks, .* needs 8; .*--nodes 4\)"),
+    (["parallel.tp=8", "parallel.pp=4"], dict(nodes=3, procs_per_node=8),
+     r"24 ranks, .* needs a multiple of 32.*--nodes 4 or 8"),
+])
+def test_world_size_mismatch_fails_with_the_fix(overrides: list[str], spec: dict[str, int], message: str) -> None:
+    cfg = load_config(REPO / "configs/smoke/tiny.yaml", overrides)
+    with pytest.raises(ParallelismError, match=message):
+        validate_spec(cfg, SlurmSpec(**spec))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (dict(nodes=1, procs_per_node=4, gpus_per_node=8), "one rank drives one GPU; drop --procs-per-node or set it to 8"),
+    (dict(nodes=1, procs_per_node=4, time="1:00:00:00"), "is not a SLURM time"),
+    (dict(nodes=1, procs_per_node=4, time="4"), r"--signal-lead=300s must be > 0 and shorter than --time=4"),
+    (dict(nodes=0, procs_per_node=4), "--nodes=0 must be >= 1"),
+])
+def test_bad_options_fail_with_the_fix(spec: dict[str, object], message: str) -> None:
+    cfg = load_config(REPO / "configs/smoke/tiny.yaml")
+    with pytest.raises(LaunchError, match=message):
+        validate_spec(cfg, SlurmSpec(**spec))  # type: ignore[arg-type]
+
+
+def test_layout_and_time_arithmetic() -> None:
+    cfg = load_config(REPO / CONFIG)
+    assert layout_degrees(cfg, 1024) == {"tp": 8, "pp": 4, "dp_replicate": 1, "dp_shard": 32}
+    assert [parse_time_s(t) for t in ("90", "05:30", "04:00:00", "2-00:00:00", "1-12", "1-00:30")] == \
+        [5400, 330, 14400, 172800, 129600, 88200]
+
+
+def test_cli_without_ranks_per_node_names_both_flags() -> None:
+    from framework.cli import main
+
+    assert main(["launch", "slurm", "configs/smoke/tiny.yaml", "--nodes", "2", "--dry-run"]) == 2
+
+
+def test_partition_checked_against_the_live_cluster(slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    check_cluster(SlurmSpec(nodes=2, procs_per_node=2))  # the default partition serves
+    with pytest.raises(LaunchError, match="--partition=gpu does not exist on this cluster; use one of: debug"):
+        check_cluster(SlurmSpec(nodes=2, procs_per_node=2, partition="gpu"))
+    slurm.run("scontrol", "update", "PartitionName=debug", "Default=NO")
+    try:
+        with pytest.raises(LaunchError, match="no default partition; pass --partition, one of: debug"):
+            check_cluster(SlurmSpec(nodes=2, procs_per_node=2))
+        check_cluster(SlurmSpec(nodes=2, procs_per_node=2, partition="debug"))
+    finally:
+        slurm.run("scontrol", "update", "PartitionName=debug", "Default=YES")
+
+
+def test_cli_overrides_may_follow_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from framework.cli import main
+
+    assert main(["launch", "slurm", "configs/smoke/tiny.yaml", "train.lr=0.01", "--nodes", "2", "--procs-per-node",
+                 "2", "parallel.tp=2", "--time", "30", "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert "train configs/smoke/tiny.yaml train.lr=0.01 parallel.tp=2\n" in script
+    assert "= 4 ranks = tp 2 x pp 1 x dp_replicate 1 x dp_shard 2." in script

@@ -1,0 +1,59 @@
+"""MFU/HFU: a hand calculation for a fixed tiny config and torchtitan's published Llama-3 8B figure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from framework.observe.mfu import PEAK_TFLOPS, FlopsMeter, measure_cpu_peak_tflops, mfu, peak_tflops
+from models.config import model_config
+from models.flops import flops_per_token
+
+
+def test_mfu_matches_hand_calculation() -> None:
+    # test-tiny: vocab 512, hidden 64, 4 layers, 4 heads (head_dim 16), 2 kv heads, SwiGLU ffn 128, untied head.
+    # Per layer: q 64*64 + k,v 2*64*32 + o 64*64 = 12288; MLP 3*64*128 = 24576; two RMSNorms 128 -> 36992.
+    # N = 4*36992 + final norm 64 + head 512*64 = 180800 (the input embedding is excluded).
+    # seq 32: attention 12*4*64*32 = 98304; common 6N + attn = 1_183_104; causal 6N + attn/2 = 1_133_952;
+    # full recompute 8N + 16*4*64*32 = 1_577_472.
+    cfg = model_config("test-tiny")
+    assert flops_per_token(cfg, 32) == 1_183_104
+    meter = FlopsMeter.for_model(cfg, 32, n_devices=2, peak=1.0, recompute=True)
+    m = meter.metrics(tokens_per_s=1000.0)  # 500 tokens/s per device against 1 TFLOP/s
+    assert m["tokens_per_s_per_device"] == 500.0
+    assert m["mfu"] == pytest.approx(500 * 1_183_104 / 1e12, rel=1e-12)
+    assert m["mfu_causal"] == pytest.approx(500 * 1_133_952 / 1e12, rel=1e-12)
+    assert m["hfu"] == pytest.approx(500 * 1_577_472 / 1e12, rel=1e-12)
+    assert m["tflops_per_device"] == pytest.approx(500 * 1_183_104 / 1e12, rel=1e-12)
+    no_recompute = FlopsMeter.for_model(cfg, 32, n_devices=2, peak=1.0).metrics(1000.0)
+    assert no_recompute["hfu"] == no_recompute["mfu"]
+
+
+def test_torchtitan_llama3_8b_h100() -> None:
+    # torchtitan (docs/performance.md): Llama 3 8B, seq 8192, 5,762 tokens/s per H100 -> MFU 33.7% of 989 TFLOP/s.
+    cfg = model_config("llama3-8b")
+    ours = mfu(5762, flops_per_token(cfg, 8192), PEAK_TFLOPS["h100"])
+    assert abs(ours - 0.337) / 0.337 < 0.01, ours
+    causal = mfu(5762, flops_per_token(cfg, 8192, causal=True), PEAK_TFLOPS["h100"])
+    assert causal < ours  # the causal-aware figure is lower: half the attention FLOPs are not counted
+
+
+def test_peak_table_and_cpu_measurement() -> None:
+    assert PEAK_TFLOPS["h100"] == 989.0 and PEAK_TFLOPS["a100"] == 312.0 and PEAK_TFLOPS["h200"] == 989.0
+    cpu = torch.device("cpu")
+    assert peak_tflops(cpu, "h100") == 989.0
+    assert peak_tflops(cpu, "auto", override=2.5) == 2.5
+    measured = measure_cpu_peak_tflops()
+    assert peak_tflops(cpu) == measured
+    # A plain matmul timed here cannot beat the measured peak by much (the peak is the best of many runs).
+    a = torch.randn(256, 256)
+    best = math.inf
+    for _ in range(5):
+        import time
+
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        best = min(best, time.perf_counter() - t0)
+    assert 0 < 2 * 256**3 / best / 1e12 < 3 * measured
