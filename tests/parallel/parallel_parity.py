@@ -70,7 +70,6 @@ def run_round(rank: int, world: int, layouts: list[dict[str, Any]], extra: tuple
     from framework.parallel.engine import ParallelEngine
 
     torch.set_num_threads(1)
-    import faulthandler; faulthandler.dump_traceback_later(60, repeat=True)  # DEBUG
     offset, mine = 0, None
     meshes = []
     for i, layout in enumerate(layouts):
