@@ -25,7 +25,13 @@ from framework.errors import ParallelismError
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import AXES, ParallelDims
 from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
-from framework.parallel.precision import LossScaler, global_grad_norm, local_grad, scale_grads
+from framework.parallel.precision import (
+    LossScaler,
+    global_grad_norm,
+    local_grad,
+    resolve_partial_grads,
+    scale_grads,
+)
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
 from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, set_micro_batch_sync
@@ -158,6 +164,8 @@ class ParallelEngine:
         dist.all_reduce(g, group=self.mesh["pp"].get_group())
 
     def _after_backward(self) -> None:
+        if self.dims.tp > 1:
+            resolve_partial_grads(self.parameters())
         if self.replica_sync is not None:
             self.replica_sync()
         if self.model_cfg.tied_embeddings and self.dims.pp > 1:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 
 class LossScaler:
@@ -41,12 +41,17 @@ class LossScaler:
             self.good_steps = 0
 
 
+def _is_shard(placement: Placement) -> bool:
+    # FSDP over a TP-sharded dim uses _StridedShard, which is not a Shard subclass and says is_shard() False.
+    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
+
+
 def local_grad(p: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(this rank's piece of p's gradient, how many disjoint pieces the gradient is cut into by sharding)."""
     g = p.grad
     assert g is not None
     if isinstance(g, DTensor):
-        pieces = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+        pieces = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
         return g.to_local(), pieces
     return g, 1
 
@@ -70,6 +75,16 @@ def global_grad_norm(params: Iterable[torch.Tensor], copies_per_stage: int, grou
     for group in groups:
         dist.all_reduce(total, group=group)
     return total.sqrt().float().cpu()
+
+
+@torch.no_grad()
+def resolve_partial_grads(params: Iterable[torch.Tensor]) -> None:
+    """Sum pending (Partial) DTensor gradients now, e.g. of sequence-parallel norm weights, so that every
+    gradient is a plain shard or replica for clipping and the optimizer."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
 
 
 @torch.no_grad()
