@@ -63,6 +63,11 @@ class ParallelEngine:
                 f"train.global_batch_size={train_cfg.global_batch_size} must be a multiple of micro_batch_size x "
                 f"data-parallel size = {train_cfg.micro_batch_size} x {dims.dp_size}; change one of them")
         self.n_micro = per_replica // train_cfg.micro_batch_size
+        if dims.pp > 1 and self.n_micro < dims.pp:
+            raise ParallelismError(
+                f"pipeline micro-batches = global_batch_size / (micro_batch_size x dp) = {self.n_micro} < "
+                f"parallel.pp={dims.pp}: the pipeline would idle; raise train.global_batch_size or lower "
+                f"train.micro_batch_size")
         self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
         self.scaler = LossScaler(train_cfg.precision == "fp16")
         self.tied_copy: nn.Parameter | None = None  # the last stage's copy of a tied embedding

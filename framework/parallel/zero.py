@@ -35,7 +35,7 @@ def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, para
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     kwargs: dict[str, object] = {"mesh": dp_mesh, "mp_policy": mp}
     if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
     reshard = cfg.zero_stage == 3
     keys = list(model.layers.keys())
     units: list[FSDPModule] = []

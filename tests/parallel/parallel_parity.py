@@ -56,11 +56,55 @@ def reference(overrides: tuple[str, ...] = ()) -> list[tuple[float, float]]:
 
 
 def layout_overrides(layout: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(f"parallel.{k}={v}" for k, v in layout.items())
+    """`parallel.` overrides from a layout dict; keys with a dot (e.g. train.precision) pass through."""
+    return tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items())
+
+
+def extra_overrides(layout: dict[str, Any]) -> tuple[str, ...]:
+    """The non-parallel overrides of a layout: they change the reference run."""
+    return tuple(f"{k}={v}" for k, v in layout.items() if "." in k)
 
 
 def layout_world(layout: dict[str, Any]) -> int:
     return int(layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp_shard", 1) * layout.get("dp_replicate", 1))
+
+
+def pack_rounds(layouts: list[dict[str, Any]], world: int = 8) -> list[list[dict[str, Any]]]:
+    """Greedy first-fit of layouts into rounds of at most `world` ranks (largest first)."""
+    rounds: list[list[dict[str, Any]]] = []
+    free: list[int] = []
+    for layout in sorted(layouts, key=layout_world, reverse=True):
+        n = layout_world(layout)
+        for i, left in enumerate(free):
+            if n <= left:
+                rounds[i].append(layout)
+                free[i] -= n
+                break
+        else:
+            rounds.append([layout])
+            free.append(world - n)
+    return rounds
+
+
+def run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
+    return [run_round(rank, world, r) for r in rounds]
+
+
+def compare(rounds: list[list[dict[str, Any]]], results: list[list[dict[int, Any]]], atol: float = 1e-5
+            ) -> list[str]:
+    """Mismatches (as text) of every layout's per-step (loss, grad norm) against its cached reference."""
+    bad = []
+    for i, layouts in enumerate(rounds):
+        merged: dict[int, Any] = {}
+        for per_rank in results:
+            merged.update(per_rank[i])
+        for j, layout in enumerate(layouts):
+            ref = reference(extra_overrides(layout))
+            tol = atol if "train.precision" not in layout else 5e-3
+            for step, (got, want) in enumerate(zip(merged[j], ref, strict=True)):
+                if abs(got[0] - want[0]) > tol or abs(got[1] - want[1]) > tol * max(1.0, abs(want[1])):
+                    bad.append(f"{layout} step {step}: (loss, grad norm) {got} vs 1-process {want}")
+    return bad
 
 
 def run_round(rank: int, world: int, layouts: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> dict[int, Any]:
