@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.errors import ParallelismError
-from framework.parallel.config import ParallelConfig
+from framework.parallel.config import V_SCHEDULES, ParallelConfig
 from framework.parallel.mesh import AXES, ParallelDims
 from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
 from framework.parallel.precision import (
@@ -116,7 +116,7 @@ class ParallelEngine:
             head = parts[self.stage_ids.index(last)].output
             assert head is not None
             self.tied_copy = head.weight
-        v_shaped = 0 in self.stage_ids and last in self.stage_ids
+        v_shaped = self.pcfg.pp_schedule in V_SCHEDULES  # stage 0 and the last stage share pp rank 0
         if not v_shaped and self.dims.pp != 2:
             raise ParallelismError(
                 f"model.tied_embeddings with parallel.pp={self.dims.pp} needs the embedding and head on the same "
@@ -157,7 +157,8 @@ class ParallelEngine:
             tok = self.model_parts[self.stage_ids.index(0)].tok_embeddings  # type: ignore[union-attr]
             emb = tok.weight
         if self._tie_local:
-            assert emb is not None and self.tied_copy is not None
+            if emb is None or self.tied_copy is None:
+                return  # a middle rank of the V
             g_emb, _ = local_grad(emb)
             g_out, _ = local_grad(self.tied_copy)
             g_emb.add_(g_out)
