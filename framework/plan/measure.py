@@ -121,6 +121,28 @@ def saved_bytes(module: torch.nn.Module, make_input: Callable[[], torch.Tensor],
     return sum(by_op.values()), by_op
 
 
+def hooked_saved_bytes(module: torch.nn.Module, forward: Callable[[], torch.Tensor],
+                       static: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes autograd saves during `forward()`, seen through `torch.autograd.graph.saved_tensors_hooks`.
+
+    A second, independent measurement for the no-recompute case (checkpointing installs its own hooks, which hide
+    what it keeps — hence `saved_bytes`). Storages are counted once; parameters, buffers and `static` are skipped.
+    """
+    skip = _static_ptrs(module) | {t.untyped_storage().data_ptr() for t in static}
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    assert out.grad_fn is not None
+    return sum(sizes.values())
+
+
 def layer_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x_leaf: torch.Tensor, *,
                       recompute: Recompute = "none", kernel: AttnKernel = "flash") -> tuple[int, dict[str, int]]:
     """Measured activation bytes of one decoder block's forward on `x_leaf` (B, T, D) under a recompute mode."""
@@ -211,5 +233,5 @@ def trained_state_bytes(preset: str, *, shard: bool = False, seq: int = 16, batc
     return model_state_bytes(model, opt)
 
 
-__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_saved_bytes", "model_state_bytes",
-           "saved_bytes", "selective_policy", "trained_state_bytes"]
+__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "hooked_saved_bytes", "layer_saved_bytes", "model_saved_bytes",
+           "model_state_bytes", "saved_bytes", "selective_policy", "trained_state_bytes"]
