@@ -34,8 +34,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.errors import ParallelismError, divisors
+from framework.parallel.config import ParallelConfig
+from framework.parallel.mesh import EP_AXES, ParallelDims
+from models.config import ModelConfig
 from models.moe import MoE, combine, permute
 from models.moe.experts import GroupedExperts
+from models.moe.step import format_moe_metrics, moe_layers, moe_stats, set_aux_loss_scale, update_routing_bias
 
 
 class _AllToAll(torch.autograd.Function):
@@ -257,3 +261,97 @@ class ExpertGradSync:
             if self.group is not None:
                 dist.all_reduce(g, group=self.group)
             g.div_(self.dp_size)
+
+
+def ep_mesh_of(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The (pp, dp_replicate, edp, ep) expert mesh over the ranks of `mesh` (the engine's 5-axis mesh).
+
+    ep blocks are contiguous in the flattened (dp_shard, cp, tp) ranks (framework/parallel/mesh.py), so the
+    expert mesh is a reshape of the same rank tensor; built from `mesh` it also works for sub-world meshes.
+    """
+    ranks = mesh.mesh.reshape(dims.pp, dims.dp_replicate, -1, dims.ep)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EP_AXES)
+
+
+class MoEParallel:
+    """What the parallel engine does for MoE layers, in call order (each call a no-op for a dense model).
+
+        moe = MoEParallel(model_cfg, pcfg, dims, mesh)
+        moe.parallelize(part)                 # after TP, before to_empty / init_weights
+        moe.shard(part, **fsdp_kwargs)        # after init and recompute, before FSDP wraps the blocks
+        moe.before_step(parts, scale)         # scale: gradient the aux loss gets per forward
+        moe.after_backward(parts)             # expert gradient sync when FSDP does not do it
+        moe.after_optimizer_step(parts)       # routing-bias update from all-reduced counts
+        metrics.update(moe.metrics(parts))    # per-layer stats summed over data ranks, merged over stages
+    """
+
+    def __init__(self, model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh) -> None:
+        self.enabled = model_cfg.moe.enabled
+        self.pcfg, self.dims, self.mesh = pcfg, dims, mesh
+        if not self.enabled:
+            return
+        check_expert_parallel(model_cfg.moe.n_experts, dims.ep)
+        self.ep_mesh = ep_mesh_of(mesh, dims)
+        data_groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard") if dims.size(a) > 1]
+        self.reduce = sum_over(data_groups)
+        self.experts_fsdp = False
+        self.grad_sync: ExpertGradSync | None = None
+
+    def parallelize(self, part: nn.Module) -> None:
+        if not self.enabled:
+            return
+        apply_expert_parallel(part, ep_mesh=self.ep_mesh["ep"] if self.dims.ep > 1 else None,
+                              tp_mesh=self.mesh["tp"] if self.dims.tp > 1 else None,
+                              sequence_parallel=self.pcfg.sequence_parallel, dtensor_residual=True)
+        set_data_reduce(part, self.reduce if any(True for _ in moe_modules(part)) else None)
+
+    def shard(self, part: nn.Module, **fsdp_kwargs: Any) -> None:
+        """FSDP over the edp ranks when the dense parameters are FSDP-sharded; else a hand-made gradient sync."""
+        if not self.enabled:
+            return
+        if self.dims.dp_shard > 1:
+            names = ("dp_replicate", "edp") if self.dims.dp_replicate > 1 else ("edp",)
+            apply_expert_fsdp(part, self.ep_mesh[names], self.dims.dp_size, **fsdp_kwargs)
+            self.experts_fsdp = True
+        else:
+            # dp_shard == 1: the replica sync (if any) already averaged over dp_replicate; the edp ranks inside
+            # one replica are tp ranks holding other tokens of the same group -> sum, nothing more to divide
+            inner = self.dims.edp_size // self.dims.dp_replicate
+            group = self.ep_mesh["edp"].get_group() if inner > 1 else None
+            params = expert_parameters(part)
+            if self.grad_sync is None:
+                self.grad_sync = ExpertGradSync(params, group, 1)
+            else:
+                self.grad_sync.params.extend(params)
+
+    def before_step(self, parts: list[nn.Module], scale: float) -> None:
+        if self.enabled:
+            set_aux_loss_scale(parts, scale)
+
+    def after_backward(self, parts: list[nn.Module]) -> None:
+        if self.enabled and self.grad_sync is not None:
+            self.grad_sync()
+
+    def after_optimizer_step(self, parts: list[nn.Module]) -> None:
+        if self.enabled:
+            update_routing_bias(parts, self.reduce)
+
+    def metrics(self, parts: list[nn.Module]) -> dict[str, float]:
+        """This step's MoE metrics on every rank: summed over the data ranks, merged over pipeline stages."""
+        if not self.enabled:
+            return {}
+        stats = {k: self.reduce(v) for k, v in moe_stats(parts).items()}
+        coefs = {name: (m.moe_cfg.aux_loss_coef, m.moe_cfg.z_loss_coef) for name, m in moe_layers(parts)}
+        if self.dims.pp > 1:
+            gathered: list[Any] = [None] * self.dims.pp
+            dist.all_gather_object(gathered, (stats, coefs), group=self.mesh["pp"].get_group())
+            stats, coefs = {}, {}
+            for s, c in gathered:
+                stats.update(s)
+                coefs.update(c)
+        return format_moe_metrics(dict(sorted(stats.items(), key=lambda kv: _layer_key(kv[0]))), coefs)
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    tail = name.rsplit(".", 1)[-1]
+    return (int(tail), name) if tail.isdigit() else (1 << 30, name)

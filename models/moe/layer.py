@@ -79,6 +79,8 @@ class MoE(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         b, t, d = x_BTD.shape
+        if x_BTD.is_meta:  # shape inference (pipeline stages): routing needs values, the output shape does not
+            return torch.empty_like(x_BTD)
         x_ND = x_BTD.reshape(b * t, d)
         routing = self.router(x_ND)
         keep_NK, counts_E, dropped, n_group = self._decide(routing.expert_idx_NK, routing.weights_NK, b, t)
