@@ -156,7 +156,7 @@ def _shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
         moe.experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
-def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool, dtensor_residual: bool) -> None:
+def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     moe.token_shards = SequenceShards(tp_mesh.get_group())
     moe.router.weight = nn.Parameter(distribute_tensor(moe.router.weight.data, tp_mesh, [Replicate()],
                                                        src_data_rank=None))
@@ -166,14 +166,15 @@ def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool,
             "": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))})
     residual = Shard(1) if sequence_parallel else Replicate()
-    # the MoE always works on this rank's sequence shard; without SP that is a local slice of the replicated input
+    # The MoE always works on this rank's sequence shard; without SP that is a local slice of the replicated
+    # input, and the output is all-gathered back. The residual stream stays plain local tensors (models/plans.py).
     parallelize_module(moe, tp_mesh, PrepareModuleInputOutput(
         input_layouts=(residual,), desired_input_layouts=(Shard(1),), use_local_input=True,
-        output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=not dtensor_residual))
+        output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=True))
 
 
 def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None,
-                          sequence_parallel: bool = True, dtensor_residual: bool = True) -> None:
+                          sequence_parallel: bool = True) -> None:
     """Parallelize every MoE layer of `model` (a decoder or a pipeline stage of it) in place.
 
     Args:
@@ -182,8 +183,6 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None = None
             Shard(0) over it, so initialization and checkpoints see their full shapes.
         tp_mesh: the 1-D `tp` mesh when tensor parallelism is on.
         sequence_parallel: the residual stream is sharded over the sequence (else replicated) under TP.
-        dtensor_residual: the rest of the block is tensor-parallel (DTensor residual); False when only the
-            MoE layers are (tests).
     """
     ep = ep_mesh.size() if ep_mesh is not None else 1
     tp = tp_mesh.size() if tp_mesh is not None else 1
@@ -195,7 +194,7 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None = None
             moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), moe.n_experts)
         if tp > 1:
             assert tp_mesh is not None
-            _tensor_parallel_moe(moe, tp_mesh, sequence_parallel, dtensor_residual)
+            _tensor_parallel_moe(moe, tp_mesh, sequence_parallel)
 
 
 def set_data_reduce(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
@@ -237,7 +236,9 @@ def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, **fs
 
     edp_size = edp_mesh.size()
     for moe in moe_modules(model):
-        fully_shard(moe.experts, mesh=edp_mesh, **fsdp_kwargs)
+        # shard dim 1 over edp: dim 0 (experts) is already sharded over ep, and FSDP sharding it again makes a
+        # _StridedShard placement that gradient-norm code counting Shard placements would miss
+        fully_shard(moe.experts, mesh=edp_mesh, shard_placement_fn=lambda _: Shard(1), **fsdp_kwargs)
         moe.experts.grad_scale = edp_size / dp_size
 
 
@@ -302,7 +303,7 @@ class MoEParallel:
             return
         apply_expert_parallel(part, ep_mesh=self.ep_mesh["ep"] if self.dims.ep > 1 else None,
                               tp_mesh=self.mesh["tp"] if self.dims.tp > 1 else None,
-                              sequence_parallel=self.pcfg.sequence_parallel, dtensor_residual=True)
+                              sequence_parallel=self.pcfg.sequence_parallel)
         set_data_reduce(part, self.reduce if any(True for _ in moe_modules(part)) else None)
 
     def shard(self, part: nn.Module, **fsdp_kwargs: Any) -> None:
