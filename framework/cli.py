@@ -34,26 +34,17 @@ def init_distributed(timeout_s: float | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    try:
-        from launch.env import dist_env  # type: ignore[import-not-found]
-    except ImportError:
-        dist_env = None
-    if dist_env is not None:
-        env = dist_env()
-        world, rank, local_rank = env.world_size, env.rank, env.local_rank
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world <= 1 or dist.is_initialized():
+    from launch.env import dist_env
+
+    env = dist_env()
+    if not env.is_distributed or dist.is_initialized():
         return
+    env.export()  # RANK, WORLD_SIZE, MASTER_ADDR ... for env:// rendezvous, also under srun
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(env.local_rank)
     timeout = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", timeout_s or 600))  # env overrides config
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -145,7 +145,8 @@ def commit(root: Path, step: int, meta: dict[str, Any], pg: ProcessGroup = None,
     tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
     barrier(pg)
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": world}, indent=1))
+        # meta may name another world size (an offline conversion keeps the saving layout's)
+        (tmp / "meta.json").write_text(json.dumps({"world_size": world, **meta, "step": step}, indent=1))
         write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -216,8 +217,8 @@ def load_state(path: Path, state: dict[str, Any]) -> None:
                               f"model matches the checkpoint (tessera ckpt inspect {path})") from err
 
 
-def load_checkpoint(path: Path, parts: Sequence[nn.Module],
-                    optimizers: Sequence[torch.optim.Optimizer] | None) -> dict[str, Any]:
+def load_checkpoint(path: Path, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] | None,
+                    restore_rng: bool = True) -> dict[str, Any]:
     """Load model (and optimizer) state in place from `path`, reshaping to the current layout; return meta.
 
     RNG states are restored when the world size is the one the checkpoint was saved with (bitwise resume);
@@ -235,7 +236,7 @@ def load_checkpoint(path: Path, parts: Sequence[nn.Module],
             set_optimizer_state_dict(part, opt, state["optim"], options=_OPTS)
     meta = read_meta(path)
     rng_file = path / "rng" / f"rank_{rank}.json"
-    if meta.get("world_size") == world and rng_file.exists():
+    if restore_rng and meta.get("world_size") == world and rng_file.exists():
         set_rng_state(json.loads(rng_file.read_text()))
     return meta
 

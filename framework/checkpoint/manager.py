@@ -127,6 +127,9 @@ class CheckpointManager:
         for note in check_compatible(meta, config, fingerprint, allow_model_change=self.cfg.allow_model_change,
                                      allow_data_change=self.cfg.allow_data_change, path=path):
             log.warning("resuming across a change (overridden): %s", note)
+        if meta.get("model_only"):  # an imported model (tessera ckpt import-hf): fresh optimizer and RNG
+            log.info("%s holds model weights only: starting with a fresh optimizer", path)
+            return ckpt.load_checkpoint(path, parts, None, restore_rng=False)
         return ckpt.load_checkpoint(path, parts, optimizers)
 
     def save(self, step: int, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],

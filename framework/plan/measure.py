@@ -21,14 +21,16 @@ from torch.utils._pytree import tree_leaves
 
 from framework.plan.activations import AttnKernel, Recompute
 
-# The selective-recompute policy the planner's formula assumes: keep matmul outputs and fused attention
-# outputs, recompute everything else (norms, RoPE, the kv-head repeat, activations, the math-SDPA core).
+# The selective-recompute policy the planner's formula assumes — the engine's (framework/parallel/recompute.py):
+# keep the outputs of matmuls, fused attention and tensor-parallel reduce-scatters, recompute everything else
+# (norms, RoPE, the kv-head repeat, activations, softmax, all-gathers).
 SELECTIVE_SAVE_OPS: tuple[str, ...] = (
-    "aten.mm.default", "aten.addmm.default",
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
 )
 
 
@@ -37,6 +39,22 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if str(op) in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn() -> Callable[[], Any]:
+    """The engine's selective context when it is installed (so measurements use the real policy), else ours."""
+    try:
+        from framework.parallel.recompute import selective_context  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return functools.partial(create_selective_checkpoint_contexts_lazy, selective_policy)
+    return selective_context  # type: ignore[no-any-return,unused-ignore]
+
+
+def create_selective_checkpoint_contexts_lazy(policy: Callable[..., Any]) -> Any:
+    """`torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`, imported when called."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 @dataclass
@@ -107,20 +125,31 @@ def layer_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x_leaf: torch.
                       recompute: Recompute = "none", kernel: AttnKernel = "flash") -> tuple[int, dict[str, int]]:
     """Measured activation bytes of one decoder block's forward on `x_leaf` (B, T, D) under a recompute mode."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if recompute == "none":
             return block(x, rope)  # type: ignore[no-any-return]
         context_fn: Callable[[], Any] = contextlib.nullcontext
         if recompute == "selective":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+            context_fn = selective_context_fn()
             return checkpoint(block, x, rope, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
         return checkpoint(block, x, rope, use_reentrant=False)  # type: ignore[no-any-return]
 
     backend = SDPBackend.MATH if kernel == "math" else SDPBackend.FLASH_ATTENTION
     with sdpa_kernel(backend):
         return saved_bytes(block, lambda: x_leaf * 1.0, run, static=(rope, x_leaf))
+
+
+def model_saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[int, dict[str, int]]:
+    """Measured activation bytes of a whole decoder forward plus cross-entropy on `tokens` (B, T+1)."""
+    vocab = model.cfg.vocab_size  # type: ignore[union-attr]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        logits = model(x[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1))
+
+    return saved_bytes(model, tokens.clone, forward, static=(tokens,))
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -182,5 +211,5 @@ def trained_state_bytes(preset: str, *, shard: bool = False, seq: int = 16, batc
     return model_state_bytes(model, opt)
 
 
-__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_state_bytes", "saved_bytes",
-           "selective_policy", "trained_state_bytes"]
+__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_saved_bytes", "model_state_bytes",
+           "saved_bytes", "selective_policy", "trained_state_bytes"]
