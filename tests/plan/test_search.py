@@ -34,7 +34,8 @@ def test_published_megatron_layouts_are_feasible_and_ranked(run: object) -> None
 
 def test_gpu_count_not_divisible_explains() -> None:
     work = Workload(model_config("llama3-70b", max_seq_len=4096), 4096, 512)
-    with pytest.raises(ParallelismError, match=r"--gpus 1020 is not a whole number of 8-GPU nodes.*e\.g\."):
+    with pytest.raises(ParallelismError, match=r"--gpus 1020 is not a whole number of 8-GPU nodes.*e\.g\..*"
+                                               r"smallest cluster that fits is \d+ x h100-80g"):
         plan_or_explain(work, 1020, get_hardware("h100-80g"))
 
 
@@ -79,3 +80,14 @@ def test_cli_custom_shape_and_errors(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["--model", "llama3-8b", "--gpus", "8", "--seq", "128", "--global-batch", "8",
                  "--schedules", "Zigzag"]) == 2
     assert "unknown ['Zigzag']" in capsys.readouterr().err
+
+
+def test_registered_in_the_top_level_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from framework.cli import main as tessera
+
+    assert tessera(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "2048", "--global-batch", "16",
+                    "--top", "1"]) == 0
+    assert "llama3-8b" in capsys.readouterr().out
+    assert tessera(["plan", "--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40g", "--seq", "4096",
+                    "--global-batch", "64"]) == 2
+    assert "smallest cluster that fits" in capsys.readouterr().err
