@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `tessera plan` to the top-level CLI (called by framework.cli)."""
     p = subparsers.add_parser("plan", help="search parallel layouts: memory, step time and MFU per layout")
     add_arguments(p)
     p.set_defaults(func=run)
@@ -101,6 +102,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
+    """The search space from --schedules, --micro-batches and --memory-margin (validated)."""
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     bad = [s for s in schedules if s not in SCHEDULES]
     if bad or not schedules:
@@ -112,6 +114,7 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
 
 
 def format_row(i: int, est: Estimate) -> str:
+    """One line of the layout table: layout, memory breakdown, step time, throughput, MFU and HFU."""
     m = est.memory
     states = sum(m.get(k, 0.0) for k in ("params", "master", "grads", "optimizer"))
     act = m.get("activations", 0.0) + m.get("logits", 0.0)
@@ -136,6 +139,8 @@ def report(work: Workload, result: PlanResult, hw: Hardware, space: SearchSpace,
         est = best[0]
         lines.append(f"\nbest layout, rank {est.memory_rank} of the pipeline at peak: "
                      + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in est.memory.items() if v))
+        lines.append(f"  FLOPs per step: model {est.flops[0]:.3g}, hardware {est.flops[1]:.3g} "
+                     f"({est.flops[1] / est.layout.world:.3g} per GPU); pipeline bubble {est.bubble * 100:.1f}%")
         lines.append("  time per step: " + ", ".join(f"{k} {v:.3f}s" for k, v in est.time.items() if v))
         lines.append("  communication per rank per step: " + ", ".join(
             f"{axis} {c.wire_bytes / 1e9:.2f} GB in {c.seconds:.3f}s" for axis, c in est.comm.items() if c.messages))
@@ -145,6 +150,7 @@ def report(work: Workload, result: PlanResult, hw: Hardware, space: SearchSpace,
 
 
 def run(args: argparse.Namespace) -> int:
+    """Handler of `tessera plan`: search, print the report, optionally check parameters and write a config."""
     cfg = model_from_args(args)
     hw = get_hardware(args.gpu, parse_overrides(args.hw))
     space = space_from_args(args)

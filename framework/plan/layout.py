@@ -38,6 +38,7 @@ class Precision:
 
     @classmethod
     def named(cls, name: str) -> Precision:
+        """"bf16" (mixed precision with fp32 master, gradients and states) or "fp32"."""
         if name == "fp32":
             return cls(param=4, master=0, grad=4, optimizer=8, act=4)
         return cls()
@@ -81,12 +82,15 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     def n_micro(self, global_batch: int) -> int:
+        """Micro-batches per step (pipeline micro-batches = gradient-accumulation steps)."""
         return global_batch // (self.dp * self.micro_batch)
 
     def key(self) -> tuple[int, int, int]:
+        """(tp, pp, ep): what makes two layouts distinct for `--top`."""
         return (self.tp, self.pp, self.ep)
 
     def describe(self) -> str:
+        """'TP8 PP6 DP48 ZeRO-1 rc=none mbs=1 Interleaved1F1B v2'."""
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
         return (f"TP{self.tp} PP{self.pp} DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
                 + f" ZeRO-{self.zero_stage} rc={self.recompute} mbs={self.micro_batch}{sched}")

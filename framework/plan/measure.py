@@ -21,14 +21,16 @@ from torch.utils._pytree import tree_leaves
 
 from framework.plan.activations import AttnKernel, Recompute
 
-# The selective-recompute policy the planner's formula assumes: keep matmul outputs and fused attention
-# outputs, recompute everything else (norms, RoPE, the kv-head repeat, activations, the math-SDPA core).
+# The selective-recompute policy the planner's formula assumes — the engine's (framework/parallel/recompute.py):
+# keep the outputs of matmuls, fused attention and tensor-parallel reduce-scatters, recompute everything else
+# (norms, RoPE, the kv-head repeat, activations, softmax, all-gathers).
 SELECTIVE_SAVE_OPS: tuple[str, ...] = (
-    "aten.mm.default", "aten.addmm.default",
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
 )
 
 
@@ -37,6 +39,22 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if str(op) in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn() -> Callable[[], Any]:
+    """The engine's selective context when it is installed (so measurements use the real policy), else ours."""
+    try:
+        from framework.parallel.recompute import selective_context  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return functools.partial(create_selective_checkpoint_contexts_lazy, selective_policy)
+    return selective_context  # type: ignore[no-any-return,unused-ignore]
+
+
+def create_selective_checkpoint_contexts_lazy(policy: Callable[..., Any]) -> Any:
+    """`torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`, imported when called."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 @dataclass
@@ -103,18 +121,40 @@ def saved_bytes(module: torch.nn.Module, make_input: Callable[[], torch.Tensor],
     return sum(by_op.values()), by_op
 
 
+def hooked_saved_bytes(module: torch.nn.Module, forward: Callable[[], torch.Tensor],
+                       static: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes autograd saves during `forward()`, seen through `torch.autograd.graph.saved_tensors_hooks`.
+
+    A second, independent measurement for the no-recompute case (checkpointing installs its own hooks, which hide
+    what it keeps — hence `saved_bytes`). Storages are counted once; parameters, buffers and `static` are skipped.
+    """
+    skip = _static_ptrs(module) | {t.untyped_storage().data_ptr() for t in static}
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    assert out.grad_fn is not None
+    return sum(sizes.values())
+
+
 def layer_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x_leaf: torch.Tensor, *,
                       recompute: Recompute = "none", kernel: AttnKernel = "flash") -> tuple[int, dict[str, int]]:
     """Measured activation bytes of one decoder block's forward on `x_leaf` (B, T, D) under a recompute mode."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if recompute == "none":
             return block(x, rope)  # type: ignore[no-any-return]
         context_fn: Callable[[], Any] = contextlib.nullcontext
         if recompute == "selective":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+            context_fn = selective_context_fn()
             return checkpoint(block, x, rope, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
         return checkpoint(block, x, rope, use_reentrant=False)  # type: ignore[no-any-return]
 
@@ -193,5 +233,5 @@ def trained_state_bytes(preset: str, *, shard: bool = False, seq: int = 16, batc
     return model_state_bytes(model, opt)
 
 
-__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_saved_bytes", "model_state_bytes",
-           "saved_bytes", "selective_policy", "trained_state_bytes"]
+__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "hooked_saved_bytes", "layer_saved_bytes", "model_saved_bytes",
+           "model_state_bytes", "saved_bytes", "selective_policy", "trained_state_bytes"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from framework.plan.activations import (
     FP32,
+    INT64,
     Recompute,
     embedding_bytes,
     head_bytes,
@@ -119,19 +120,25 @@ def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[
 
 
 def moe_layer_extra_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, act: int) -> int:
-    """Approximate activations of an MoE MLP beyond a dense one (not measured: models/moe.py is not built here).
+    """Activations of an MoE MLP (models/moe) beyond the dense MLP it replaces, on one rank and micro-batch.
 
-    Router logits and probabilities (fp32, sequence-sharded), the dispatched and combined token copies
-    (top_k copies of each token), and each routed copy's expert-MLP tensors minus the dense MLP's.
+    Derived from the saved tensors of models/moe on CPU (within 0.1% there, `tests/plan`): routing runs on this
+    rank's sequence shard of the tokens (r rows, R = top_k·r routed copies). Router: fp32 logits and softmax
+    probabilities (r·E each) and a logsumexp (r); integer routing metadata (sort values and indices, slot ids, the
+    gather index: 4 int64 per routed copy) and the fp32 top-k weights; the dispatched copies, the experts' output
+    and the combine slots (3 x R·h); the routed experts' MLP tensors on R rows (experts are not TP-sharded) and
+    the shared experts' on r rows.
     """
     moe = cfg.moe
-    rows = seq * micro_batch
-    ffn = moe.expert_hidden or cfg.ffn
+    rows = seq * micro_batch // tp
     routed = moe.top_k * rows
-    extra = 2 * FP32 * rows // tp * moe.n_experts + 2 * act * routed * cfg.hidden
+    ffn = moe.expert_hidden or cfg.ffn
+    extra = FP32 * rows * (2 * moe.n_experts + 1) + INT64 * 4 * routed + FP32 * routed
+    extra += act * cfg.hidden * 3 * routed
     extra += sum(t.nbytes for t in mlp_terms(cfg, routed, ffn, act))
-    extra += sum(t.nbytes for t in mlp_terms(cfg, rows, ffn // tp, act)) * moe.n_shared_experts
-    return extra - sum(t.nbytes for t in mlp_terms(cfg, rows, cfg.ffn // tp, act))
+    if moe.n_shared_experts:
+        extra += sum(t.nbytes for t in mlp_terms(cfg, seq * micro_batch, moe.n_shared_experts * ffn // tp, act))
+    return extra - sum(t.nbytes for t in mlp_terms(cfg, seq * micro_batch, cfg.ffn // tp, act))
 
 
 def layer_bytes(work: Workload, lay: Layout, recompute: Recompute) -> float:

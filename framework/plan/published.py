@@ -32,6 +32,7 @@ class PublishedRun:
     source: str
 
     def model(self) -> ModelConfig:
+        """The GPT-block ModelConfig of this run."""
         return model_config(n_layers=self.layers, hidden=self.hidden, n_heads=self.heads, vocab_size=self.vocab,
                             mlp="gelu", norm="layernorm", tied_embeddings=False, max_seq_len=self.seq)
 

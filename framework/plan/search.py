@@ -23,7 +23,7 @@ from framework.plan.hardware import GIB, Hardware
 from framework.plan.layout import MULTI_CHUNK, V_SHAPED, Layout, Workload, layout_problem
 from framework.plan.memory import peak_memory
 
-DEFAULT_SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+DEFAULT_SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 MICRO_BATCHES = (1, 2, 4, 8)
 
 
@@ -76,6 +76,7 @@ class PlanResult:
 
 
 def usable_bytes(hw: Hardware, space: SearchSpace) -> float:
+    """GPU memory a layout may use: capacity minus the safety margin."""
     return hw.memory_bytes * (1 - space.memory_margin)
 
 
@@ -107,6 +108,7 @@ def degrees(work: Workload, gpus: int, hw: Hardware) -> Iterator[tuple[int, int,
 
 
 def candidates(work: Workload, gpus: int, hw: Hardware, space: SearchSpace) -> Iterator[Layout]:
+    """Every layout of the search space for `gpus` GPUs (structurally invalid ones included, to count them)."""
     for tp, pp, dp, ep in degrees(work, gpus, hw):
         for mbs in space.micro_batches:
             base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch=mbs)
@@ -210,9 +212,11 @@ def plan_or_explain(work: Workload, gpus: int, hw: Hardware, space: SearchSpace 
         raise ParallelismError(f"--gpus {gpus} must be >= 1")
     if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
         near = valid_gpu_counts_near(work, gpus, hw, space)
+        smallest = smallest_cluster(work, hw, space)
         raise ParallelismError(
             f"--gpus {gpus} is not a whole number of {hw.gpus_per_node}-GPU nodes; "
-            f"use a multiple of {hw.gpus_per_node}" + (f", e.g. {near} (layouts fit there)" if near else ""))
+            f"use a multiple of {hw.gpus_per_node}" + (f", e.g. {near} (layouts fit there)" if near else "")
+            + (f"; the smallest cluster that fits is {smallest[0]} x {hw.name}" if smallest else ""))
     result = plan(work, gpus, hw, space, progress=progress)
     if result.feasible:
         return result
@@ -246,6 +250,7 @@ def rejection_lines(result: PlanResult, limit: int | None = None) -> list[str]:
 
 
 def describe_workload(work: Workload) -> str:
+    """'llama3-8b (8.0B params) at seq 4096, global batch 256' for reports and errors."""
     from models.flops import num_params
 
     cfg = work.model
@@ -254,12 +259,7 @@ def describe_workload(work: Workload) -> str:
             f"global batch {work.global_batch}")
 
 
-def published_rank(result: PlanResult, tp: int, pp: int, ep: int = 1) -> str:
-    rank = result.rank_of(tp, pp, ep)
-    return f"#{rank}" if rank is not None else "not feasible"
-
-
 __all__ = ["DEFAULT_SCHEDULES", "PlanResult", "SearchSpace", "candidates", "degrees", "explain_infeasible",
-           "fits_somewhere", "plan", "plan_or_explain", "published_rank", "rejection_lines", "smallest_cluster",
+           "fits_somewhere", "plan", "plan_or_explain", "rejection_lines", "smallest_cluster",
            "usable_bytes", "valid_gpu_counts_near"]
 
