@@ -69,12 +69,17 @@ def test_cli_end_to_end_writes_a_loadable_config(tmp_path: Path, capsys: pytest.
     assert world == 64
 
 
-def test_cli_custom_shape_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_custom_shape_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "moe.yaml"
     rc = main(["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn", "4096",
                "--vocab", "32000", "--experts", "8", "--top-k", "2", "--mlp", "swiglu", "--tied",
-               "--gpus", "16", "--gpu", "a100-40g", "--seq", "2048", "--global-batch", "64", "--top", "2"])
+               "--gpus", "16", "--gpu", "a100-40g", "--seq", "2048", "--global-batch", "64", "--top", "2",
+               "--write-config", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and " EP" in text
+    cfg = load_config(out)
+    assert (cfg.model.n_layers, cfg.model.hidden, cfg.model.kv_heads, cfg.model.ffn) == (8, 1024, 4, 4096)
+    assert cfg.model.moe.n_experts == 8 and cfg.model.moe.top_k == 2 and cfg.model.tied_embeddings
     assert main(["--model", "llama3-8b", "--layers", "4", "--gpus", "8", "--seq", "128", "--global-batch", "8"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
     assert main(["--model", "llama3-8b", "--gpus", "8", "--seq", "128", "--global-batch", "8",

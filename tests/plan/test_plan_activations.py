@@ -13,7 +13,7 @@ from framework.plan.activations import (
     tessera_layer_bytes,
     tessera_layer_terms,
 )
-from framework.plan.measure import layer_saved_bytes, model_saved_bytes
+from framework.plan.measure import hooked_saved_bytes, layer_saved_bytes, model_saved_bytes
 from framework.plan.memory import moe_layer_extra_bytes
 from models.config import model_config
 from models.decoder import build_model
@@ -94,6 +94,18 @@ def test_formula_matches_saved_tensors_exactly(shape: dict[str, object]) -> None
                                                 kernel=kernel)
             predicted = tessera_layer_bytes(cfg, s, b, recompute=recompute, act_bytes=4, kernel=kernel)
             assert measured == predicted, (recompute, kernel, by_op)
+
+
+def test_saved_tensor_hooks_agree_without_recompute() -> None:
+    # The hook-based count (what autograd packs) equals the liveness count and the formula.
+    torch.set_num_threads(1)
+    cfg = model_config("test-tiny")
+    model = build_model(cfg)
+    x = torch.randn(2, 32, cfg.hidden, requires_grad=True)
+    block = model.layers["0"]
+    hooked = hooked_saved_bytes(block, lambda: block(x, model.rope), static=(model.rope,))
+    # Both count the block input x: the first norm saves it.
+    assert hooked == layer_saved_bytes(block, model.rope, x)[0] == tessera_layer_bytes(cfg, 32, 2, act_bytes=4)
 
 
 def test_head_bytes_formula() -> None:
