@@ -39,7 +39,8 @@ def decoder_block_plan(sequence_parallel: bool) -> Plan:
     """Plan for one transformer block (attention: wq/wk/wv column-wise, wo row-wise; SwiGLU: w1/w3, w2)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: Plan = {
-        "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+        "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),

@@ -70,9 +70,10 @@ class ParallelEngine:
                 f"train.micro_batch_size")
         self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
         self.scaler = LossScaler(train_cfg.precision == "fp16")
-        self.tied_copy: nn.Parameter | None = None  # the last stage's copy of a tied embedding
+        self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
         self._build_parts()
-        self.optimizers = [build_optimizer([p], train_cfg, device) for p in self.model_parts]
+        self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
+                                                        for p in self.model_parts]
         self._fix_tied_decay()
         self.replica_sync: ReplicatedGradSync | None = None
         if dims.dp_shard == 1 and dims.dp_replicate > 1:
@@ -152,9 +153,10 @@ class ParallelEngine:
         return float(t) / (self.dims.world_size // self.dims.pp)
 
     def _sync_tied(self) -> None:
-        emb = None
+        emb: torch.Tensor | None = None
         if 0 in self.stage_ids:
-            tok = self.model_parts[self.stage_ids.index(0)].tok_embeddings  # type: ignore[union-attr]
+            tok = self.model_parts[self.stage_ids.index(0)].tok_embeddings
+            assert isinstance(tok, nn.Embedding)
             emb = tok.weight
         if self._tie_local:
             if emb is None or self.tied_copy is None:

@@ -44,9 +44,9 @@ def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, para
         target: nn.Module | list[nn.Module] = group[0] if len(group) == 1 else group
         # The last unit's parameters are needed again at once by backward: never reshard them.
         last = i + cfg.fsdp_layers_per_unit >= len(keys)
-        fully_shard(target, reshard_after_forward=reshard and not last, **kwargs)  # type: ignore[arg-type]
+        fully_shard(target, reshard_after_forward=reshard and not last, **kwargs)  # type: ignore[arg-type, call-overload]
         units.append(group[0])  # type: ignore[arg-type]
-    fully_shard(model, reshard_after_forward=reshard and not pipelined, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, reshard_after_forward=reshard and not pipelined, **kwargs)  # type: ignore[arg-type, call-overload]
     if cfg.fsdp_prefetch > 0 and len(units) > 1:
         _set_prefetch(units, cfg.fsdp_prefetch)
     return [model, *units]  # type: ignore[list-item]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from parallel_parity import compare, pack_rounds, run_rounds
 
 from framework.testing import run_distributed
-from parallel_parity import compare, pack_rounds, run_rounds
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
