@@ -22,7 +22,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.errors import ParallelismError
+from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.config import V_SCHEDULES, ParallelConfig
+from framework.parallel.memory import model_state_report, unsharded_param_bytes
 from framework.parallel.mesh import AXES, ParallelDims
 from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
 from framework.parallel.precision import (
@@ -82,6 +84,10 @@ class ParallelEngine:
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
         self._found_inf = False
+        self.comm = CommLogger(mesh_axes(mesh, AXES)) if pcfg.comm_log else None
+
+    def _comm(self) -> contextlib.AbstractContextManager[Any]:
+        return self.comm.active() if self.comm is not None else contextlib.nullcontext()
 
     # --- construction ---------------------------------------------------------------------------------------
     def _build_parts(self) -> None:
@@ -203,6 +209,10 @@ class ParallelEngine:
         return torch.stack([_scalar(x).detach().float() for x in losses]).mean() / self.scaler.scale
 
     def forward_backward(self, batch: torch.Tensor) -> float:
+        with self._comm():
+            return self._forward_backward(batch)
+
+    def _forward_backward(self, batch: torch.Tensor) -> float:
         batch = batch.to(self.device, non_blocking=True)
         self._found_inf = False
         if self.dims.pp > 1:
@@ -223,6 +233,10 @@ class ParallelEngine:
         return self._global_mean_loss(local)
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        with self._comm():
+            return self._clip_grad_norm(max_norm)
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
         params = [p for p in self.parameters() if p.grad is not None]
         scale_grads(params, 1.0 / self.scaler.scale)
         counted = [p for p in params if p is not self.tied_copy]  # a tied weight counts once (first stage)
@@ -233,6 +247,10 @@ class ParallelEngine:
         return norm
 
     def optimizer_step(self, lr: float) -> bool:
+        with self._comm():
+            return self._optimizer_step(lr)
+
+    def _optimizer_step(self, lr: float) -> bool:
         skip = self._found_inf
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -257,7 +275,17 @@ class ParallelEngine:
         return self._global_mean_loss(torch.stack(losses).mean())
 
     def extra_metrics(self) -> dict[str, float]:
-        return {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
+        out: dict[str, float] = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
+        if self.comm is not None:
+            out.update(self.comm.summary())
+            self.comm.reset()
+        return out
+
+    def memory_report(self) -> dict[str, int]:
+        """Model-state bytes on this rank by kind and dtype (framework/parallel/memory.py)."""
+        report = model_state_report(self.model_parts, self.optimizers)
+        report["params_unsharded"] = unsharded_param_bytes(self.model_parts)
+        return report
 
 
 def build_parallel_engine(cfg: Any, device: torch.device, mesh: DeviceMesh | None = None) -> ParallelEngine:
