@@ -25,10 +25,11 @@ def layout_world(config: str, overrides: Sequence[str]) -> int:
 def validate(config: str, overrides: Sequence[str], nproc: int) -> None:
     """Raise ParallelismError/ConfigError now rather than in N ranks."""
     from framework.config import load_config
+    from framework.parallel.engine import micro_batches
     from framework.parallel.mesh import ParallelDims
 
     cfg = load_config(config, overrides)
-    ParallelDims.from_config(cfg.parallel, nproc, cfg.model)
+    micro_batches(ParallelDims.from_config(cfg.parallel, nproc, cfg.model), cfg.train)
 
 
 def build_command(nproc: int, args: Sequence[str], python: str = sys.executable) -> list[str]:

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.config import V_SCHEDULES, ParallelConfig
-from framework.parallel.memory import model_state_report, unsharded_param_bytes
+from framework.parallel.memory import model_state_report, unsharded_bytes
 from framework.parallel.mesh import AXES, ParallelDims
 from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
 from framework.parallel.precision import (
@@ -44,6 +44,21 @@ from models.config import ModelConfig
 from models.decoder import Decoder
 
 
+def micro_batches(dims: ParallelDims, train_cfg: TrainConfig) -> int:
+    """Micro-batches per step on one data rank (= pipeline micro-batches); ParallelismError when they do not fit."""
+    if train_cfg.global_batch_size % (train_cfg.micro_batch_size * dims.dp_size):
+        raise ParallelismError(
+            f"train.global_batch_size={train_cfg.global_batch_size} must be a multiple of micro_batch_size x "
+            f"data-parallel size = {train_cfg.micro_batch_size} x {dims.dp_size}; change one of them")
+    n_micro = train_cfg.global_batch_size // (train_cfg.micro_batch_size * dims.dp_size)
+    if dims.pp > 1 and n_micro < dims.pp:
+        raise ParallelismError(
+            f"pipeline micro-batches = global_batch_size / (micro_batch_size x dp) = {n_micro} < "
+            f"parallel.pp={dims.pp}: the pipeline would idle; raise train.global_batch_size or lower "
+            f"train.micro_batch_size")
+    return n_micro
+
+
 def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -59,17 +74,7 @@ class ParallelEngine:
         self.dp_rank = coord["dp_replicate"] * dims.dp_shard + coord["dp_shard"]
         self.dp_size = dims.dp_size
         self.pp_rank = coord["pp"]
-        per_replica = train_cfg.global_batch_size // dims.dp_size
-        if train_cfg.global_batch_size % (train_cfg.micro_batch_size * dims.dp_size):
-            raise ParallelismError(
-                f"train.global_batch_size={train_cfg.global_batch_size} must be a multiple of micro_batch_size x "
-                f"data-parallel size = {train_cfg.micro_batch_size} x {dims.dp_size}; change one of them")
-        self.n_micro = per_replica // train_cfg.micro_batch_size
-        if dims.pp > 1 and self.n_micro < dims.pp:
-            raise ParallelismError(
-                f"pipeline micro-batches = global_batch_size / (micro_batch_size x dp) = {self.n_micro} < "
-                f"parallel.pp={dims.pp}: the pipeline would idle; raise train.global_batch_size or lower "
-                f"train.micro_batch_size")
+        self.n_micro = micro_batches(dims, train_cfg)
         self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
         self.scaler = LossScaler(train_cfg.precision == "fp16")
         self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
@@ -284,7 +289,7 @@ class ParallelEngine:
     def memory_report(self) -> dict[str, int]:
         """Model-state bytes on this rank by kind and dtype (framework/parallel/memory.py)."""
         report = model_state_report(self.model_parts, self.optimizers)
-        report["params_unsharded"] = unsharded_param_bytes(self.model_parts)
+        report["params_unsharded"], report["grads_unsharded"] = unsharded_bytes(self.model_parts)
         return report
 
 

@@ -48,9 +48,10 @@ def model_state_report(parts: Sequence[nn.Module], optimizers: Sequence[torch.op
     return dict(out)
 
 
-def unsharded_param_bytes(parts: Sequence[nn.Module]) -> int:
-    """Bytes of FSDP2's currently allocated all-gathered parameters (0 when resharded or without FSDP)."""
-    total = 0
+def unsharded_bytes(parts: Sequence[nn.Module]) -> tuple[int, int]:
+    """(bytes of FSDP2's allocated all-gathered parameters, bytes of gradients accumulated on them (ZeRO-1
+    no-sync micro-batches)); (0, 0) when resharded or without FSDP."""
+    total = grads = 0
     for part in parts:
         for module in part.modules():
             state = getattr(module, "_get_fsdp_state", None)
@@ -61,6 +62,10 @@ def unsharded_param_bytes(parts: Sequence[nn.Module]) -> int:
                 continue
             for fp in group.fsdp_params:
                 unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None and unsharded.untyped_storage().size() > 0:
+                if unsharded is None:
+                    continue
+                if unsharded.untyped_storage().size() > 0:
                     total += unsharded.numel() * unsharded.element_size()
-    return total
+                if unsharded.grad is not None:
+                    grads += unsharded.grad.numel() * unsharded.grad.element_size()
+    return total, grads
