@@ -39,16 +39,20 @@ class CommLogger:
     """Counts bytes per (axis, op). `axes` maps process groups to axis names (others are 'other')."""
 
     def __init__(self, axes: dict[Any, str] | None = None) -> None:
-        self.axes = dict(axes or {})
+        # Keyed by group name: sub-mesh lookups may hand back different Python wrappers of one process group.
+        self.axes = {_name(g): axis for g, axis in (axes or {}).items()}
+        self.groups = {_name(g): g for g in (axes or {})}
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.payload: dict[tuple[str, str], int] = defaultdict(int)
         self.wire: dict[tuple[str, str], float] = defaultdict(float)
         self._originals: dict[str, Callable[..., Any]] = {}
 
     def axis_of(self, group: Any) -> str:
+        if group is not None and _name(group) in self.axes:
+            return self.axes[_name(group)]  # checked first: an axis spanning the world may use the WORLD group
         if group is None or group is dist.GroupMember.WORLD:
             return "world"
-        return self.axes.get(group, "other")
+        return "other"
 
     def record(self, op: str, group: Any, full_bytes: int) -> None:
         n = dist.get_world_size(group) if group is not None else dist.get_world_size()
@@ -119,10 +123,7 @@ class _FunctionalCollectives(TorchDispatchMode):
     def __init__(self, logger: CommLogger) -> None:
         super().__init__()
         self.logger = logger
-        self.by_name: dict[str, Any] = {}
-        for group, _axis in logger.axes.items():
-            with contextlib.suppress(Exception):
-                self.by_name[group.group_name] = group
+        self.by_name = logger.groups
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -135,6 +136,13 @@ class _FunctionalCollectives(TorchDispatchMode):
                 size = t.numel() * t.element_size() * (n if "all_gather" in name else 1)
                 self.logger.record(name.replace("_tensor", "").replace("_into", ""), group, size)
         return func(*args, **kwargs)
+
+
+def _name(group: Any) -> str:
+    try:
+        return str(group.group_name)
+    except Exception:
+        return str(id(group))
 
 
 def mesh_axes(mesh: Any, names: tuple[str, ...]) -> dict[Any, str]:

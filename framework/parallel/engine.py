@@ -206,6 +206,10 @@ class ParallelEngine:
 
     def _pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor | None:
         flat = batch.reshape(-1, batch.shape[-1])
+        if batch.shape[0] < self.dims.pp and flat.shape[0] % self.dims.pp == 0:
+            # Evaluation hands over one micro-batch: split its rows so every stage gets work (equal-length
+            # sequences, so the mean of the chunk means is the batch mean).
+            batch = flat.reshape(self.dims.pp, -1, flat.shape[-1])
         with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
             losses = run_schedule(self._schedule(batch.shape[0]), self.stage_ids, self.n_stages, flat[:, :-1],
                                   flat[:, 1:], train=train)
