@@ -90,6 +90,11 @@ def load_build(build_dir: str | Path, cfg: DataConfig, global_batch_size: int | 
             val[name] = PackedSource(tokens, np.flatnonzero(held), seq_len=cfg.seq_len, seed=cfg.seed,
                                      name=name, shuffle=False)
     phases = _phases(cfg, global_batch_size)
+    for start, weights in phases:
+        unknown = sorted(set(weights) - set(train))
+        if unknown:
+            raise DataError(f"data weights (phase from sample {start}) name sources {unknown} that the build "
+                            f"{build_dir} does not have; known sources: {sorted(train)}")
     used = [n for n in train if cfg.weights.get(n, 0) > 0]
     length = cfg.num_samples or sum(len(train[n]) for n in used)
     mixture = MixtureSamples(train, phases, length, cfg.max_epochs)

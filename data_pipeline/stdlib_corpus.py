@@ -1,7 +1,7 @@
 """The embedded default corpus: the running interpreter's standard library as three text domains.
 
 code  : every `.py` file outside test directories, one document per file;
-prose : docstrings (through `ast`) and blocks of consecutive comment lines (through `tokenize`), one document
+prose : docstrings (through `ast`) and blocks of consecutive full-line comments, one document
         per docstring or comment block — real English written by programmers;
 tests : every `.py` file under a `test`/`tests`/`idle_test` directory, one document per file.
 
@@ -12,11 +12,10 @@ something to do, and no download is ever needed (ARCHITECTURE.md §5).
 from __future__ import annotations
 
 import ast
-import io
 import os
+import re
 import sys
 import sysconfig
-import tokenize
 from collections.abc import Iterator
 from multiprocessing import get_context
 from pathlib import Path
@@ -26,6 +25,7 @@ _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 # Directories that hold installed third-party code or deliberately broken inputs, not the standard library.
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "bad_coding", "lib2to3_data"})
 _MIN_PROSE_CHARS = 40
+_COMMENT_LINE = re.compile(r"^\s*#+(.*)$")
 
 
 def stdlib_root() -> Path:
@@ -65,21 +65,23 @@ def _docstrings(source: str) -> list[str]:
 
 
 def _comment_blocks(source: str) -> list[str]:
-    """Runs of comments on consecutive lines, joined, with the leading '#' stripped."""
+    """Runs of full-line comments on consecutive lines, joined, with the leading '#' stripped.
+
+    A line-level scan rather than `tokenize`: tokenize costs as much as the whole `ast` pass, and inline
+    comments (after code) are mostly too short to be prose anyway.
+    """
     blocks: list[list[str]] = []
-    last_line = -2
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type != tokenize.COMMENT:
-                continue
-            text = tok.string.lstrip("#").strip()
-            if tok.start[0] == last_line + 1 and blocks:
-                blocks[-1].append(text)
-            else:
-                blocks.append([text])
-            last_line = tok.start[0]
-    except (tokenize.TokenError, SyntaxError, ValueError):
-        pass  # keep what was read before the broken line
+    previous = False
+    for line in source.split("\n"):
+        match = _COMMENT_LINE.match(line)
+        if match is None:
+            previous = False
+            continue
+        if previous:
+            blocks[-1].append(match.group(1).strip())
+        else:
+            blocks.append([match.group(1).strip()])
+        previous = True
     joined = ("\n".join(b).strip() for b in blocks)
     return [b for b in joined if len(b) >= _MIN_PROSE_CHARS and not b.startswith("!")]
 
@@ -98,7 +100,7 @@ def iter_stdlib_documents(workers: int = 2, root: Path | None = None) -> Iterato
     """Yield `(domain, text)` for the whole standard library, in a deterministic order.
 
     Args:
-        workers: Processes parsing files (`ast` + `tokenize` cost ~0.25 s/MB on one core).
+        workers: Processes parsing files (`ast` costs ~0.25 s/MB on one core).
         root: Standard-library directory; the running interpreter's by default.
     """
     items = [(d, str(p)) for d, p in list_stdlib_files(root)]

@@ -29,31 +29,22 @@ SUBCOMMAND_MODULES = [
 SMOKE_CONFIG = "configs/smoke/smoke.yaml"
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: float | None = None) -> None:
     """Initialize the default process group when launched with several ranks (torchrun or srun)."""
     import torch
     import torch.distributed as dist
 
-    try:
-        from launch.env import dist_env  # type: ignore[import-not-found]
-    except ImportError:
-        dist_env = None
-    if dist_env is not None:
-        env = dist_env()
-        world, rank, local_rank = env.world_size, env.rank, env.local_rank
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world <= 1 or dist.is_initialized():
+    from launch.env import dist_env
+
+    env = dist_env()
+    if not env.is_distributed or dist.is_initialized():
         return
+    env.export()  # RANK, WORLD_SIZE, MASTER_ADDR ... for env:// rendezvous, also under srun
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    timeout = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", "600"))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        torch.cuda.set_device(env.local_rank)
+    timeout = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", timeout_s or 600))  # env overrides config
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -61,7 +52,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from framework.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    init_distributed()
+    init_distributed(cfg.checkpoint.collective_timeout_s)
     torch_threads = os.environ.get("TESSERA_NUM_THREADS")
     if torch_threads:
         import torch
@@ -70,7 +61,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = Trainer(cfg).train()
     print(f"run {result.run_dir}: steps {result.start_step}->{result.final_step}, "
           f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, {result.tokens_per_s:.0f} tokens/s")
-    return 0
+    return result.exit_code
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:

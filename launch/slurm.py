@@ -7,7 +7,7 @@ The rendered script is meant to be read by a person before it is submitted (`--d
   seconds before the time limit (`--signal=USR1@lead`; it reaches every process of the step);
 - runs the ranks either directly (`srun python -m framework.cli train ...`, one task per rank, `launch.env`
   reads SLURM's variables) or through torchrun (`srun` one agent per node, c10d rendezvous on the first node);
-- on SIGUSR1 the trainer saves a checkpoint and exits with `REQUEUE_EXIT_CODE`; the script sees that code and
+- on SIGUSR1 the trainer saves a checkpoint and exits with `checkpoint.requeue_exit_code` (42); the script sees it and
   runs `scontrol requeue`, and the restarted job resumes from `latest` in the same run directory.
 """
 
@@ -29,6 +29,11 @@ try:  # the checkpoint subsystem owns the code; 42 until it defines one
     from framework.checkpoint import REQUEUE_EXIT_CODE  # type: ignore[attr-defined]
 except ImportError:
     REQUEUE_EXIT_CODE = 42
+
+
+def requeue_exit_code(cfg: Config) -> int:
+    """The code the trainer exits with after a SIGUSR1 save: checkpoint.requeue_exit_code when configurable."""
+    return int(getattr(cfg.checkpoint, "requeue_exit_code", REQUEUE_EXIT_CODE))
 
 Mode = Literal["srun", "torchrun"]
 # Signals torchrun's agent traps and forwards to its workers. Its default (SIGTERM, SIGINT, SIGHUP, SIGQUIT) lacks
@@ -187,7 +192,7 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
         "# agent handles: older torchrun reads TORCHELASTIC_SIGNALS_TO_HANDLE, newer ones overwrite it from",
         "# --signals-to-handle, whose default is PET_SIGNALS_TO_HANDLE. On SIGUSR1 the agent forwards it and gives",
         "# the workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to save before SIGKILL. launch.torchrun is torchrun",
-        f"# that exits {REQUEUE_EXIT_CODE} when its workers asked for a requeue (plain torchrun exits 1 either way).",
+        "# exiting with $TESSERA_REQUEUE_EXIT_CODE when its workers asked for a requeue (plain torchrun exits 1).",
         f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHRUN_SIGNALS}",
         "export PET_SIGNALS_TO_HANDLE=$TORCHELASTIC_SIGNALS_TO_HANDLE",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={spec.signal_lead_s}",
@@ -224,7 +229,7 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
         "set -uo pipefail",
         'cd "$SLURM_SUBMIT_DIR"',
         f"PYTHON={shlex.quote(python)}",
-        f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}  # framework.checkpoint: saved on SIGUSR1, asks for a requeue",
+        f"export TESSERA_REQUEUE_EXIT_CODE={requeue_exit_code(cfg)}  # checkpoint.requeue_exit_code: saved on SIGUSR1",
         "",
         "# Rendezvous on the first node; the port comes from the job id (same rule as launch.env).",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -237,7 +242,7 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
         *_launch_block(spec, program),
         "rc=$?",
         'echo "[tessera] ranks exited with $rc at $(date -u +%FT%TZ)"',
-        'if [ "$rc" -eq "$REQUEUE_EXIT_CODE" ]; then',
+        'if [ "$rc" -eq "$TESSERA_REQUEUE_EXIT_CODE" ]; then',
         '    echo "[tessera] checkpoint saved on SIGUSR1: requeueing job $SLURM_JOB_ID"',
         '    scontrol requeue "$SLURM_JOB_ID"',
         "    exit 0",
@@ -258,5 +263,5 @@ def submit(script: str, run_dir: Path) -> str:
     return out.stdout.strip().split(";")[0]
 
 
-__all__ = ["REQUEUE_EXIT_CODE", "SlurmSpec", "check_cluster", "layout_degrees", "parse_time_s",
-           "render_sbatch", "submit", "validate_spec"]
+__all__ = ["REQUEUE_EXIT_CODE", "SlurmSpec", "check_cluster", "layout_degrees", "parse_time_s", "render_sbatch",
+           "requeue_exit_code", "submit", "validate_spec"]

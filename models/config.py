@@ -169,6 +169,10 @@ PRESETS: dict[str, dict[str, object]] = {
                    max_seq_len=512, tied_embeddings=True),
     "test-moe": _p(vocab_size=512, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256,
                    moe=dict(n_experts=4, top_k=2, expert_hidden=64)),
+    "smoke-moe": _p(vocab_size=4096, hidden=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384,
+                    max_seq_len=512, tied_embeddings=True,
+                    moe=dict(n_experts=8, top_k=2, expert_hidden=128, n_shared_experts=1, first_dense_layers=1,
+                             capacity_factor=1.25, z_loss_coef=1e-3)),
     # Llama shapes (meta device only on a laptop).
     "llama-1b": _p(vocab_size=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
                    rope_theta=500000.0, max_seq_len=8192, tied_embeddings=True),

@@ -1,10 +1,40 @@
-"""Checkpoint configuration."""
+"""Checkpoint and fault-tolerance configuration (`checkpoint.*` in YAML)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from framework.errors import ConfigError
+
+REQUEUE_EXIT_CODE = 42
+"""Exit code of every rank after a signal-triggered save or a watchdog timeout; launch/slurm requeues on it."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class GuardConfig:
+    """Loss-spike and NaN/inf guard: skip bad updates; after `max_consecutive` in a row, roll back."""
+
+    enabled: bool = True
+    zscore: float = 6.0
+    """A loss more than this many standard deviations above the rolling mean is a spike; 0 disables spikes
+    (non-finite losses and gradients are always caught)."""
+    window: int = 50
+    """Length of the rolling window of accepted losses the z-score is measured against."""
+    min_history: int = 10
+    """Spikes are only judged once the window holds this many losses (early training moves fast)."""
+    max_consecutive: int = 3
+    """After this many skipped steps in a row, roll back to the last checkpoint and skip that data window."""
+
+    def validate(self) -> None:
+        if self.zscore < 0:
+            raise ConfigError(f"checkpoint.guard.zscore={self.zscore} must be >= 0 (0 disables spike detection)")
+        if self.window < 2 or not 2 <= self.min_history <= self.window:
+            raise ConfigError(
+                f"checkpoint.guard.window={self.window}, min_history={self.min_history}: need "
+                f"2 <= min_history <= window; e.g. window=50, min_history=10")
+        if self.max_consecutive < 1:
+            raise ConfigError(f"checkpoint.guard.max_consecutive={self.max_consecutive} must be >= 1")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -18,6 +48,24 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from `latest` in the run directory when it exists."""
     save_final: bool = True
+    async_save: bool = False
+    """Write checkpoints from a background thread (training continues; at most one save in flight)."""
+    verify: Literal["checksum", "size", "none"] = "checksum"
+    """What a load checks against the manifest: sizes and xxh3 checksums, sizes only, or nothing."""
+    allow_model_change: bool = False
+    """Resume even though model.* differs from the checkpoint's (e.g. after a deliberate fine-tune change)."""
+    allow_data_change: bool = False
+    """Resume even though the data fingerprint differs from the checkpoint's."""
+    requeue_exit_code: int = REQUEUE_EXIT_CODE
+    """Exit code after a SIGTERM/SIGUSR1 save or a watchdog timeout (the SLURM script requeues on it)."""
+    handle_signals: bool = True
+    """Catch SIGTERM and SIGUSR1: save at the next step boundary and exit with `requeue_exit_code`."""
+    watchdog_timeout_s: float = 0.0
+    """Dump every rank's stacks and exit with `requeue_exit_code` when no step completes for this long; 0 off."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of the training process group's collectives (must exceed watchdog_timeout_s so the watchdog,
+    not a collective error, reports a hang)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def validate(self) -> None:
         if self.interval < 0:
@@ -26,3 +74,16 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 1 so a resume point always exists")
         if self.keep_every < 0:
             raise ConfigError(f"checkpoint.keep_every={self.keep_every} must be >= 0")
+        if not 1 <= self.requeue_exit_code <= 255:
+            raise ConfigError(
+                f"checkpoint.requeue_exit_code={self.requeue_exit_code} must be in [1, 255]; the default is 42")
+        if self.watchdog_timeout_s < 0 or self.collective_timeout_s <= 0:
+            raise ConfigError(
+                f"checkpoint.watchdog_timeout_s={self.watchdog_timeout_s} must be >= 0 and "
+                f"checkpoint.collective_timeout_s={self.collective_timeout_s} > 0")
+        if self.watchdog_timeout_s and self.collective_timeout_s <= self.watchdog_timeout_s:
+            raise ConfigError(
+                f"checkpoint.collective_timeout_s={self.collective_timeout_s} must exceed "
+                f"checkpoint.watchdog_timeout_s={self.watchdog_timeout_s}, or a hang surfaces as a collective "
+                f"error instead of stack dumps; raise collective_timeout_s to e.g. "
+                f"{2 * self.watchdog_timeout_s:g}")

@@ -33,7 +33,7 @@ def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
     if dataclasses.is_dataclass(tp):
-        return f"a mapping ({tp.__name__})"
+        return f"a mapping ({getattr(tp, '__name__', tp)})"
     if origin is not None:
         return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", str(tp))
@@ -87,6 +87,12 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         kt, vt = get_args(tp) or (Any, Any)
         return {_convert(k, kt, f"{path}.<key>"): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
     if tp is float:
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads 3e-4 — no dot in the mantissa — as a string; accept what float() reads.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}={value!r}: expected a float; write a number such as 3e-4")
         return float(value)

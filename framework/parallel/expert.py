@@ -217,6 +217,26 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for moe in moe_modules(model) for p in moe.experts.parameters()]
 
 
+def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, **fsdp_kwargs: Any) -> None:
+    """`fully_shard` every MoE layer's experts over the edp ranks (call before FSDP wraps the blocks).
+
+    FSDP averages the expert gradients over the edp_size ranks; the expert gradient must be divided by the
+    data-parallel size instead (see `ExpertGradSync`), so the experts scale their gradients by edp / dp.
+
+    Args:
+        model: a decoder or pipeline stage after `apply_expert_parallel` and `init_weights`.
+        edp_mesh: `ParallelDims.build_ep_mesh(...)["edp"]` (or `["dp_replicate", "edp"]` for HSDP).
+        dp_size: data-parallel ranks (dp_replicate x dp_shard).
+        **fsdp_kwargs: passed to `fully_shard` (mp_policy, offload_policy, reshard_after_forward).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    edp_size = edp_mesh.size()
+    for moe in moe_modules(model):
+        fully_shard(moe.experts, mesh=edp_mesh, **fsdp_kwargs)
+        moe.experts.grad_scale = edp_size / dp_size
+
+
 class ExpertGradSync:
     """Without FSDP on the experts: sum expert gradients over the edp group, divide by the data-parallel size.
 

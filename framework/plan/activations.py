@@ -30,6 +30,7 @@ Recompute = Literal["none", "selective", "full"]
 AttnKernel = Literal["flash", "math"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 FP32 = 4
+INT64 = 8
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def tessera_layer_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int
         act_bytes: bytes of one activation element (2 bf16/fp16, 4 fp32).
         kernel: "flash" (the flash/efficient SDPA kernels on CUDA, and the flash kernel PyTorch uses on CPU)
             saves q, k, v, out and the fp32 logsumexp — no s x s matrix; "math" (the composite SDPA) saves
-            the scaled q and k, v, the s x s attention probabilities and writes a new output for `wo`.
+            the scaled q and k, v, the s x s attention probabilities (all fp32, also for 16-bit inputs) and
+            writes a new output for `wo`.
 
     Returns:
         The saved tensors in forward order; their `nbytes` sum to the layer's activation bytes.
@@ -88,9 +90,11 @@ def tessera_layer_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int
                   SavedTerm("attention.out", p * rows * h_t, selective=True),  # also wo's input (same storage)
                   SavedTerm("attention.logsumexp", FP32 * a_t * s * b, selective=True)]
     else:
-        terms += [SavedTerm("attention.q_scaled", p * rows * h_t), SavedTerm("attention.k_scaled", p * rows * h_t),
-                  SavedTerm("attention.v", p * rows * h_t),
-                  SavedTerm("attention.probs", p * a_t * s * s * b),
+        # The composite kernel upcasts 16-bit q, k, v to fp32 (measured on CPU), so its core is fp32 throughout.
+        m = max(p, FP32)
+        terms += [SavedTerm("attention.q_scaled", m * rows * h_t), SavedTerm("attention.k_scaled", m * rows * h_t),
+                  SavedTerm("attention.v", m * rows * h_t),
+                  SavedTerm("attention.probs", m * a_t * s * s * b),
                   SavedTerm("attention.wo_input", p * rows * h_t)]
     terms += _norm_terms("ffn_norm", cfg, norm_rows, h, p)
     terms.append(SavedTerm("feed_forward.input", p * rows * h))  # shared by w1 (and w3)
@@ -156,26 +160,37 @@ def head_bytes(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp:
     """Bytes the final norm, the output projection and the cross-entropy keep (last pipeline stage).
 
     The final norm saves like a block norm, the (gathered) head input is kept by the projection, and the loss
-    keeps the fp32 log-probabilities over this rank's vocabulary shard (vocab-parallel cross-entropy).
+    keeps the fp32 log-probabilities over this rank's vocabulary shard (vocab-parallel cross-entropy), the
+    int64 targets and a scalar.
     """
     rows = seq * micro_batch
     terms = _norm_terms("norm", cfg, rows // tp if sp else rows, cfg.hidden, act_bytes)
-    return sum(x.nbytes for x in terms) + act_bytes * rows * cfg.hidden + FP32 * rows * (cfg.vocab_size // tp)
+    loss = FP32 * rows * (cfg.vocab_size // tp) + INT64 * rows + FP32  # log-probs, targets, total weight
+    return sum(x.nbytes for x in terms) + act_bytes * rows * cfg.hidden + loss
+
+
+def embedding_bytes(seq: int, micro_batch: int) -> int:
+    """The token ids the embedding keeps for its backward (first pipeline stage).
+
+    A Tessera sample holds seq + 1 tokens (inputs and shifted labels), and the embedding's input is a view of it.
+    """
+    return INT64 * (seq + 1) * micro_batch
 
 
 def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
-                            sp: bool = False, recompute: Recompute = "none") -> float:
+                            sp: bool = False, recompute: Recompute = "none", flash: bool = False) -> float:
     """Korthikanti et al. 2022, activation bytes per GPT layer (16-bit activations, 1-byte dropout masks).
 
     none: sbh(34 + 5as/h) at t=1; sbh(10 + 24/t + 5as/(ht)) with tensor parallelism; sbh(34/t + 5as/(ht)) with
     sequence parallelism. selective (recompute the attention core): sbh(10 + 24/t), or 34 sbh/t with SP.
-    full: the layer input, 2sbh (2sbh/t with SP).
+    full: the layer input, 2sbh (2sbh/t with SP). `flash=True` models Megatron with a fused attention kernel:
+    the 5as/h term (softmax output, dropout mask and output) is gone, as under selective recompute.
     """
     s, b, h, a, t = seq, micro_batch, hidden, heads, tp
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
-    attn_core = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    attn_core = 0.0 if recompute == "selective" or flash else 5 * a * s / (h * t)
     if sp:
         return sbh * (34 / t + attn_core)
     return sbh * (10 + 24 / t + attn_core)
@@ -200,5 +215,6 @@ def in_flight_factor(schedule: str, pp: int, n_micro: int, virtual: int = 1) -> 
     return min(pp, n_micro) / pp  # 1F1B, ZBVZeroBubble
 
 
-__all__ = ["RECOMPUTE_MODES", "AttnKernel", "Recompute", "SavedTerm", "head_bytes", "in_flight_factor",
-           "korthikanti_layer_bytes", "mlp_terms", "selective_terms", "tessera_layer_bytes", "tessera_layer_terms"]
+__all__ = ["RECOMPUTE_MODES", "AttnKernel", "Recompute", "SavedTerm", "embedding_bytes", "head_bytes",
+           "in_flight_factor", "korthikanti_layer_bytes", "mlp_terms", "selective_terms", "tessera_layer_bytes",
+           "tessera_layer_terms"]

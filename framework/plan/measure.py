@@ -123,23 +123,35 @@ def layer_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x_leaf: torch.
         return saved_bytes(block, lambda: x_leaf * 1.0, run, static=(rope, x_leaf))
 
 
+def model_saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[int, dict[str, int]]:
+    """Measured activation bytes of a whole decoder forward plus cross-entropy on `tokens` (B, T+1)."""
+    vocab = model.cfg.vocab_size  # type: ignore[union-attr]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        logits = model(x[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1))
+
+    return saved_bytes(model, tokens.clone, forward, static=(tokens,))
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states on this rank (local shards of DTensors), by kind.
 
-    Storages are counted once (tied weights); the per-parameter `step` counters of AdamW are reported apart.
+    Tensors are counted once (tied weights); the per-parameter `step` counters of AdamW are reported apart.
     """
     def local(t: torch.Tensor) -> torch.Tensor:
         to_local = getattr(t, "to_local", None)
         return to_local() if to_local is not None else t
 
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
     out = {"params": 0, "grads": 0, "optimizer": 0, "optimizer_step": 0}
 
     def add(kind: str, t: torch.Tensor) -> None:
         t = local(t)
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
+        # Keyed by address and size, not by storage: FSDP2 keeps a unit's shards as views of one flat buffer.
+        key = (t.data_ptr(), t.numel())
+        if key not in seen:
+            seen.add(key)
             out[kind] += t.numel() * t.element_size()
 
     for p in model.parameters():
@@ -154,5 +166,32 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     return out
 
 
-__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_state_bytes", "saved_bytes",
-           "selective_policy"]
+def trained_state_bytes(preset: str, *, shard: bool = False, seq: int = 16, batch: int = 2) -> dict[str, int]:
+    """Model-state bytes on this rank after one AdamW step of a small preset model on CPU (fp32).
+
+    With `shard=True` (inside an initialized process group) every block and the root are wrapped with FSDP2
+    `fully_shard` over all ranks — ZeRO-3: parameters, gradients and optimizer states sharded.
+    """
+    from models.config import model_config
+    from models.decoder import build_model
+
+    torch.manual_seed(0)
+    cfg = model_config(preset)
+    model = build_model(cfg)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    return model_state_bytes(model, opt)
+
+
+__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_saved_bytes", "model_state_bytes",
+           "saved_bytes", "selective_policy", "trained_state_bytes"]

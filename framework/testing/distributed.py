@@ -78,6 +78,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backen
         outcome = _RankOutcome(rank, False, error=text, collective=_is_collective_error(exc, text))
     try:
         queue.put(outcome)
+        # put() hands the object to a feeder thread; os._exit below would kill it before the bytes are written.
+        queue.close()
+        queue.join_thread()
     finally:
         if dist.is_initialized():
             try:

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from framework.checkpoint import dcp as ckpt
+from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
-from framework.errors import CheckpointError, ConfigError
+from framework.errors import ConfigError
 from framework.train.engine import Engine, LocalEngine, resolve_device
 from framework.train.run_dir import RunDir, get_logger, setup_logging
 from framework.train.schedule import lr_at
@@ -58,6 +58,8 @@ class TrainResult:
     tokens_per_s: float = 0.0
     mean_step_time_s: float = 0.0
     eval: dict[str, float] = field(default_factory=dict)
+    exit_code: int = 0
+    """checkpoint.requeue_exit_code after a SIGTERM/SIGUSR1 stop (the checkpoint has committed), else 0."""
 
     @property
     def first_loss(self) -> float:
@@ -126,6 +128,7 @@ class Trainer:
         self.observer = Observer(cfg, self.run_dir.path, self.rank, self.world, self.device)
         self.sinks: list[MetricSink] = [JsonlSink(self.run_dir), *self.observer.sinks] if self.rank == 0 else []
         self.step = 0
+        self.ft = FaultTolerance(cfg.checkpoint, self.run_dir.path, self.device)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
 
     # --- setup ---------------------------------------------------------------------------------------------
@@ -140,23 +143,44 @@ class Trainer:
         return data
 
     def resume(self) -> bool:
-        """Load `latest` when it exists (and checkpoint.resume); truncate metrics after it. True if resumed."""
+        """Load the newest valid checkpoint (and checkpoint.resume); truncate metrics after it. True if resumed."""
         if not self.cfg.checkpoint.resume:
             return False
-        path = ckpt.latest_checkpoint(self.run_dir.checkpoints)
+        path = self.ft.manager.resume_point()
         if path is None:
             return False
-        meta = ckpt.load_checkpoint(path, self.engine.model_parts, self.engine.optimizers)
-        if meta.get("data_fingerprint") not in (None, self.data.fingerprint):
-            raise CheckpointError(
-                f"checkpoint {path} was trained on data fingerprint {meta['data_fingerprint']}, this run's data "
-                f"has {self.data.fingerprint}; restore the data config or start a new run.name")
-        self.step = int(meta["step"])
-        self.loader.load_state_dict(meta["loader"])
+        self._load(path)
         if self.rank == 0:
             dropped = self.run_dir.truncate_metrics_after(self.step)
             log.info("resumed from %s (step %d); dropped %d later metric records", path.name, self.step, dropped)
         return True
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        meta = self.ft.manager.load(path, self.engine.model_parts, self.engine.optimizers, to_dict(self.cfg),
+                                    self.data.fingerprint)
+        self.step = int(meta["step"])
+        self.loader.load_state_dict(meta["loader"])
+        self.ft.guard.load_state_dict(meta.get("guard"))
+        return meta
+
+    def rollback(self) -> None:
+        """After `guard.max_consecutive` skipped steps: reload the last checkpoint, skip the bad data window."""
+        bad_step, consumed = self.step, self.loader.consumed_samples
+        path = self.ft.manager.resume_point()
+        guard = self.ft.guard
+        counters = guard.skipped_total, guard.rollbacks
+        if path is not None:
+            self._load(path)
+        guard.skipped_total, guard.rollbacks = counters  # cumulative over the run, not restored
+        guard.rolled_back()
+        window = [self.loader.consumed_samples, consumed]
+        self.loader.load_state_dict({"consumed_samples": consumed})  # continue after the offending samples
+        log.warning("guard: %d bad steps in a row up to step %d; rolled back to %s and skipped samples [%d, %d)",
+                    self.cfg.checkpoint.guard.max_consecutive, bad_step, path.name if path else "nothing (no "
+                    "checkpoint yet: weights kept)", *window)
+        # The skipped steps' records stay in metrics.jsonl (the rollback record explains the repeated steps).
+        self.log_record({"type": "rollback", "step": self.step, "from_step": bad_step, "skipped_samples": window,
+                         "checkpoint": path.name if path else None})
 
     # --- the loop ------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
@@ -168,7 +192,13 @@ class Trainer:
         t_fb = time.perf_counter()
         grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
         lr = lr_at(self.cfg.train, self.step)
-        applied = self.engine.optimizer_step(lr)
+        verdict = self.ft.guard.check(loss, grad_norm)
+        if verdict.skip:
+            for opt in self.engine.optimizers:  # drop this step's gradients; no update
+                opt.zero_grad(set_to_none=True)
+            applied = False
+        else:
+            applied = self.engine.optimizer_step(lr)
         t_end = time.perf_counter()
         self.step += 1
         dt = t_end - t0
@@ -178,6 +208,11 @@ class Trainer:
             "step_time_s": dt, "data_time_s": t_data - t0, "fwd_bwd_time_s": t_fb - t_data,
             "optim_time_s": t_end - t_fb, "memory_mb": memory_mb(self.device), "skipped": not applied,
         }
+        if verdict.skip:
+            record.update(guard=verdict.reason, guard_zscore=verdict.zscore,
+                          guard_skipped_total=self.ft.guard.skipped_total)
+            log.warning("guard: step %d skipped (%s, loss %s, grad_norm %s); %d skipped so far", self.step,
+                        verdict.reason, loss, grad_norm, self.ft.guard.skipped_total)
         record.update(self.engine.extra_metrics())
         record.update(self.observer.on_step(record))
         return record
@@ -211,16 +246,11 @@ class Trainer:
             log.info("eval step %d: %s", record["step"],
                      "  ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("val_loss/")))
 
-    def save(self) -> Path:
+    def save(self, blocking: bool = False) -> None:
+        """Checkpoint this step (in the background with checkpoint.async_save unless `blocking`)."""
         meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
-                "data_fingerprint": self.data.fingerprint}
-        path = ckpt.save_checkpoint(self.run_dir.checkpoints, self.step, self.engine.model_parts,
-                                    self.engine.optimizers, meta)
-        if self.rank == 0:
-            ckpt.prune_checkpoints(self.run_dir.checkpoints, self.cfg.checkpoint.keep_last,
-                                   self.cfg.checkpoint.keep_every)
-            log.info("saved checkpoint %s", path)
-        return path
+                "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict()}
+        self.ft.manager.save(self.step, self.engine.model_parts, self.engine.optimizers, meta, blocking=blocking)
 
     def _should_save(self) -> bool:
         interval = self.cfg.checkpoint.interval
@@ -231,30 +261,54 @@ class Trainer:
         interval = self.cfg.train.eval_interval
         return bool(self.data.val) and interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
 
+    def _timed_save(self, blocking: bool = False) -> float:
+        """Save and log the time the loop spent on it (with async saves: the staging copy only)."""
+        t_save = time.perf_counter()
+        self.save(blocking=blocking)
+        t_save = time.perf_counter() - t_save
+        self.log_record({"type": "checkpoint", "step": self.step, "checkpoint_time_s": t_save})
+        return t_save
+
+    def _stop_for_requeue(self, result: TrainResult) -> float:
+        """A stop signal reached some rank: make sure this step is committed, then report the requeue code."""
+        t_save = 0.0
+        if self.ft.manager.last_saved_step != self.step:
+            t_save = self._timed_save(blocking=True)
+        self.ft.manager.wait()
+        result.exit_code = self.ft.exit_code
+        log.warning("stopping at step %d on %s: checkpoint committed; exit code %d (requeue)", self.step,
+                    self.ft.stop_reason, result.exit_code)
+        return t_save
+
     def train(self, stop_at: int | None = None) -> TrainResult:
         """Run (or resume) to `train.steps` — or stop early after step `stop_at`; returns a summary."""
         if self.rank == 0:
             self.run_dir.write_config(dump_config(self.cfg))
+        self.ft.manager.remove_partial_saves()
         self.resume()
         result = TrainResult(self.run_dir.path, self.step, self.step)
         times, ckpt_time = [], 0.0
         log.info("training %s from step %d to %d on %d rank(s), %s", self.cfg.run.name, self.step,
                  self.cfg.train.steps, self.world, self.device)
         end = min(self.cfg.train.steps, stop_at) if stop_at is not None else self.cfg.train.steps
-        while self.step < end:
-            record = self.train_step()
-            result.losses[self.step] = record["loss"]
-            times.append(record["step_time_s"])
-            self.log_record(record)
-            if self._should_eval():
-                result.eval = self.evaluate()
-                self.log_record({"type": "eval", "step": self.step, **result.eval})
-            if self._should_save() or self.step == stop_at:
-                t_save = time.perf_counter()
-                self.save()
-                t_save = time.perf_counter() - t_save
-                ckpt_time += t_save
-                self.log_record({"type": "checkpoint", "step": self.step, "checkpoint_time_s": t_save})
+        with self.ft.running():
+            while self.step < end:
+                record = self.train_step()
+                result.losses[self.step] = record["loss"]
+                times.append(record["step_time_s"])
+                self.log_record(record)
+                self.ft.step_done(self.step)
+                if self.ft.guard.rollback_due:
+                    self.rollback()
+                    continue
+                if self._should_eval():
+                    result.eval = self.evaluate()
+                    self.log_record({"type": "eval", "step": self.step, **result.eval})
+                if self._should_save() or self.step == stop_at:
+                    ckpt_time += self._timed_save(blocking=self.step == stop_at)
+                if self.ft.stop_requested():
+                    ckpt_time += self._stop_for_requeue(result)
+                    break
         result.final_step = self.step
         if times:
             steady = times[1:] or times  # the first step pays one-off allocation costs

@@ -32,6 +32,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale` (set by expert-parallel FSDP, see below)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs forward and backward here (probed once per device type and dtype)."""
     key = (device.type, dtype)
@@ -64,6 +77,10 @@ class GroupedExperts(nn.Module):
                  impl: Literal["auto", "loop", "grouped_mm"] = "auto") -> None:
         super().__init__()
         self.impl = impl
+        self.grad_scale = 1.0
+        """Multiplies the weights' gradients: FSDP over the edp ranks averages over edp_size ranks, while the
+        expert gradient must be divided by the data-parallel size (gloo has no pre-multiplied reduce-scatter
+        for FSDP's gradient_divide_factor), so expert parallelism sets edp_size / dp_size here."""
         self.w1 = nn.Parameter(torch.empty(n_experts, expert_hidden, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, expert_hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, expert_hidden, hidden))
@@ -84,6 +101,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows `x_MD` sorted by expert, `counts_E[e]` of them for local expert e -> outputs in the same order."""
         w1, w2, w3 = (_local(w).to(x_MD.dtype) for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         if self.use_grouped_mm(x_MD):
             return self._grouped(x_MD, counts_E, w1, w2, w3)
         return self._loop(x_MD, counts_E, w1, w2, w3)
@@ -105,4 +124,5 @@ class GroupedExperts(nn.Module):
         h1 = _ContiguousGrad.apply(torch._grouped_mm(x_MD, w1.transpose(-2, -1), offs=offs))
         h3 = _ContiguousGrad.apply(torch._grouped_mm(x_MD, w3.transpose(-2, -1), offs=offs))
         h = F.silu(h1) * h3
-        return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs))
+        # the output's consumers (combine's index_copy, the ep all-to-all's gather) pass contiguous gradients
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)

@@ -47,8 +47,9 @@ def test_stdlib_build_contents_and_accounting(stdlib_build) -> None:  # type: ig
 
 def test_rerun_hits_the_cache_fast_without_importing_megatron(stdlib_build) -> None:  # type: ignore[no-untyped-def]
     code = (
-        "import sys, time; t = time.perf_counter()\n"
+        "import sys, time\n"
         "from data_pipeline.config import DataConfig\nfrom data_pipeline.prepare import prepare_data\n"
+        "t = time.perf_counter()\n"
         f"p = prepare_data(DataConfig(kind='stdlib', cache_dir={stdlib_build.cfg.cache_dir!r}, seq_len=64))\n"
         "p.train[0]; print(time.perf_counter() - t, p.fingerprint)\n"
         "assert not any(m.startswith('megatron') for m in sys.modules), 'training ranks must not import megatron'\n")

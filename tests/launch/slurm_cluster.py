@@ -10,6 +10,7 @@ as our children and are stopped by the PIDs they wrote, never by name.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 
 APT_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 NODES = {"n1": "127.0.10.1", "n2": "127.0.10.2"}
-CPUS_PER_NODE = 4  # more than the machine has: SlurmdParameters=config_overrides lets nodes advertise it
+CPUS_PER_NODE = 8  # more than the machine has: SlurmdParameters=config_overrides lets nodes advertise it
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,7 +161,7 @@ class SlurmCluster:
 
     def job_state(self, job_id: str) -> str:
         """The job's state: from squeue while it is known there, else from the jobcomp file."""
-        out = self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).strip()
+        out = self.run("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T", check=False).strip()
         return out or self.final_state(job_id) or "UNKNOWN"
 
     def final_state(self, job_id: str) -> str | None:
@@ -183,6 +184,30 @@ class SlurmCluster:
                 return state
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} still {state} after {timeout} s (wanted {until}):\n" + self.logs())
+
+    def restarts(self, job_id: str) -> int:
+        """How often the job was requeued (`Restarts=` of `scontrol show job`)."""
+        m = re.search(r"\bRestarts=(\d+)", self.run("scontrol", "show", "job", job_id, check=False))
+        return int(m.group(1)) if m else 0
+
+    def release_requeued(self, job_id: str, restarts: int = 1, timeout: float = 120) -> None:
+        """Wait until the job is pending again after its `restarts`-th requeue, then start it now: SLURM holds a
+        requeued job until BeginTime = now + 121 s, which a test does not need to sit through."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.job_state(job_id) == "PENDING" and self.restarts(job_id) >= restarts and not self._completing():
+                # slurmd revokes the killed instance's credential with a 1 s timestamp; a new launch within that
+                # second is refused ("already killed, do not launch batch job") and the job FAILS. Measured.
+                time.sleep(2.0)
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"job {job_id} not requeued ({self.job_state(job_id)}, restarts "
+                           f"{self.restarts(job_id)}) after {timeout} s:\n" + self.logs())
+
+    def _completing(self) -> bool:
+        out = self.run("sinfo", "-h", "-N", "-o", "%t", check=False)
+        return any(state.startswith("comp") for state in out.split())
 
     def logs(self, tail: int = 25) -> str:
         parts = []

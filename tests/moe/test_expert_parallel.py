@@ -2,9 +2,11 @@
 single-process LocalEngine: loss, aux loss and gradient norm per step, dropless and capacity modes.
 
 One process group of 4 ranks runs every case: (ep, tp) in {1, 2}^2 with data parallelism filling the rest, in
-both modes, plus the global-batch balancing loss. Gradients are synchronized by hand here (dense: mean over the
-data ranks; experts: `ExpertGradSync` over the edp ranks), so this checks framework/parallel/expert.py on its own;
-the composition with FSDP and pipeline stages is tested with the parallel engine.
+both modes, plus the global-batch balancing loss. Dropless cases synchronize gradients by hand (dense: mean over
+the data ranks; experts: `ExpertGradSync` over the edp ranks); capacity cases run under FSDP2 (experts sharded
+over the edp ranks by `apply_expert_fsdp`, the rest over the data ranks). Only the MoE layers are
+tensor-parallel here (the rest of the block stays replicated), so this checks framework/parallel/expert.py on
+its own; the composition with the parallel engine (TP blocks, pipeline stages) is tested there.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 from framework.parallel.config import ParallelConfig
 from framework.parallel.expert import (
     ExpertGradSync,
+    apply_expert_fsdp,
     apply_expert_parallel,
     expert_parameters,
     set_data_reduce,
@@ -71,7 +75,7 @@ def _full_grad_sq(model: torch.nn.Module, only: str = "") -> float:
     return total
 
 
-def _run_layout(rank: int, cfg: ModelConfig, ep: int, tp: int, batches: list[torch.Tensor]
+def _run_layout(rank: int, cfg: ModelConfig, ep: int, tp: int, batches: list[torch.Tensor], fsdp: bool = False
                 ) -> list[tuple[float, ...]]:
     dims = ParallelDims.from_config(ParallelConfig(ep=ep, tp=tp), WORLD, cfg)
     mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
@@ -81,6 +85,11 @@ def _run_layout(rank: int, cfg: ModelConfig, ep: int, tp: int, batches: list[tor
                           sequence_parallel=False, dtensor_residual=False)
     model.to_empty(device="cpu")
     model.init_weights(11)
+    if fsdp:  # ZeRO-3 style: experts over the edp ranks, everything else over the data ranks
+        apply_expert_fsdp(model, ep_mesh["edp"], dims.dp_size)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
     dp_group = mesh["dp_shard"].get_group()
     reduce = sum_over([dp_group])
     set_data_reduce(model, reduce)
@@ -96,15 +105,18 @@ def _run_layout(rank: int, cfg: ModelConfig, ep: int, tp: int, batches: list[tor
         mine = batch[dp_rank * n_micro:(dp_rank + 1) * n_micro]
         set_aux_loss_scale([model], 1.0 / mine.shape[0])
         local = 0.0
-        for mb in mine:
+        for i, mb in enumerate(mine):
+            if fsdp:
+                model.set_requires_gradient_sync(i == len(mine) - 1)  # type: ignore[operator]
             loss = cross_entropy(model(mb[:, :-1]), mb[:, 1:]) / mine.shape[0]
             loss.backward()
             local += float(loss.detach())
-        for p in dense:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            dist.all_reduce(g, group=dp_group)
-            g.div_(dims.dp_size)
-        sync_experts()
+        if not fsdp:
+            for p in dense:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(g, group=dp_group)
+                g.div_(dims.dp_size)
+            sync_experts()
         norm = math.sqrt(_full_grad_sq(model))
         expert_norm = math.sqrt(_full_grad_sq(model, ".experts."))
         t = torch.tensor([local], dtype=torch.float64)
@@ -126,7 +138,9 @@ def _all_cases(rank: int, world: int, refs: dict[str, list[tuple[float, ...]]],
     for mode, moe in MODES.items():
         for ep in (1, 2):
             for tp in (1, 2):
-                results[f"{mode} ep{ep} tp{tp}"] = _run_layout(rank, _cfg(**moe), ep, tp, batches)
+                # capacity mode runs under FSDP (experts over edp), dropless with hand-made gradient sync
+                results[f"{mode} ep{ep} tp{tp}"] = _run_layout(rank, _cfg(**moe), ep, tp, batches,
+                                                               fsdp=mode == "capacity")
     # dp = 4: rank r routes group r; the counts of the balancing loss are summed over the 4 data ranks
     results["global_batch ep2 tp1"] = _run_layout(rank, _cfg(aux_loss_scope="global_batch"), 2, 1, batches)
     return results

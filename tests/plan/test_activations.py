@@ -6,13 +6,15 @@ import pytest
 import torch
 
 from framework.plan.activations import (
+    embedding_bytes,
     head_bytes,
     in_flight_factor,
     korthikanti_layer_bytes,
     tessera_layer_bytes,
     tessera_layer_terms,
 )
-from framework.plan.measure import layer_saved_bytes
+from framework.plan.measure import layer_saved_bytes, model_saved_bytes
+from framework.plan.memory import moe_layer_extra_bytes
 from models.config import model_config
 from models.decoder import build_model
 
@@ -90,4 +92,41 @@ def test_formula_matches_saved_tensors_exactly(shape: dict[str, object]) -> None
 def test_head_bytes_formula() -> None:
     cfg = model_config("test-tiny")
     rows = 32 * 2
-    assert head_bytes(cfg, 32, 2, act_bytes=4) == 4 * (3 * rows * 64 + rows + rows * 512)
+    assert head_bytes(cfg, 32, 2, act_bytes=4) == 4 * (3 * rows * 64 + rows + rows * 512) + 8 * rows + 4
+
+
+@pytest.mark.parametrize("preset", ["test-tiny", "smoke-3m"])
+def test_whole_model_forward_matches_exactly(preset: str) -> None:
+    torch.set_num_threads(1)
+    cfg = model_config(preset)
+    model = build_model(cfg)
+    b, s = 2, 64
+    tokens = torch.randint(0, cfg.vocab_size, (b, s + 1))
+    measured, by_op = model_saved_bytes(model, tokens)
+    predicted = (cfg.n_layers * tessera_layer_bytes(cfg, s, b, act_bytes=4) + head_bytes(cfg, s, b, act_bytes=4)
+                 + embedding_bytes(s, b))
+    assert measured == predicted, by_op
+
+
+def test_bf16_block_matches_saved_tensors() -> None:
+    # 16-bit activations: the RMSNorm keeps an fp32 upcast of its input and fp32 rstd; the math kernel is fp32.
+    torch.set_num_threads(1)
+    cfg = model_config("test-tiny")
+    model = build_model(cfg).to(torch.bfloat16)
+    for recompute in ("none", "selective"):
+        for kernel in ("flash", "math"):
+            x = torch.randn(2, 32, cfg.hidden, requires_grad=True, dtype=torch.bfloat16)
+            measured, by_op = layer_saved_bytes(model.layers["0"], model.rope, x, recompute=recompute,
+                                                kernel=kernel)
+            assert measured == tessera_layer_bytes(cfg, 32, 2, recompute=recompute, act_bytes=2, kernel=kernel), by_op
+
+
+@pytest.mark.parametrize("moe", [{}, {"n_experts": 8, "top_k": 2, "expert_hidden": 64, "n_shared_experts": 1}])
+def test_moe_layer_within_one_percent(moe: dict[str, object]) -> None:
+    torch.set_num_threads(1)
+    cfg = model_config("test-moe", **({"moe": moe} if moe else {}))
+    model = build_model(cfg)
+    x = torch.randn(2, 64, cfg.hidden, requires_grad=True)
+    measured, by_op = layer_saved_bytes(model.layers["0"], model.rope, x)
+    predicted = tessera_layer_bytes(cfg, 64, 2, act_bytes=4) + moe_layer_extra_bytes(cfg, 64, 2, 1, 4)
+    assert measured == pytest.approx(predicted, rel=0.01), by_op

@@ -1,0 +1,210 @@
+"""`run_build`: raw sources -> normalize/filter -> exact dedup -> near dedup -> tokenizer -> .bin/.idx + manifest.
+
+Stages run in order and each resumes: rerunning an interrupted build skips finished work and never writes a
+finished output twice. The manifest is written last; its presence marks a complete build. Shardable stages
+(minhash, tokenize) take `task`/`tasks` so a SLURM job array can split them across nodes; the others run once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_pipeline.build_config import BuildConfig
+from data_pipeline.cache import MANIFEST, write_json_atomic
+from data_pipeline.dedup import cluster_signatures, exact_keep
+from data_pipeline.indexed import IndexedTokens, merge_indexed
+from data_pipeline.minhash import WordHasher, shingle_hashes
+from data_pipeline.stages import (
+    ingest_source,
+    list_shards,
+    minhash_shards,
+    read_shard_texts,
+    save_npy_atomic,
+    tokenize_shards,
+)
+from data_pipeline.tokenizer import Tokenizer, sample_lines, train_sentencepiece
+from framework.config.core import to_dict
+from framework.errors import DataError
+
+STAGES = ("ingest", "exact", "minhash", "near", "tokenizer", "tokenize", "manifest")
+
+
+class _Corpus:
+    """Flat view over every ingested shard: global document index <-> (source, shard, row)."""
+
+    def __init__(self, cfg: BuildConfig, work: Path) -> None:
+        self.work = work
+        self.shards: list[tuple[str, Path, int]] = []  # (source, shard path, first global index)
+        self.priority_parts, n = [], 0
+        for src in cfg.sources:
+            for shard in list_shards(work, "ingest", src.name, ".hash.npy"):
+                count = len(np.load(shard, mmap_mode="r"))
+                self.shards.append((src.name, shard, n))
+                self.priority_parts.append(np.full(count, src.priority, dtype=np.int64))
+                n += count
+        self.n = n
+        self.starts = np.array([s[2] for s in self.shards] + [n], dtype=np.int64)
+        self._cache: dict[int, list[str]] = {}
+
+    def priority(self) -> np.ndarray:
+        return np.concatenate(self.priority_parts) if self.priority_parts else np.zeros(0, dtype=np.int64)
+
+    def load(self, suffix_from: str, suffix_to: str, stage: str) -> np.ndarray:
+        parts = []
+        for name, shard, _ in self.shards:
+            path = self.work / stage / name / shard.name.replace(suffix_from, suffix_to)
+            parts.append(np.load(path, mmap_mode="r"))
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    def texts(self, ids: np.ndarray) -> list[str]:
+        out = []
+        for i in ids.tolist():
+            s = int(np.searchsorted(self.starts, i, side="right")) - 1
+            if s not in self._cache:
+                if len(self._cache) > 8:
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[s] = read_shard_texts(self.shards[s][1].with_name(
+                    self.shards[s][1].name.replace(".hash.npy", ".jsonl")))
+            out.append(self._cache[s][i - int(self.starts[s])])
+        return out
+
+    def split(self, flat: np.ndarray) -> dict[str, list[np.ndarray]]:
+        """A flat per-document array cut back into per-source lists of per-shard arrays."""
+        out: dict[str, list[np.ndarray]] = {}
+        for k, (name, _, start) in enumerate(self.shards):
+            out.setdefault(name, []).append(np.asarray(flat[start:int(self.starts[k + 1])]))
+        return out
+
+
+def _exact(cfg: BuildConfig, corpus: _Corpus, work: Path) -> np.ndarray:
+    path = work / "exact_keep.npy"
+    if not path.is_file():
+        hashes = corpus.load(".hash.npy", ".hash.npy", "ingest")
+        keep = exact_keep(hashes, corpus.priority()) if cfg.dedup.exact else np.ones(corpus.n, dtype=bool)
+        save_npy_atomic(path, keep)
+    return np.load(path)
+
+
+def _near(cfg: BuildConfig, corpus: _Corpus, work: Path, exact: np.ndarray) -> np.ndarray:
+    path = work / "near_keep.npy"
+    if path.is_file():
+        return np.load(path)
+    keep = np.ones(corpus.n, dtype=bool)
+    if cfg.dedup.near and corpus.n:
+        ids = np.flatnonzero(exact)  # exact duplicates are already gone
+        sig = corpus.load(".hash.npy", ".sig.npy", "minhash")[ids]
+        mh = cfg.dedup.minhash
+        hasher = WordHasher()
+
+        def shingles_of(local: np.ndarray) -> list[np.ndarray]:
+            h, off = shingle_hashes(corpus.texts(ids[local]), mh.ngram, hasher)
+            return [np.unique(h[off[k]:off[k + 1]]) for k in range(len(local))]
+
+        result = cluster_signatures(sig, mh, priority=corpus.priority()[ids], shingles_of=shingles_of)
+        keep[ids[~result.keep]] = False
+        names = [f"{corpus.shards[int(np.searchsorted(corpus.starts, i, side='right')) - 1][0]}:{i}" for i in ids]
+        write_json_atomic(work.parent / "cluster_report.json", result.report(names=names))
+    save_npy_atomic(path, keep)
+    return keep
+
+
+def _tokenizer(cfg: BuildConfig, corpus: _Corpus, out: Path, keep: np.ndarray) -> Path:
+    model = out / "tokenizer.model"
+    if model.is_file():
+        return model
+    if cfg.tokenizer.model:
+        shutil.copyfile(cfg.tokenizer.model, model)
+        return model
+    kept = np.flatnonzero(keep)
+    rng = np.random.default_rng(cfg.seed)
+    order = kept[rng.permutation(len(kept))]  # a uniform sample over sources, in proportion to their documents
+    texts = (t for start in range(0, len(order), 512) for t in corpus.texts(np.sort(order[start:start + 512])))
+    lines = sample_lines(texts, cfg.tokenizer.sample_chars, seed=cfg.seed)
+    return train_sentencepiece(lines, model, vocab_size=cfg.tokenizer.vocab_size, model_type=cfg.tokenizer.type,
+                               threads=cfg.workers)
+
+
+def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[dict[str, int]]) -> dict[str, Any]:
+    st = np.concatenate(status) if status else np.zeros(0, dtype=np.int8)
+    docs = {"in": counts["in"], "kept": int((st == 0).sum()), "filtered": counts["filtered"],
+            "exact_duplicate": int((st == 1).sum()), "near_duplicate": int((st == 2).sum()),
+            "malformed": counts["malformed"]}
+    total = docs["kept"] + sum(docs["filtered"].values()) + docs["exact_duplicate"] + docs["near_duplicate"] + \
+        sum(docs["malformed"].values())
+    if total != docs["in"]:
+        raise DataError(f"accounting broken: in={docs['in']} but kept + filtered + duplicate + malformed = {total} "
+                        f"({docs}); this is a bug in the build — report it with the config")
+    tokens = {k: sum(s[k] for s in stats) for k in ("kept", "exact_duplicate", "near_duplicate")}
+    return {"documents": docs, "tokens": tokens,
+            "chars": {"in": counts["chars_in"], "after_filters": counts["chars_kept"]}}
+
+
+def _finish(cfg: BuildConfig, out: Path, work: Path, corpus: _Corpus, status: dict[str, list[np.ndarray]],
+            all_counts: dict[str, dict[str, Any]], model: Path) -> dict[str, Any]:
+    tok = Tokenizer(model)
+    info = tok.info()
+    digest = hashlib.sha256(info.sha256.encode())
+    sources: dict[str, Any] = {}
+    for src in cfg.sources:
+        shards = list_shards(work, "tokens", src.name, ".idx")
+        prefixes = [str(p)[:-4] for p in shards]
+        merge_indexed(prefixes, out / src.name, tok.vocab_size)
+        hashes = [np.load(p)[s == 0] for p, s in zip(
+            list_shards(work, "ingest", src.name, ".hash.npy"), status.get(src.name, []), strict=True)]
+        all_hashes = np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64)
+        save_npy_atomic(out / f"{src.name}.hash.npy", all_hashes)
+        if len(IndexedTokens(out / src.name)) != len(all_hashes):
+            raise DataError(f"{src.name}: token file and hash list disagree; delete {work} and rebuild")
+        stats = [json.loads(Path(p + ".stats.json").read_text()) for p in prefixes]
+        sources[src.name] = _source_entry(all_counts[src.name], status.get(src.name, []), stats)
+        digest.update(f"{src.name}:{sources[src.name]['tokens']['kept']}:".encode() + all_hashes.tobytes())
+    manifest = {"version": 1, "kind": "build", "config": to_dict(cfg), "sources": sources,
+                "tokenizer": {**info.__dict__, "path": "tokenizer.model"}, "fingerprint": digest.hexdigest()}
+    write_json_atomic(out / MANIFEST, manifest)
+    return dict(json.loads((out / MANIFEST).read_text()))
+
+
+def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0, tasks: int = 1) -> dict[str, Any]:
+    """Run (or resume) a build; returns the manifest (empty when `stages` stops before it).
+
+    Args:
+        cfg: The build configuration.
+        stages: Which stages to run (a SLURM array runs `minhash` or `tokenize` alone, per task).
+        task: This task's index among `tasks` for the shardable stages.
+        tasks: Number of tasks sharing the shardable stages.
+    """
+    out = Path(cfg.output_dir)
+    if (out / MANIFEST).is_file() and "manifest" in stages:
+        return dict(json.loads((out / MANIFEST).read_text()))
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    all_counts = {}
+    for i, src in enumerate(cfg.sources):
+        if "ingest" in stages and i % tasks == task:
+            all_counts[src.name] = ingest_source(cfg, src, work)
+    if "minhash" in stages and cfg.dedup.near:
+        minhash_shards(cfg, work, task, tasks)
+    if not {"exact", "near", "tokenizer", "tokenize", "manifest"} & set(stages):
+        return {}
+    corpus = _Corpus(cfg, work)
+    exact = _exact(cfg, corpus, work)
+    near = _near(cfg, corpus, work, exact) if "near" in stages or (work / "near_keep.npy").is_file() else None
+    if near is None:
+        return {}
+    status_flat = np.where(~exact, 1, np.where(~near, 2, 0)).astype(np.int8)
+    status = corpus.split(status_flat)
+    model = _tokenizer(cfg, corpus, out, status_flat == 0)
+    if "tokenize" in stages:
+        tokenize_shards(cfg, work, model, status, task, tasks)
+    if "manifest" not in stages:
+        return {}
+    for src in cfg.sources:
+        all_counts.setdefault(src.name, json.loads((work / "ingest" / src.name / "counts.json").read_text()))
+    return _finish(cfg, out, work, corpus, status, all_counts, model)

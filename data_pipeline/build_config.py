@@ -1,0 +1,84 @@
+"""Configuration of an offline data build (`tessera data build CONFIG`): sources and every stage's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from data_pipeline.dedup import DedupConfig
+from data_pipeline.filters import PROFILES, FiltersConfig, resolve_filters
+from data_pipeline.normalize import NormalizeConfig
+from framework.config.core import apply_overrides, from_dict, load_yaml, validate_tree
+from framework.errors import ConfigError
+
+
+@dataclass(kw_only=True, frozen=True)
+class SourceConfig:
+    name: str
+    """Source name: names the output `<name>.bin/.idx` and the mixture weight key."""
+    path: str
+    """A file or directory (relative paths are relative to the config file)."""
+    format: Literal["auto", "jsonl", "parquet", "hf", "text"] = "auto"
+    text_field: str = "text"
+    glob: str = "*"
+    """Text trees: which files are documents."""
+    hf_builder: str | None = None
+    """Read the files through `datasets.load_dataset(hf_builder, data_files=path)` (e.g. json, parquet)."""
+    profile: Literal["web", "code", "minimal"] = "web"
+    """Which filters run when `filters` is not given: web (Gopher, C4, FineWeb), code, minimal (length)."""
+    filters: list[str] | None = None
+    priority: int = 0
+    """Duplicates across sources keep the copy in the highest-priority source."""
+
+    def validate(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"sources[].name={self.name!r} must be a non-empty name of letters, digits, - or _")
+        resolve_filters(self.filters, self.profile)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TokenizerConfig:
+    model: str | None = None
+    """An existing sentencepiece .model to use instead of training one."""
+    vocab_size: int = 4096
+    type: Literal["bpe", "unigram"] = "bpe"
+    sample_chars: int = 3_000_000
+    """Characters sampled across sources (in proportion to their kept text) to train on."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class BuildConfig:
+    output_dir: str
+    """Where the build goes: <source>.bin/.idx/.hash.npy, tokenizer.model, manifest.json, work/ (stages)."""
+    sources: list[SourceConfig]
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    filters: FiltersConfig = field(default_factory=FiltersConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    workers: int = 2
+    """Worker processes for filtering, signatures and tokenization."""
+    shard_docs: int = 2000
+    """Documents per shard (the unit of work, resumption and SLURM array tasks)."""
+    rejects: bool = True
+    """Write malformed records with their reason to work/<source>/rejects.jsonl."""
+    seed: int = 0
+
+    def validate(self) -> None:
+        names = [s.name for s in self.sources]
+        if not names:
+            raise ConfigError("sources is empty; list at least one source (name, path)")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"sources names {names} repeat; give every source its own name")
+        if self.workers < 1 or self.shard_docs < 1:
+            raise ConfigError(f"workers={self.workers} and shard_docs={self.shard_docs} must be >= 1")
+
+
+def load_build_config(path: str | Path, overrides: list[str] | None = None) -> BuildConfig:
+    """Read a build YAML strictly (paths in it are relative to the working directory)."""
+    cfg = from_dict(BuildConfig, apply_overrides(load_yaml(path), overrides or []))
+    validate_tree(cfg)
+    return cfg
+
+
+__all__ = ["PROFILES", "BuildConfig", "SourceConfig", "TokenizerConfig", "load_build_config"]

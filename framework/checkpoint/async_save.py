@@ -1,0 +1,94 @@
+"""Asynchronous checkpoint saves: stage a copy at the step boundary, write and commit from a background thread.
+
+(The module is not called `async.py` because `async` is a Python keyword: `import framework.checkpoint.async`
+would be a syntax error.)
+
+The training thread pays only for the copy of its state (`stage`, a memory copy); the background thread runs
+`dcp.save` and the commit on a process group of its own — gloo, also next to NCCL — so the save's collectives
+never interleave with training's on the same communicator. At most one save is in flight: a new save first waits
+for the previous one, and an error in the background surfaces at the next `wait`/`save` on the training thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from framework.checkpoint import dcp as ckpt
+from framework.errors import CheckpointError
+
+
+def stage(state: Any) -> Any:
+    """A deep copy of a state tree whose tensors (DTensors: their local shards) no longer alias live ones."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: stage(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(stage(v) for v in state)
+    return copy.deepcopy(state)
+
+
+def new_checkpoint_group() -> dist.ProcessGroup | None:
+    """A process group over every rank just for checkpoint traffic (gloo); None without torch.distributed.
+
+    Every rank must call this, in the same order relative to other group creations.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+class AsyncSaver:
+    """One background writer thread; `save` returns as soon as the state is staged."""
+
+    def __init__(self, pg: dist.ProcessGroup | None) -> None:
+        self.pg = pg
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done_step: int | None = None
+        self.in_flight_step: int | None = None
+
+    def save(self, root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], *, keep_last: int,
+             keep_every: int, on_commit: Callable[[Path], None] | None = None) -> None:
+        """Stage `state` and write + commit checkpoint `step` in the background (waits for the previous save)."""
+        self.wait()
+        tmp = ckpt.begin_save(root, step, self.pg)  # RNG states are captured here, at the step boundary
+        staged = stage(state)
+
+        def work() -> None:
+            try:
+                ckpt.write_shards(staged, tmp, self.pg)
+                path = ckpt.commit(root, step, meta, self.pg, keep_last=keep_last, keep_every=keep_every)
+                if on_commit is not None:
+                    on_commit(path)
+                self._done_step = step
+            except BaseException as err:  # re-raised on the training thread at the next wait()
+                self._error = err
+
+        self.in_flight_step = step
+        self._thread = threading.Thread(target=work, name=f"tessera-ckpt-step{step}", daemon=True)
+        self._thread.start()
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> int | None:
+        """Block until the save in flight (if any) has committed; return its step. Re-raises its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self.in_flight_step = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, CheckpointError):
+                raise err
+            raise CheckpointError(f"the asynchronous checkpoint save failed: {err!r}; the previous checkpoint "
+                                  f"stays `latest`") from err
+        return self._done_step

@@ -1,0 +1,307 @@
+"""Hugging Face export and import: Tessera checkpoints <-> the Llama (dense) / Mixtral (MoE) layout.
+
+    export_hf(run_or_ckpt, out, step=None)   ->  out/model.safetensors, config.json, tokenizer files
+    import_hf(hf_dir, run_dir)               ->  run_dir/checkpoints/step_0 (model-only) + `latest`
+
+Differences the mapping bridges:
+- RoPE: Tessera rotates interleaved channel pairs (2i, 2i+1), as Meta's Llama code; HF rotates halves
+  (i, i + E/2). The rows of wq and wk are permuted per head on export (and back on import), exactly as HF's own
+  convert_llama_weights_to_hf does, so logits agree.
+- Mixtral keeps each expert as w1/w2/w3 Linear weights (`block_sparse_moe.experts.N.wK.weight`), Tessera stacks
+  them (E, F, D); the router is `block_sparse_moe.gate.weight` in both.
+Features the target cannot hold (GELU/LayerNorm blocks, shared experts, sigmoid routers, a routing bias,
+capacity drops, dense layers between MoE ones, un-renormalized top-k) make the export refuse with a
+`CheckpointError` naming the config field. Only tensors are read and written (safetensors); nothing unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.checkpoint import dcp as ckpt
+from framework.config.core import from_dict, to_dict
+from framework.errors import CheckpointError
+from models.config import ModelConfig
+from models.decoder import build_model
+
+SAFETENSORS = "model.safetensors"
+
+
+def _rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Interleaved RoPE rows -> half-split rows, per head: (H*E, D) with pairs (2i, 2i+1) -> (i, i+E/2)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _rope_unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def check_exportable(cfg: ModelConfig) -> str:
+    """"llama" or "mixtral" for a model the HF layout can hold exactly; else a CheckpointError naming the field."""
+    def refuse(field: str, value: Any, why: str) -> CheckpointError:
+        return CheckpointError(f"cannot export to Hugging Face: {field}={value!r} — {why}; train without it or "
+                               f"keep the Tessera checkpoint")
+
+    if cfg.mlp != "swiglu":
+        raise refuse("model.mlp", cfg.mlp, "Llama/Mixtral blocks are SwiGLU without biases")
+    if cfg.norm != "rmsnorm":
+        raise refuse("model.norm", cfg.norm, "Llama/Mixtral use RMSNorm")
+    moe = cfg.moe
+    if not moe.enabled:
+        return "llama"
+    checks = [
+        ("model.moe.n_shared_experts", moe.n_shared_experts, moe.n_shared_experts == 0,
+         "Mixtral has no shared experts"),
+        ("model.moe.router", moe.router, moe.router == "softmax", "Mixtral routes with a softmax"),
+        ("model.moe.topk_renormalize", moe.topk_renormalize, moe.renormalize,
+         "Mixtral renormalizes the top-k softmax weights to sum to 1"),
+        ("model.moe.bias_update_rate", moe.bias_update_rate, moe.bias_update_rate == 0,
+         "Mixtral has no routing bias (auxiliary-loss-free balancing)"),
+        ("model.moe.capacity_factor", moe.capacity_factor, moe.capacity_factor == 0,
+         "Mixtral is dropless; capacity drops would change its outputs"),
+        ("model.moe.every_k_layers", moe.every_k_layers, moe.every_k_layers == 1, "every Mixtral layer is MoE"),
+        ("model.moe.first_dense_layers", moe.first_dense_layers, moe.first_dense_layers == 0,
+         "every Mixtral layer is MoE"),
+    ]
+    for field, value, ok, why in checks:
+        if not ok:
+            raise refuse(field, value, why)
+    return "mixtral"
+
+
+def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None) -> dict[str, Any]:
+    """config.json for the HF model (written for both the transformers 4.x and 5.x field names)."""
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "MixtralForCausalLM"], "model_type": arch,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": (cfg.moe.expert_hidden or cfg.ffn) if arch == "mixtral" else cfg.ffn,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tied_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std, "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
+        "bos_token_id": 1, "eos_token_id": 2 if eos_id is None else eos_id,
+    }
+    if arch == "llama":
+        out["mlp_bias"] = False
+    else:
+        out.update(num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.top_k, sliding_window=None,
+                   router_aux_loss_coef=cfg.moe.aux_loss_coef, output_router_logits=False, router_jitter_noise=0.0)
+    return out
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The Tessera ModelConfig of an HF Llama/Mixtral config.json."""
+    arch = hf.get("model_type")
+    if arch not in ("llama", "mixtral"):
+        raise CheckpointError(f"config.json has model_type={arch!r}; only llama and mixtral can be imported")
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    data: dict[str, Any] = {
+        "vocab_size": hf["vocab_size"], "hidden": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
+        "n_heads": hf["num_attention_heads"], "n_kv_heads": hf.get("num_key_value_heads"),
+        "ffn_hidden": hf["intermediate_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+        "rope_theta": float(theta), "max_seq_len": hf.get("max_position_embeddings", 4096),
+        "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        raise CheckpointError(f"config.json head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; "
+                              f"Tessera derives head_dim = hidden / n_heads and cannot import it")
+    if arch == "mixtral":
+        data["moe"] = {"n_experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
+                       "expert_hidden": hf["intermediate_size"], "topk_renormalize": True}
+    cfg = from_dict(ModelConfig, data, "model")
+    cfg.moe.validate()
+    cfg.validate()
+    return cfg
+
+
+def to_hf_state(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tessera model state (FQN -> tensor) -> HF tensors."""
+    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = sd["output.weight"]
+    for i in range(cfg.n_layers):
+        t, h = f"layers.{i}.", f"model.layers.{i}."
+        out[h + "input_layernorm.weight"] = sd[t + "attention_norm.weight"]
+        out[h + "post_attention_layernorm.weight"] = sd[t + "ffn_norm.weight"]
+        out[h + "self_attn.q_proj.weight"] = _rope_permute(sd[t + "attention.wq.weight"], cfg.n_heads)
+        out[h + "self_attn.k_proj.weight"] = _rope_permute(sd[t + "attention.wk.weight"], cfg.kv_heads)
+        out[h + "self_attn.v_proj.weight"] = sd[t + "attention.wv.weight"]
+        out[h + "self_attn.o_proj.weight"] = sd[t + "attention.wo.weight"]
+        if cfg.is_moe_layer(i):
+            bias = sd.get(t + "feed_forward.router.expert_bias")
+            if bias is not None and bool(bias.any()):
+                raise CheckpointError(f"cannot export to Hugging Face: layer {i} has a non-zero routing bias "
+                                      f"(feed_forward.router.expert_bias); Mixtral cannot hold it")
+            out[h + "block_sparse_moe.gate.weight"] = sd[t + "feed_forward.router.weight"]
+            for k in ("w1", "w2", "w3"):
+                stacked = sd[t + f"feed_forward.experts.{k}"]
+                for e in range(cfg.moe.n_experts):
+                    out[h + f"block_sparse_moe.experts.{e}.{k}.weight"] = stacked[e]
+        else:
+            for k, name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                out[h + f"mlp.{name}.weight"] = sd[t + f"feed_forward.{k}.weight"]
+    return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
+
+
+def _expert_weights(hf: dict[str, torch.Tensor], h: str, k: str, n: int) -> torch.Tensor:
+    """Stacked (E, ., .) weights of one kind from the hub layout or transformers-5 fused experts."""
+    if h + "block_sparse_moe.experts.0.w1.weight" in hf:
+        return torch.stack([hf[h + f"block_sparse_moe.experts.{e}.{k}.weight"] for e in range(n)])
+    if k == "w2":
+        return hf[h + "mlp.experts.down_proj"]
+    gate, up = hf[h + "mlp.experts.gate_up_proj"].chunk(2, dim=1)
+    return gate if k == "w1" else up
+
+
+def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensors -> Tessera model state (the inverse of `to_hf_state`)."""
+    sd = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"],
+          "output.weight": hf["model.embed_tokens.weight"] if cfg.tied_embeddings else hf["lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        t, h = f"layers.{i}.", f"model.layers.{i}."
+        sd[t + "attention_norm.weight"] = hf[h + "input_layernorm.weight"]
+        sd[t + "ffn_norm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        sd[t + "attention.wq.weight"] = _rope_unpermute(hf[h + "self_attn.q_proj.weight"], cfg.n_heads)
+        sd[t + "attention.wk.weight"] = _rope_unpermute(hf[h + "self_attn.k_proj.weight"], cfg.kv_heads)
+        sd[t + "attention.wv.weight"] = hf[h + "self_attn.v_proj.weight"]
+        sd[t + "attention.wo.weight"] = hf[h + "self_attn.o_proj.weight"]
+        if cfg.is_moe_layer(i):
+            gate = hf.get(h + "block_sparse_moe.gate.weight", hf.get(h + "mlp.gate.weight"))
+            if gate is None:
+                raise CheckpointError(f"HF weights lack the router of layer {i} ({h}block_sparse_moe.gate.weight)")
+            sd[t + "feed_forward.router.weight"] = gate
+            sd[t + "feed_forward.router.expert_bias"] = torch.zeros(cfg.moe.n_experts)
+            for k in ("w1", "w2", "w3"):
+                sd[t + f"feed_forward.experts.{k}"] = _expert_weights(hf, h, k, cfg.moe.n_experts)
+        else:
+            for k, name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                sd[t + f"feed_forward.{k}.weight"] = hf[h + f"mlp.{name}.weight"]
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def resolve_checkpoint(path: Path, step: int | None = None) -> Path:
+    """A checkpoint directory from a run dir, a checkpoints dir or a step_N dir (`step`: that step)."""
+    for root in (path / "checkpoints", path):
+        if step is not None and (root / ckpt.step_dir_name(step) / "meta.json").exists():
+            return root / ckpt.step_dir_name(step)
+        if step is None and (root / ckpt.LATEST).exists():
+            latest = ckpt.latest_checkpoint(root)
+            assert latest is not None
+            return latest
+    if (path / "meta.json").exists() and step is None:
+        return path
+    raise CheckpointError(f"no checkpoint{f' of step {step}' if step is not None else ''} under {path}; pass a run "
+                          f"directory, its checkpoints/ or a step_N directory (tessera ckpt inspect lists them)")
+
+
+def load_model(path: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """The model of checkpoint `path`, built from its saved config on CPU in fp32, and the checkpoint's meta."""
+    meta = ckpt.read_meta(path)
+    cfg = from_dict(ModelConfig, meta["config"]["model"], "model")
+    model = build_model(cfg, seed=0, device="cpu")
+    state = {"model": ckpt.model_state([model])}
+    ckpt.load_state(path, state)
+    model.load_state_dict(state["model"])
+    return model, meta
+
+
+def export_tokenizer(model_file: Path, out: Path) -> None:
+    """Write a transformers tokenizer equivalent to Tessera's sentencepiece model into `out`.
+
+    transformers' Llama converter reads the BPE vocabulary and merges; the normalizer is then set to what
+    sentencepiece does with Tessera's settings (dummy prefix "▁" before the text, every space -> "▁", no
+    pre-tokenizer), and the user-defined pieces (newline, tab) stay ordinary vocabulary entries, never merged,
+    so token ids match sentencepiece's exactly (tests check it on real text). `AutoTokenizer.from_pretrained(out)`
+    loads it; the original `tokenizer.model` is copied alongside.
+    """
+    import tempfile
+
+    from tokenizers import Tokenizer
+    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(model_file, Path(tmp) / "tokenizer.model")
+        converted = LlamaTokenizer.from_pretrained(tmp)
+        spec = json.loads(converted.backend_tokenizer.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["special"]]
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+    spec["pre_tokenizer"] = None
+    spec["post_processor"] = None  # Tessera adds no BOS; documents end with EOS
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(out))
+    shutil.copy(model_file, out / "tokenizer.model")
+
+
+def _find_tokenizer(meta: dict[str, Any]) -> Path | None:
+    """The sentencepiece model of the checkpoint's data build, when the run used one and it still exists."""
+    data = (meta.get("config") or {}).get("data") or {}
+    if data.get("kind") == "synthetic":
+        return None
+    from data_pipeline.config import DataConfig
+    from data_pipeline.prepare import prepare_data
+
+    try:
+        prepared = prepare_data(from_dict(DataConfig, data, "data"), is_builder=False)
+    except Exception:
+        return None
+    return Path(prepared.tokenizer_path) if prepared.tokenizer_path else None
+
+
+def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | None = None) -> Path:
+    """Write checkpoint `src` (run dir or step dir; `step` picks one) as an HF model directory `out`."""
+    from safetensors.torch import save_file
+
+    path = resolve_checkpoint(src, step)
+    model, meta = load_model(path)
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    arch = check_exportable(cfg)
+    tensors = to_hf_state(cfg, {k: v for k, v in model.state_dict().items()})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / SAFETENSORS), metadata={"format": "pt", "tessera_checkpoint": str(path),
+                                                          "tessera_step": str(meta.get("step"))})
+    tok = tokenizer or _find_tokenizer(meta)
+    eos = None
+    if tok is not None:
+        export_tokenizer(tok, out)
+        import sentencepiece as spm
+
+        eos = int(spm.SentencePieceProcessor(model_file=str(tok)).eos_id())
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, arch, eos), indent=2))
+    return out
+
+
+def import_hf(src: Path, run_dir: Path) -> Path:
+    """Write HF model `src` (config.json + safetensors) as a model-only Tessera checkpoint `step_0` of `run_dir`.
+
+    Training with `run.dir=<run_dir>` and the same model config then starts from these weights (fresh
+    optimizer, step 0).
+    """
+    from safetensors.torch import load_file
+
+    hf_cfg = json.loads((src / "config.json").read_text())
+    cfg = config_from_hf(hf_cfg)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{src} holds no *.safetensors file; export it with safe_serialization=True")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    model = build_model(cfg, seed=0, device="cpu")
+    model.load_state_dict(from_hf_state(cfg, tensors))
+    root = run_dir / "checkpoints"
+    meta = {"model_only": True, "loader": {"consumed_samples": 0}, "source": str(src),
+            "config": {"model": to_dict(cfg)}}
+    tmp = ckpt.begin_save(root, 0)
+    ckpt.write_shards({"model": ckpt.model_state([model])}, tmp)
+    return ckpt.commit(root, 0, meta)

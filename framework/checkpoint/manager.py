@@ -1,0 +1,157 @@
+"""The checkpoint side of a run: where to resume from, whether the checkpoint fits this run, saving (sync/async).
+
+    manager = CheckpointManager(cfg.checkpoint, run_dir.checkpoints)
+    path = manager.resume_point()                 # newest checkpoint that verifies, with fallback + warnings
+    meta = manager.load(path, parts, optimizers, config_dict, fingerprint)
+    manager.save(step, parts, optimizers, meta)   # async when checkpoint.async_save
+    manager.wait()                                # before exiting or loading
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from framework.checkpoint import dcp as ckpt
+from framework.checkpoint.async_save import AsyncSaver, new_checkpoint_group
+from framework.checkpoint.config import CheckpointConfig
+from framework.checkpoint.manifest import VerifyMode, verify_manifest
+from framework.errors import CheckpointError
+from framework.train.run_dir import get_logger
+
+log = get_logger("checkpoint")
+
+# Model fields that do not change what a checkpoint holds (naming, initialization).
+_SHAPE_NEUTRAL = {"preset", "init_std", "depth_scaled_init"}
+
+
+def verify_checkpoint(path: Path, mode: VerifyMode = "checksum") -> None:
+    """Raise a `CheckpointError` unless `path` is a committed checkpoint whose files match its manifest."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist; `latest` names a deleted directory")
+    ckpt.read_meta(path)
+    verify_manifest(path, mode)
+
+
+def find_valid_checkpoint(root: Path, mode: VerifyMode = "checksum") -> Path | None:
+    """The newest checkpoint under `root` that verifies, warning about each one skipped (this process only)."""
+    for path in ckpt.candidates(root):
+        try:
+            verify_checkpoint(path, mode)
+            return path
+        except CheckpointError as err:
+            log.warning("skipping checkpoint %s: %s; falling back to the previous one", path.name, err)
+    return None
+
+
+def _diff(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _diff(a.get(key), b.get(key), f"{prefix}.{key}")
+        return out
+    return [] if a == b else [(prefix, a, b)]
+
+
+def check_compatible(meta: dict[str, Any], config: dict[str, Any], fingerprint: str | None, *,
+                     allow_model_change: bool = False, allow_data_change: bool = False, path: Path | None = None
+                     ) -> list[str]:
+    """Refuse a resume whose model shape or data differs from the checkpoint's; return overridden differences.
+
+    Raises:
+        CheckpointError: naming the first differing field, unless the matching `allow_*` override is set.
+    """
+    where = f"checkpoint {path}" if path else "the checkpoint"
+    saved = meta.get("config") or {}
+    notes = []
+    model_diff = [d for d in _diff(saved.get("model"), config.get("model"), "model")
+                  if d[0].split(".")[-1] not in _SHAPE_NEUTRAL]
+    if model_diff and saved.get("model") is not None:
+        field, old, new = model_diff[0]
+        if not allow_model_change:
+            raise CheckpointError(
+                f"{field} is {new!r} in this run but {old!r} in {where} ({len(model_diff)} model field(s) differ); "
+                f"restore the model config, start a new run.name, or set checkpoint.allow_model_change=true")
+        notes += [f"{f}: {o!r} -> {n!r}" for f, o, n in model_diff]
+    old_fp = meta.get("data_fingerprint")
+    if old_fp is not None and fingerprint is not None and old_fp != fingerprint:
+        data_diff = _diff(saved.get("data"), config.get("data"), "data")
+        named = ", ".join(f"{f}: {o!r} -> {n!r}" for f, o, n in data_diff) or "the data files changed"
+        if not allow_data_change:
+            raise CheckpointError(
+                f"data fingerprint is {fingerprint} in this run but {old_fp} in {where} ({named}); restore the data "
+                f"config, start a new run.name, or set checkpoint.allow_data_change=true")
+        notes.append(f"data fingerprint {old_fp} -> {fingerprint} ({named})")
+    return notes
+
+
+class CheckpointManager:
+    """Saves, verifies, selects and loads the checkpoints of one run directory on every rank."""
+
+    def __init__(self, cfg: CheckpointConfig, root: Path) -> None:
+        self.cfg = cfg
+        self.root = root
+        self.rank, self.world = ckpt.rank_world()
+        self.saver = AsyncSaver(new_checkpoint_group()) if cfg.async_save else None
+        self.last_saved_step: int | None = None
+
+    def remove_partial_saves(self) -> None:
+        """Delete `.tmp-*` leftovers of a killed save (call before the first save of this process)."""
+        if self.rank == 0:
+            for p in ckpt.remove_partial_saves(self.root):
+                log.warning("removed %s, left by a save that did not commit", p)
+        ckpt.barrier()
+
+    def resume_point(self) -> Path | None:
+        """The newest valid checkpoint (rank 0 verifies; every rank gets its choice), or None."""
+        step = -1
+        if self.rank == 0:
+            path = find_valid_checkpoint(self.root, self.cfg.verify)
+            step = -1 if path is None else int(ckpt.step_of(path) or 0)
+        if dist.is_available() and dist.is_initialized():
+            t = torch.tensor([step], dtype=torch.int64)
+            dist.broadcast(t, src=0)
+            step = int(t.item())
+        return None if step < 0 else self.root / ckpt.step_dir_name(step)
+
+    def load(self, path: Path, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] | None,
+             config: dict[str, Any], fingerprint: str | None) -> dict[str, Any]:
+        """Check compatibility, then load model/optimizer/RNG state from `path` in place; return its meta."""
+        self.wait()
+        meta = ckpt.read_meta(path)
+        for note in check_compatible(meta, config, fingerprint, allow_model_change=self.cfg.allow_model_change,
+                                     allow_data_change=self.cfg.allow_data_change, path=path):
+            log.warning("resuming across a change (overridden): %s", note)
+        if meta.get("model_only"):  # an imported model (tessera ckpt import-hf): fresh optimizer and RNG
+            log.info("%s holds model weights only: starting with a fresh optimizer", path)
+            return ckpt.load_checkpoint(path, parts, None, restore_rng=False)
+        return ckpt.load_checkpoint(path, parts, optimizers)
+
+    def save(self, step: int, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+             meta: dict[str, Any], *, blocking: bool = False) -> None:
+        """Checkpoint `step`: in the background when async (unless `blocking`), else before returning."""
+        state = ckpt.training_state(parts, optimizers)
+        keep = {"keep_last": self.cfg.keep_last, "keep_every": self.cfg.keep_every}
+        if self.saver is not None and not blocking:
+            self.saver.save(self.root, step, state, meta, on_commit=self._committed, **keep)
+        else:
+            self.wait()
+            pg = self.saver.pg if self.saver is not None else None
+            tmp = ckpt.begin_save(self.root, step, pg)
+            ckpt.write_shards(state, tmp, pg)
+            self._committed(ckpt.commit(self.root, step, meta, pg, **keep))
+        self.last_saved_step = step
+
+    def _committed(self, path: Path) -> None:
+        if self.rank == 0:
+            log.info("checkpoint %s committed", path)
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) has committed."""
+        if self.saver is not None:
+            self.saver.wait()

@@ -1,0 +1,77 @@
+"""What the training loop calls for fault tolerance, in one object.
+
+    ft = FaultTolerance(cfg.checkpoint, run_dir.path, device)
+    with ft.running():                  # signal handlers + hang watchdog for the loop's lifetime
+        ...
+        verdict = ft.guard.check(loss, grad_norm)   # in the step: skip the update when verdict.skip
+        ft.step_done(step)              # after every step: feeds the watchdog
+        if ft.stop_requested(): ...     # every rank, every step boundary: agreed SIGTERM/SIGUSR1 stop
+
+Checkpoint saving and loading go through `ft.manager` (framework/checkpoint/manager.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from framework.checkpoint.config import CheckpointConfig
+from framework.checkpoint.dcp import rank_world
+from framework.checkpoint.guard import LossGuard
+from framework.checkpoint.manager import CheckpointManager
+from framework.checkpoint.signals import StopSignals
+from framework.checkpoint.watchdog import Watchdog
+
+
+class FaultTolerance:
+    """Checkpoint manager, loss guard, stop signals and hang watchdog of one run, on every rank."""
+
+    def __init__(self, cfg: CheckpointConfig, run_path: Path, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.rank, self.world = rank_world()
+        self.manager = CheckpointManager(cfg, run_path / "checkpoints")
+        self.guard = LossGuard(cfg.guard)
+        self.stacks_dir = run_path / "stacks"
+        self.signals: StopSignals | None = None
+        self.watchdog: Watchdog | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return self.cfg.requeue_exit_code
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[FaultTolerance]:
+        """Signal handlers and the watchdog for the loop; on the way out, wait for the save in flight."""
+        if self.cfg.handle_signals:
+            self.signals = StopSignals().install()
+        if self.cfg.watchdog_timeout_s > 0:
+            self.watchdog = Watchdog(self.cfg.watchdog_timeout_s, self.stacks_dir, self.rank,
+                                     self.cfg.requeue_exit_code).start()
+        try:
+            yield self
+            self.manager.wait()
+        except BaseException:
+            if self.watchdog is not None and self.watchdog.fired:
+                self.watchdog.exit_now()  # a peer's hard exit broke a collective: exit like the watchdog would
+            raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            if self.signals is not None:
+                self.signals.restore()
+
+    def step_done(self, step: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+
+    def stop_requested(self) -> bool:
+        """Every rank: True when any rank caught SIGTERM/SIGUSR1 (they all agree on this step)."""
+        return self.signals is not None and self.signals.agreed_stop(self.device)
+
+    @property
+    def stop_reason(self) -> str:
+        return self.signals.signal_name if self.signals is not None else ""

@@ -1,0 +1,100 @@
+"""Communication per step per mesh axis: wire bytes one rank sends, and the time at the hardware table's rates.
+
+Ring collectives over n ranks move, per rank, 2(n-1)/n of the buffer for an all-reduce and (n-1)/n for an
+all-gather, a reduce-scatter or an all-to-all (Thakur et al. 2005; the ZeRO paper's 2Ψ / 3Ψ accounting).
+
+  tp  per layer and micro-batch, sequence parallel: all-gather before and reduce-scatter after attention and
+      MLP, forward and backward (8 collectives of s·b·h activations), 4 more when the forward is recomputed
+      (the selective policy recomputes collectives too: only matmul and SDPA outputs are kept).
+  pp  per micro-batch and chunk: the activation forward and its gradient backward, s·b·h/t each (SP-sharded).
+  dp  per step on this rank's Ψ: stage 0 all-reduces gradients; 1 reduce-scatters gradients once and
+      all-gathers parameters once; 2 reduce-scatters every micro-batch; 3 also all-gathers parameters before
+      every micro-batch's forward and backward.
+  ep  per MoE layer and micro-batch: dispatch and combine all-to-all of top_k copies of the rank's tokens,
+      forward and backward (+2 when recomputed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from framework.plan.hardware import Hardware
+from framework.plan.layout import Layout, Workload
+from framework.plan.memory import RankParams
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    """One axis's traffic on one rank: wire bytes per step, collectives per step, and the seconds they take."""
+
+    wire_bytes: float
+    messages: int
+    seconds: float
+
+
+def ring_factor(kind: str, n: int) -> float:
+    """Fraction of the buffer each rank sends in a ring collective over n ranks."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+
+
+def _axis(hw: Hardware, intra: bool, wire: float, messages: int, group: int) -> AxisComm:
+    # A ring collective takes n-1 steps, each paying the link latency (point-to-point: group=2, one step).
+    seconds = wire / hw.link_bytes_per_s(intra) + messages * (group - 1) * hw.latency_us * 1e-6
+    return AxisComm(wire, messages, seconds)
+
+
+def tp_comm_per_micro(work: Workload, lay: Layout, hw: Hardware, n_layers: int) -> AxisComm:
+    """Tensor-parallel traffic of one micro-batch through `n_layers` layers on one rank."""
+    if lay.tp == 1:
+        return AxisComm(0.0, 0, 0.0)
+    buf = work.seq_len * lay.micro_batch * work.model.hidden * work.precision.act
+    n_coll = (8 + (4 if lay.recompute != "none" else 0)) * n_layers
+    return _axis(hw, True, n_coll * ring_factor("all_gather", lay.tp) * buf, n_coll, lay.tp)
+
+
+def ep_comm_per_micro(work: Workload, lay: Layout, hw: Hardware, n_moe_layers: int) -> AxisComm:
+    """Expert-parallel all-to-all traffic of one micro-batch through `n_moe_layers` MoE layers on one rank."""
+    if lay.ep == 1 or n_moe_layers == 0:
+        return AxisComm(0.0, 0, 0.0)
+    tokens = work.seq_len * lay.micro_batch // (lay.tp if lay.sp else 1)
+    buf = work.model.moe.top_k * tokens * work.model.hidden * work.precision.act
+    n_coll = (4 + (2 if lay.recompute != "none" else 0)) * n_moe_layers
+    return _axis(hw, lay.ep <= hw.gpus_per_node, n_coll * ring_factor("all_to_all", lay.ep) * buf, n_coll,
+                 lay.ep)
+
+
+def pp_comm_per_step(work: Workload, lay: Layout, hw: Hardware) -> AxisComm:
+    """Point-to-point traffic of one pipeline rank per step (all micro-batches, every chunk boundary)."""
+    if lay.pp == 1:
+        return AxisComm(0.0, 0, 0.0)
+    buf = work.seq_len * lay.micro_batch * work.model.hidden * work.precision.act / (lay.tp if lay.sp else 1)
+    messages = 2 * lay.virtual * lay.n_micro(work.global_batch)
+    return _axis(hw, lay.world <= hw.gpus_per_node, messages * buf, messages, 2)
+
+
+def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankParams) -> dict[str, AxisComm]:
+    """Data-parallel traffic of one rank per step, split into the gradient reduction and the parameter gather."""
+    prec, z, m = work.precision, lay.zero_stage, lay.n_micro(work.global_batch)
+    intra = lay.tp * lay.dp <= hw.gpus_per_node
+    reduce = gather = 0.0
+    n_reduce = n_gather = 0
+    layers = max(1, len(params.layers))
+    for psi, n in ((params.dense, lay.dp), (params.experts, lay.dp * lay.tp // lay.ep)):
+        if z == 0:
+            reduce += ring_factor("all_reduce", n) * psi * prec.grad
+            continue
+        rs_times = m if z >= 2 else 1
+        ag_times = 2 * m if z == 3 else 1
+        reduce += rs_times * ring_factor("reduce_scatter", n) * psi * prec.grad
+        gather += ag_times * ring_factor("all_gather", n) * psi * prec.param
+        n_reduce, n_gather = rs_times * layers, ag_times * layers
+    if lay.dp == 1 and lay.dp * lay.tp // lay.ep == 1:
+        return {"reduce": AxisComm(0.0, 0, 0.0), "gather": AxisComm(0.0, 0, 0.0)}
+    return {"reduce": _axis(hw, intra, reduce, n_reduce or layers, lay.dp),
+            "gather": _axis(hw, intra, gather, n_gather, lay.dp)}
+
+
+__all__ = ["AxisComm", "dp_comm_per_step", "ep_comm_per_micro", "pp_comm_per_step", "ring_factor",
+           "tp_comm_per_micro"]

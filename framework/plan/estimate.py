@@ -1,0 +1,126 @@
+"""One layout's estimate: peak memory per rank, step time, MFU and HFU, communication per axis.
+
+Step time on the slowest pipeline rank:
+    t_micro   = FLOPs of its layers (and head) for one micro-batch / (peak x mm_efficiency)
+                + its tensor-parallel and expert-parallel collectives (on the critical path; DualPipeV overlaps
+                the expert all-to-alls with compute)
+    pipeline  = m · t_micro / (1 - bubble)
+    step      = pipeline + pipeline p2p + exposed data-parallel traffic + optimizer step (HBM-bound)
+Data-parallel traffic overlaps with compute: the once-per-step gradient reduction with the last micro-batch's
+backward and the drain half of the bubble, the parameter gather with the first forward and the fill half;
+per-micro-batch ZeRO-2/3 traffic with that micro-batch's backward/forward. Only the excess is exposed.
+Selective recompute adds the memory traffic of rewriting what it recomputes (norms, RoPE, activations are
+memory-bound). FLOPs come from `models.flops.flops_per_token` (model FLOPs, non-causal as Megatron and PaLM count them;
+hardware FLOPs add the recomputed forward under full recompute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+from framework.plan.bubble import bubble_fraction
+from framework.plan.comm import AxisComm, dp_comm_per_step, ep_comm_per_micro, pp_comm_per_step, tp_comm_per_micro
+from framework.plan.hardware import Hardware
+from framework.plan.layout import Layout, Workload
+from framework.plan.memory import RankParams, layer_bytes, peak_memory, rank_chunks, rank_params
+from models.config import ModelConfig
+from models.flops import flops_per_token
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the planner predicts for one layout."""
+
+    layout: Layout
+    memory_bytes: float
+    memory_rank: int
+    memory: dict[str, float]
+    step_s: float
+    mfu: float
+    hfu: float
+    tokens_per_s: float
+    bubble: float
+    comm: dict[str, AxisComm] = field(default_factory=dict)
+    time: dict[str, float] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=256)
+def _flops(cfg: ModelConfig, seq: int, recompute: bool) -> float:
+    return flops_per_token(cfg, seq, recompute=recompute)
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_and_head_flops(cfg: ModelConfig, seq: int, recompute: bool) -> tuple[float, float]:
+    """(FLOPs per token of one average layer, FLOPs per token of the head and final norm), forward + backward."""
+    total = flops_per_token(cfg, seq, recompute=recompute)
+    head = flops_per_token(dataclasses.replace(cfg, n_layers=0), seq, recompute=recompute)
+    return (total - head) / cfg.n_layers, head
+
+
+def _dp_exposed(dp: dict[str, AxisComm], lay: Layout, m: int, fwd: float, bwd: float, bubble_s: float) -> float:
+    reduce, gather = dp["reduce"].seconds, dp["gather"].seconds
+    if lay.zero_stage == 3:
+        return m * (max(0.0, gather / (2 * m) - fwd) + max(0.0, (gather / 2 + reduce) / m - bwd))
+    if lay.zero_stage == 2:
+        return m * max(0.0, reduce / m - bwd) + max(0.0, gather - fwd - bubble_s / 2)
+    return max(0.0, reduce - bwd - bubble_s / 2) + max(0.0, gather - fwd - bubble_s / 2)
+
+
+def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
+    """Memory, time and utilization of `lay` running `work` on `hw` (structural validity is checked elsewhere)."""
+    cfg, s = work.model, work.seq_len
+    mem, mem_rank, parts = peak_memory(work, lay)
+    m = lay.n_micro(work.global_batch)
+    full_rc = lay.recompute == "full"
+    layer_f, head_f = _layer_and_head_flops(cfg, s, full_rc)
+    tokens_micro = s * lay.micro_batch
+    rate = hw.peak_flops * hw.mm_efficiency
+    worst: tuple[float, float, AxisComm, AxisComm, RankParams] | None = None
+    for rank in sorted({0, lay.pp - 1}):
+        params = rank_params(cfg, lay, rank)
+        n_layers = len(params.layers)
+        is_last = lay.pp * lay.virtual - 1 in rank_chunks(lay, rank)
+        compute = (n_layers * layer_f + (head_f if is_last else 0.0)) * tokens_micro / lay.tp / rate
+        if lay.recompute == "selective":
+            # The recomputed norms, RoPE and activations are memory-bound: rewrite what they produce.
+            redo = layer_bytes(work, lay, "none") - layer_bytes(work, lay, "selective")
+            compute += n_layers * 2 * max(0.0, redo) / (hw.hbm_gbps * 1e9)
+        tp = tp_comm_per_micro(work, lay, hw, n_layers)
+        ep = ep_comm_per_micro(work, lay, hw, params.n_moe)
+        # DualPipeV runs a forward and a backward chunk together, hiding the expert all-to-alls behind compute
+        # (DeepSeek-V3 report); elsewhere they sit on the critical path.
+        overlapped_ep = lay.schedule == "DualPipeV" and lay.pp > 1
+        t = tp.seconds + (max(compute, ep.seconds) if overlapped_ep else compute + ep.seconds)
+        if worst is None or t > worst[0]:
+            worst = (t, compute, tp, ep, params)
+    assert worst is not None
+    t_micro, compute, tp_c, ep_c, params = worst
+    bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual)
+    pipeline = m * t_micro / (1 - bubble)
+    bubble_s = pipeline - m * t_micro
+    pp = pp_comm_per_step(work, lay, hw)
+    dp = dp_comm_per_step(work, lay, hw, params)
+    fwd = compute * (0.25 if full_rc else 1 / 3)
+    dp_exposed = _dp_exposed(dp, lay, m, fwd, compute - fwd, bubble_s)
+    state_bytes = sum(parts[k] for k in ("params", "master", "grads", "optimizer"))
+    optimizer_s = 2 * state_bytes / (hw.hbm_gbps * 1e9)
+    step = pipeline + pp.seconds + dp_exposed + optimizer_s
+    tokens = work.global_batch * s
+    model_flops = _flops(cfg, s, False) * tokens
+    hw_flops = _flops(cfg, s, full_rc) * tokens
+    denom = step * lay.world * hw.peak_flops
+    comm = {"tp": _scaled(tp_c, m), "ep": _scaled(ep_c, m), "pp": pp, "dp_reduce": dp["reduce"],
+            "dp_gather": dp["gather"]}
+    time = {"compute": m * compute, "tp": m * tp_c.seconds, "ep": m * ep_c.seconds, "bubble": bubble_s,
+            "pp_p2p": pp.seconds, "dp_exposed": dp_exposed, "optimizer": optimizer_s}
+    return Estimate(lay, mem, mem_rank, parts, step, model_flops / denom, hw_flops / denom, tokens / step, bubble,
+                    comm, time)
+
+
+def _scaled(c: AxisComm, m: int) -> AxisComm:
+    return AxisComm(c.wire_bytes * m, c.messages * m, c.seconds * m)
+
+
+__all__ = ["Estimate", "estimate"]

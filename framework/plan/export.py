@@ -1,0 +1,73 @@
+"""Write a planned layout as a ready Tessera YAML config (`tessera plan --write-config PATH`).
+
+Only keys that exist in the config dataclasses are written (so the file loads with
+`framework.config.load_config`); the planner's estimates go into a comment header.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from framework.plan.hardware import Hardware
+from framework.plan.layout import Layout, Workload
+from models.config import PRESETS, ModelConfig
+
+
+def _model_section(cfg: ModelConfig) -> dict[str, Any]:
+    """The preset name plus the fields that differ from it, or every shape field of a custom model."""
+    from framework.config import to_dict
+
+    full = to_dict(cfg)
+    if cfg.preset and cfg.preset in PRESETS:
+        from models.config import model_config
+
+        base = to_dict(model_config(cfg.preset))
+        return {"preset": cfg.preset, **{k: v for k, v in full.items() if k != "preset" and base.get(k) != v}}
+    defaults = to_dict(ModelConfig())
+    return {k: v for k, v in full.items() if k != "preset" and defaults.get(k) != v}
+
+
+def config_dict(work: Workload, lay: Layout) -> dict[str, Any]:
+    """The config mapping for `lay` (keys checked against ParallelConfig/TrainConfig fields)."""
+    from framework.parallel.config import ParallelConfig
+    from framework.train.config import TrainConfig
+
+    parallel: dict[str, Any] = {
+        "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "zero_stage": lay.zero_stage,
+        "dp_shard": 1 if lay.zero_stage == 0 else lay.dp, "dp_replicate": lay.dp if lay.zero_stage == 0 else 1,
+        "sequence_parallel": lay.sp, "pp_schedule": lay.schedule, "pp_virtual_stages": lay.virtual,
+        "recompute": lay.recompute,
+    }
+    train: dict[str, Any] = {"global_batch_size": work.global_batch, "micro_batch_size": lay.micro_batch,
+                             "precision": "bf16" if work.precision.param == 2 else "fp32"}
+    known_parallel = {f.name for f in dataclasses.fields(ParallelConfig)}
+    known_train = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {
+        "model": _model_section(work.model),
+        "data": {"seq_len": work.seq_len},
+        "train": {k: v for k, v in train.items() if k in known_train},
+        "parallel": {k: v for k, v in parallel.items() if k in known_parallel},
+    }
+
+
+def write_config(path: str | Path, work: Workload, lay: Layout, hw: Hardware) -> Path:
+    """Write the YAML config for `lay` and check that it loads; returns the path."""
+    from framework.config import load_config
+    from framework.plan.estimate import estimate
+
+    est = estimate(work, lay, hw)
+    header = (f"# Written by `tessera plan` for {lay.world} x {hw.name}: {lay.describe()}\n"
+              f"# estimated: {est.memory_bytes / 2**30:.1f} GiB peak per GPU, step {est.step_s:.2f} s, "
+              f"MFU {est.mfu * 100:.1f}%, HFU {est.hfu * 100:.1f}%\n")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(header + yaml.safe_dump(config_dict(work, lay), sort_keys=False))
+    load_config(out)  # a config the planner writes must load; raises ConfigError naming the key otherwise
+    return out
+
+
+__all__ = ["config_dict", "write_config"]

@@ -1,0 +1,133 @@
+"""What the planner reasons about: a workload (model, sequence, batch, dtypes) and a candidate layout.
+
+`layout_problem` states, as one sentence, why a layout cannot run at all (divisibility, node size, batch);
+memory is checked afterwards by `framework.plan.memory`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from framework.plan.activations import AttnKernel, Recompute
+from framework.plan.hardware import Hardware
+from models.config import ModelConfig
+
+Schedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                   "DualPipeV"]
+SCHEDULES: tuple[str, ...] = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                              "ZBVZeroBubble", "DualPipeV")
+MULTI_CHUNK = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+"""Two chunks per rank in a V: rank 0 holds the first and the last chunk (embedding and head)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each model state and of activations."""
+
+    param: int = 2
+    """Compute copy of the parameters (bf16)."""
+    master: int = 4
+    """fp32 master copy, when params are 16-bit (0 when training in fp32)."""
+    grad: int = 4
+    """Gradient accumulation and reduction dtype (fp32, as Megatron's main_grad and FSDP reduce_dtype)."""
+    optimizer: int = 8
+    """AdamW exp_avg + exp_avg_sq in fp32."""
+    act: int = 2
+
+    @classmethod
+    def named(cls, name: str) -> Precision:
+        """"bf16" (mixed precision with fp32 master, gradients and states) or "fp32"."""
+        if name == "fp32":
+            return cls(param=4, master=0, grad=4, optimizer=8, act=4)
+        return cls()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch being planned."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    precision: Precision = Precision()
+    kernel: AttnKernel = "flash"
+    activations: Literal["tessera", "korthikanti"] = "tessera"
+    """Activation model: Tessera's own block, or Korthikanti et al. 2022 (how Megatron-LM runs a GPT block)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: parallel degrees, ZeRO stage, recompute, micro-batch size and pipeline schedule."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    zero_stage: int = 1
+    recompute: Recompute = "none"
+    micro_batch: int = 1
+    schedule: str = "1F1B"
+    virtual: int = 1
+    """Chunks (virtual stages) per pipeline rank."""
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is always on under TP (Tessera keeps SP on; ARCHITECTURE.md known traps)."""
+        return self.tp > 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def n_micro(self, global_batch: int) -> int:
+        """Micro-batches per step (pipeline micro-batches = gradient-accumulation steps)."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    def key(self) -> tuple[int, int, int]:
+        """(tp, pp, ep): what makes two layouts distinct for `--top`."""
+        return (self.tp, self.pp, self.ep)
+
+    def describe(self) -> str:
+        """'TP8 PP6 DP48 ZeRO-1 rc=none mbs=1 Interleaved1F1B v2'."""
+        sched = "" if self.pp == 1 else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
+        return (f"TP{self.tp} PP{self.pp} DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
+                + f" ZeRO-{self.zero_stage} rc={self.recompute} mbs={self.micro_batch}{sched}")
+
+
+def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
+    """Why `lay` cannot run `work` on `hw` at all, or None (memory is checked separately)."""
+    cfg = work.model
+    t, p = lay.tp, lay.pp
+    if t > hw.gpus_per_node:
+        return f"tp={t} exceeds the {hw.gpus_per_node} GPUs of a node (TP must stay on NVLink)"
+    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
+                    ("vocab_size", cfg.vocab_size)):
+        if n % t:
+            return f"tp={t} does not divide model.{what}={n}"
+    if lay.sp and work.seq_len % t:
+        return f"tp={t} does not divide seq_len={work.seq_len} (sequence parallel)"
+    if lay.schedule in V_SHAPED and lay.virtual != 2:
+        return f"{lay.schedule} runs exactly 2 chunks per rank (virtual=2), not {lay.virtual}"
+    if lay.schedule not in MULTI_CHUNK + V_SHAPED and lay.virtual != 1:
+        return f"{lay.schedule} runs one chunk per rank (virtual=1), not {lay.virtual}"
+    if p > cfg.n_layers or cfg.n_layers % (p * lay.virtual):
+        return f"pp={p} x virtual={lay.virtual} does not divide n_layers={cfg.n_layers}"
+    if lay.ep > 1:
+        if not cfg.moe.enabled or cfg.moe.n_experts % lay.ep:
+            return f"ep={lay.ep} does not divide n_experts={cfg.moe.n_experts}"
+        if (lay.dp * t) % lay.ep:
+            return f"ep={lay.ep} does not divide dp x tp = {lay.dp * t}"
+    if work.global_batch % (lay.dp * lay.micro_batch):
+        return (f"global batch {work.global_batch} is not a multiple of dp x micro-batch = "
+                f"{lay.dp} x {lay.micro_batch}")
+    m = lay.n_micro(work.global_batch)
+    if p > 1 and m < p:
+        return f"{m} micro-batches < pp={p}: the pipeline never fills"
+    if lay.schedule in MULTI_CHUNK and p > 1 and m % p:
+        return f"{lay.schedule} needs micro-batches ({m}) to be a multiple of pp={p}"
+    return None
+
+
+__all__ = ["MULTI_CHUNK", "SCHEDULES", "V_SHAPED", "Layout", "Precision", "Schedule", "Workload", "layout_problem"]

@@ -1,0 +1,209 @@
+"""Per-rank memory: parameters under TP/PP/EP, model states by ZeRO stage, activations, temporary buffers.
+
+Parameters per rank follow the TP plan (column-parallel wq/wk/wv/w1/w3 split their output dim, row-parallel
+wo/w2 their input dim, the embedding and head their vocab dim, norms and row-parallel biases replicated);
+routed experts are split over ep and not over tp (ep is carved out of the data ranks); pipeline ranks own
+L/(p·v) consecutive layers per chunk, the embedding sits with the first chunk and the final norm and head with
+the last (on rank 0 for the V-shaped schedules). `tests/plan` checks these counts against meta-device builds.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020) with the dtypes of `Precision`: with Ψ parameters
+on a rank and N the ZeRO group, stage 0 keeps Ψ(p + m + g + o), stage 1 Ψ(p + g) + Ψ(m + o)/N, stage 2
+Ψp + Ψ(g + m + o)/N, stage 3 Ψ(p + g + m + o)/N — with p = 2, g = 2, m = 4, o = 8 the paper's 16Ψ,
+4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from framework.plan.activations import (
+    FP32,
+    INT64,
+    Recompute,
+    embedding_bytes,
+    head_bytes,
+    in_flight_factor,
+    korthikanti_layer_bytes,
+    mlp_terms,
+    tessera_layer_bytes,
+)
+from framework.plan.layout import MULTI_CHUNK, V_SHAPED, Layout, Precision, Workload
+from models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters held by one pipeline rank (after TP/EP sharding, before ZeRO)."""
+
+    dense: int
+    experts: int
+    largest_layer: int
+    """The biggest layer on this rank, for gather/reduce buffers."""
+    layers: tuple[int, ...]
+    n_moe: int = 0
+    """MoE layers among `layers`."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+def _mlp_local(cfg: ModelConfig, ffn: int, tp: int) -> int:
+    n_mats = 3 if cfg.mlp == "swiglu" else 2
+    bias = 0 if cfg.mlp == "swiglu" else ffn // tp + cfg.hidden  # column bias split, row bias replicated
+    return n_mats * cfg.hidden * ffn // tp + bias
+
+
+def layer_params(cfg: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of layer `layer` on one rank under tensor degree tp and expert degree ep."""
+    d, hd = cfg.hidden, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    dense = (2 * q * d + 2 * kv * d) // tp
+    if cfg.mlp == "gelu":
+        dense += (q + 2 * kv) // tp + d
+    dense += 2 * (d if cfg.norm == "rmsnorm" else 2 * d)
+    if not cfg.is_moe_layer(layer):
+        return dense + _mlp_local(cfg, cfg.ffn, tp), 0
+    moe = cfg.moe
+    ffn = moe.expert_hidden or cfg.ffn
+    dense += moe.n_shared_experts * _mlp_local(cfg, ffn, tp) + d * moe.n_experts
+    return dense, moe.n_experts // ep * _mlp_local(cfg, ffn, 1)
+
+
+def rank_chunks(lay: Layout, rank: int) -> list[int]:
+    """Pipeline chunks (0 .. p·v-1, in model order) that pipeline rank `rank` runs."""
+    p, v = lay.pp, lay.virtual
+    if lay.schedule in V_SHAPED and p > 1:
+        return [rank, 2 * p - 1 - rank]
+    return [rank + k * p for k in range(v)]
+
+
+def rank_params(cfg: ModelConfig, lay: Layout, rank: int) -> RankParams:
+    """Parameters on pipeline rank `rank` (any tp/dp rank within it holds the same count)."""
+    return _rank_params(cfg, lay.tp, lay.pp, lay.ep, lay.virtual, tuple(rank_chunks(lay, rank)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_params(cfg: ModelConfig, tp: int, pp: int, ep: int, virtual: int, chunks: tuple[int, ...]) -> RankParams:
+    n_chunks = pp * virtual
+    per_chunk = cfg.n_layers // n_chunks
+    layers = tuple(i for c in chunks for i in range(c * per_chunk, (c + 1) * per_chunk))
+    dense = experts = largest = 0
+    for i in layers:
+        d, e = layer_params(cfg, i, tp, ep)
+        dense, experts, largest = dense + d, experts + e, max(largest, d + e)
+    vocab_shard = cfg.vocab_size // tp * cfg.hidden
+    first, last = 0 in chunks, n_chunks - 1 in chunks
+    if first:
+        dense += vocab_shard
+    if last:
+        dense += cfg.hidden * (1 if cfg.norm == "rmsnorm" else 2)
+        if not (cfg.tied_embeddings and first):  # tied weights on one rank are one tensor
+            dense += vocab_shard
+    n_moe = sum(cfg.is_moe_layer(i) for i in layers)
+    return RankParams(dense, experts, max(largest, vocab_shard), layers, n_moe)
+
+
+def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[str, float]:
+    """Parameters, fp32 master copy, gradients and optimizer states on one rank, by ZeRO stage."""
+    z = lay.zero_stage
+    groups = [(params.dense, lay.dp), (params.experts, lay.dp * lay.tp // lay.ep)]
+    out = {"params": 0.0, "master": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for psi, n in groups:
+        n = n if z > 0 else 1
+        out["params"] += psi * prec.param / (n if z >= 3 else 1)
+        out["grads"] += psi * prec.grad / (n if z >= 2 else 1)
+        out["master"] += psi * prec.master / n
+        out["optimizer"] += psi * prec.optimizer / n
+    return out
+
+
+def moe_layer_extra_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, act: int) -> int:
+    """Activations of an MoE MLP (models/moe) beyond the dense MLP it replaces, on one rank and micro-batch.
+
+    Derived from the saved tensors of models/moe on CPU (within 0.1% there, `tests/plan`): routing runs on this
+    rank's sequence shard of the tokens (r rows, R = top_k·r routed copies). Router: fp32 logits and softmax
+    probabilities (r·E each) and a logsumexp (r); integer routing metadata (sort values and indices, slot ids, the
+    gather index: 4 int64 per routed copy) and the fp32 top-k weights; the dispatched copies, the experts' output
+    and the combine slots (3 x R·h); the routed experts' MLP tensors on R rows (experts are not TP-sharded) and
+    the shared experts' on r rows.
+    """
+    moe = cfg.moe
+    rows = seq * micro_batch // tp
+    routed = moe.top_k * rows
+    ffn = moe.expert_hidden or cfg.ffn
+    extra = FP32 * rows * (2 * moe.n_experts + 1) + INT64 * 4 * routed + FP32 * routed
+    extra += act * cfg.hidden * 3 * routed
+    extra += sum(t.nbytes for t in mlp_terms(cfg, routed, ffn, act))
+    if moe.n_shared_experts:
+        extra += sum(t.nbytes for t in mlp_terms(cfg, seq * micro_batch, moe.n_shared_experts * ffn // tp, act))
+    return extra - sum(t.nbytes for t in mlp_terms(cfg, seq * micro_batch, cfg.ffn // tp, act))
+
+
+def layer_bytes(work: Workload, lay: Layout, recompute: Recompute) -> float:
+    """Activation bytes of one layer and micro-batch on one rank, by the workload's activation model."""
+    return _layer_bytes(work, lay.tp, lay.micro_batch, recompute)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_bytes(work: Workload, tp: int, micro_batch: int, recompute: Recompute) -> float:
+    cfg, sp = work.model, tp > 1
+    if work.activations == "korthikanti":
+        return korthikanti_layer_bytes(work.seq_len, micro_batch, cfg.hidden, cfg.n_heads, tp=tp, sp=sp,
+                                       recompute=recompute, flash=work.kernel == "flash")
+    return tessera_layer_bytes(cfg, work.seq_len, micro_batch, tp=tp, sp=sp, recompute=recompute,
+                               act_bytes=work.precision.act, kernel=work.kernel)
+
+
+def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
+    """Peak bytes on one rank of pipeline rank `rank`, by part: model states, activations, buffers."""
+    cfg, prec = work.model, work.precision
+    s, b, act = work.seq_len, lay.micro_batch, prec.act
+    params = rank_params(cfg, lay, rank)
+    out = model_state_bytes(params, lay, prec)
+    per_layer = layer_bytes(work, lay, lay.recompute)
+    full_layer = layer_bytes(work, lay, "none")
+    moe_extra = moe_layer_extra_bytes(cfg, s, b, lay.tp, act) if cfg.moe.enabled else 0
+    stage_layers = len(params.layers) * per_layer + (params.n_moe * moe_extra if lay.recompute == "none" else 0)
+    m = lay.n_micro(work.global_batch)
+    chunks = rank_chunks(lay, rank)
+    last = lay.pp * lay.virtual - 1 in chunks
+    if rank == 0 or lay.schedule in ("GPipe", "LoopedBFS") or lay.schedule in MULTI_CHUNK:
+        # Stage 0's in-flight count, as L-layer multiples, applied to this rank's share of the layers.
+        in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual) * lay.pp
+    else:
+        in_flight = max(1.0, float(lay.pp - rank)) if m >= lay.pp else 1.0
+    out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
+    if last:
+        out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act)
+        out["logits"] = s * b * (cfg.vocab_size // lay.tp) * (act + FP32)
+    # Transients: the rematerialized layer during its backward; ZeRO gather/reduce buffers of one layer.
+    out["recompute_buffer"] = float(full_layer - per_layer if lay.recompute != "none" else 0)
+    z = lay.zero_stage
+    out["comm_buffers"] = params.largest_layer * (prec.grad + (2 * prec.param if z == 3 else 0))
+    return out
+
+
+def peak_memory(work: Workload, lay: Layout) -> tuple[float, int, dict[str, float]]:
+    """The largest per-rank peak over the first and the last pipeline rank: (bytes, rank, breakdown)."""
+    best: tuple[float, int, dict[str, float]] = (-1.0, 0, {})
+    for rank in sorted({0, lay.pp - 1}):
+        parts = rank_memory(work, lay, rank)
+        total = sum(parts.values())
+        if total > best[0]:
+            best = (total, rank, parts)
+    return best
+
+
+__all__ = [
+    "RankParams",
+    "layer_bytes",
+    "layer_params",
+    "model_state_bytes",
+    "moe_layer_extra_bytes",
+    "peak_memory",
+    "rank_chunks",
+    "rank_memory",
+    "rank_params",
+]

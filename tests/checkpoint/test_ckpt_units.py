@@ -1,0 +1,127 @@
+"""Checkpoint building blocks without a trainer: manifest, safe unpickling, compatibility, guard, pruning."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.checkpoint import REQUEUE_EXIT_CODE
+from framework.checkpoint.config import CheckpointConfig, GuardConfig
+from framework.checkpoint.dcp import candidates, load_state, prune_checkpoints, write_latest, write_shards
+from framework.checkpoint.guard import LossGuard
+from framework.checkpoint.manager import check_compatible, find_valid_checkpoint
+from framework.checkpoint.manifest import verify_manifest, write_manifest
+from framework.checkpoint.storage import read_dcp_metadata
+from framework.errors import CheckpointError, ConfigError
+
+
+def _fake_ckpt(root: Path, step: int) -> Path:
+    d = root / f"step_{step}"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(f'{{"step": {step}}}')
+    (d / "__0_0.distcp").write_bytes(os.urandom(4096))
+    write_manifest(d)
+    return d
+
+
+def test_requeue_code_is_documented_default() -> None:
+    assert REQUEUE_EXIT_CODE == 42 == CheckpointConfig().requeue_exit_code
+
+
+def test_manifest_detects_truncation_and_corruption(tmp_path: Path) -> None:
+    d = _fake_ckpt(tmp_path, 3)
+    verify_manifest(d)
+    shard = d / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:100])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp has 100 bytes, the manifest records 4096"):
+        verify_manifest(d)
+    verify_manifest(d, "none")
+    shard.write_bytes(bytes([data[0] ^ 1]) + data[1:])  # same size, one flipped bit
+    verify_manifest(d, "size")
+    with pytest.raises(CheckpointError, match="checksum"):
+        verify_manifest(d, "checksum")
+    (d / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="never committed"):
+        verify_manifest(d)
+
+
+def test_fallback_to_previous_valid_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    for s in (2, 4, 6):
+        _fake_ckpt(tmp_path, s)
+    write_latest(tmp_path, "step_6")
+    assert [p.name for p in candidates(tmp_path)] == ["step_6", "step_4", "step_2"]
+    (tmp_path / "step_6" / "__0_0.distcp").write_bytes(b"x")
+    (tmp_path / "step_4" / "manifest.json").unlink()
+    with caplog.at_level("WARNING", logger="tessera"):
+        assert find_valid_checkpoint(tmp_path) == tmp_path / "step_2"
+    text = caplog.text
+    assert "skipping checkpoint step_6" in text and "truncated" in text and "skipping checkpoint step_4" in text
+
+
+def test_prune_keeps_last_and_every(tmp_path: Path) -> None:
+    for s in range(1, 11):
+        (tmp_path / f"step_{s}").mkdir()
+    prune_checkpoints(tmp_path, keep_last=2, keep_every=4)
+    assert sorted(int(p.name[5:]) for p in tmp_path.glob("step_*")) == [4, 8, 9, 10]
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_unpickler_refuses_code(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"references posix.system|references os.system"):
+        read_dcp_metadata(io.BytesIO(pickle.dumps(_Evil())))
+    # A real DCP checkpoint (with a non-tensor value) loads through the safe reader and planner.
+    state = {"w": torch.arange(6.0).view(2, 3), "extra": {"lr": 0.5, "betas": (0.9, 0.95)}}
+    write_shards(state, tmp_path / "c")
+    target = {"w": torch.zeros(2, 3), "extra": {"lr": 0.0, "betas": (0.0, 0.0)}}
+    load_state(tmp_path / "c", target)
+    assert torch.equal(target["w"], state["w"]) and target["extra"] == {"lr": 0.5, "betas": (0.9, 0.95)}
+
+
+def test_compatibility_names_the_field() -> None:
+    saved = {"config": {"model": {"hidden": 64, "n_layers": 4, "preset": "a"}, "data": {"seed": 1}},
+             "data_fingerprint": "aaa"}
+    same = {"model": {"hidden": 64, "n_layers": 4, "preset": "b"}, "data": {"seed": 1}}
+    assert check_compatible(saved, same, "aaa") == []
+    wider = {"model": {"hidden": 128, "n_layers": 4}, "data": {"seed": 1}}
+    with pytest.raises(CheckpointError, match=r"model.hidden is 128 in this run but 64 .*allow_model_change"):
+        check_compatible(saved, wider, "aaa")
+    assert check_compatible(saved, wider, "aaa", allow_model_change=True) == ["model.hidden: 64 -> 128"]
+    reseeded = {"model": same["model"], "data": {"seed": 2}}
+    with pytest.raises(CheckpointError, match=r"data fingerprint .*data.seed: 1 -> 2.*allow_data_change"):
+        check_compatible(saved, reseeded, "bbb")
+    assert len(check_compatible(saved, reseeded, "bbb", allow_data_change=True)) == 1
+
+
+def test_guard_skips_nonfinite_and_spikes_then_asks_for_rollback() -> None:
+    g = LossGuard(GuardConfig(zscore=4.0, window=8, min_history=4, max_consecutive=2))
+    for i in range(6):
+        assert not g.check(5.0 + 0.01 * (i % 3), 1.0).skip
+    assert g.check(float("nan"), 1.0).reason == "nonfinite_loss"
+    assert not g.rollback_due
+    assert g.check(5.0, math.inf).reason == "nonfinite_grad"
+    assert g.rollback_due and g.skipped_total == 2
+    g.rolled_back()
+    v = g.check(9.0, 1.0)
+    assert v.reason == "spike" and v.zscore > 4.0
+    assert not g.check(5.02, 1.0).skip and g.consecutive == 0
+    clone = LossGuard(g.cfg)
+    clone.load_state_dict(g.state_dict())
+    assert clone.state_dict() == g.state_dict() and clone.zscore(6.0) == g.zscore(6.0)
+
+
+def test_config_validation_messages() -> None:
+    with pytest.raises(ConfigError, match="collective_timeout_s"):
+        CheckpointConfig(watchdog_timeout_s=60, collective_timeout_s=30).validate()
+    with pytest.raises(ConfigError, match="min_history"):
+        GuardConfig(window=4, min_history=8).validate()

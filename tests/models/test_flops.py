@@ -1,0 +1,49 @@
+"""The one FLOPs-per-token function and parameter counts, against hand computation and the built module."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import build_model, flops_per_token, model_config, num_params, param_counts
+
+
+def test_flops_hand_computed_tiny() -> None:
+    # vocab 100, hidden 8, 2 layers, 2 heads (head_dim 4), MHA, ffn 16, SwiGLU, untied.
+    cfg = model_config(None, vocab_size=100, hidden=8, n_layers=2, n_heads=2, ffn_hidden=16, max_seq_len=32)
+    attn = 4 * 8 * 8  # q, k, v, o
+    mlp = 3 * 8 * 16
+    norms = 2 * 8
+    n_layer = attn + mlp + norms
+    head = 100 * 8
+    n = 2 * n_layer + 8 + head  # layers + final norm + head; no input embedding
+    assert param_counts(cfg).active_non_embedding == n == 2 * (256 + 384 + 16) + 8 + 800
+    seq = 32
+    assert flops_per_token(cfg, seq) == 6 * n + 12 * 2 * 8 * 32
+    assert flops_per_token(cfg, seq, causal=True) == 6 * n + 6 * 2 * 8 * 32
+    assert flops_per_token(cfg, seq, recompute=True) == 8 * n + 16 * 2 * 8 * 32
+
+
+def test_llama3_8b_matches_published_count() -> None:
+    cfg = model_config("llama3-8b")
+    assert num_params(cfg) == 8_030_261_248  # Meta's reported parameter count
+    # Common convention (torchtitan): 6 * (N - embedding) + 12 * L * h * s
+    n = num_params(cfg) - 128256 * 4096
+    assert flops_per_token(cfg, 8192) == 6 * n + 12 * 32 * 4096 * 8192
+
+
+@pytest.mark.parametrize("preset", ["test-tiny", "smoke-3m"])
+def test_counts_match_module(preset: str) -> None:
+    cfg = model_config(preset)
+    model = build_model(cfg)
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset", ["llama2-7b", "llama3-70b", "gpt3-175b", "llama3-405b"])
+def test_counts_match_meta_module(preset: str) -> None:
+    cfg = model_config(preset)
+    model = build_model(cfg, device="meta")
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_gpt3_175b() -> None:
+    assert abs(num_params(model_config("gpt3-175b")) / 1e9 - 175) < 0.5
