@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from framework.config import load_config  # noqa: E402
-from framework.train.engine import cross_entropy  # noqa: E402
-from framework.train.optim import build_optimizer  # noqa: E402
-from framework.train.schedule import lr_at  # noqa: E402
-from framework.train.trainer import Trainer  # noqa: E402
-from models.decoder import build_model  # noqa: E402
+from framework.config import load_config
+from framework.train.engine import cross_entropy
+from framework.train.optim import build_optimizer
+from framework.train.schedule import lr_at
+from framework.train.trainer import Trainer
+from models.decoder import build_model
 
 
 class PlainLoop:
