@@ -60,6 +60,9 @@ class _Corpus:
         parts = []
         for name, shard, _ in self.shards:
             path = self.work / stage / name / shard.name.replace(suffix_from, suffix_to)
+            if not path.is_file():
+                raise DataError(f"{path} is missing: the {stage} stage has not finished for every shard; run "
+                                f"`tessera data build CONFIG --stages {stage}` (all tasks) first")
             parts.append(np.load(path, mmap_mode="r"))
         return np.concatenate(parts) if parts else np.zeros(0)
 
