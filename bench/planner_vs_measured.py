@@ -4,7 +4,8 @@
 
 Measured on this machine, in the same run as each prediction:
   * activation bytes kept for backward, per layer and per whole model, by storage liveness
-    (framework.plan.measure) — no recompute / selective / full, flash and math SDPA, SwiGLU and GELU blocks;
+    (framework.plan.measure) — no recompute / selective / full, flash and math SDPA, SwiGLU and GELU blocks —
+    and, without recompute, also with torch.autograd.graph.saved_tensors_hooks;
   * model-state bytes (parameters, gradients, AdamW states) after one AdamW step: 1 process (ZeRO-0) and FSDP2
     fully_shard over 2 and 4 gloo ranks (ZeRO-3), per rank.
 Then the planner's search on Megatron's three published runs (no measurement possible here: ranks and MFU).
@@ -18,12 +19,19 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from framework.plan.activations import embedding_bytes, head_bytes, korthikanti_layer_bytes, tessera_layer_bytes
 from framework.plan.hardware import get_hardware
 from framework.plan.layout import Layout, Precision, Workload
-from framework.plan.measure import layer_saved_bytes, model_saved_bytes, trained_state_bytes
+from framework.plan.measure import (
+    hooked_saved_bytes,
+    layer_saved_bytes,
+    model_saved_bytes,
+    tp_layer_saved_bytes,
+    trained_state_bytes,
+)
 from framework.plan.memory import model_state_bytes, moe_layer_extra_bytes, rank_params
 from framework.plan.published import PUBLISHED
 from framework.plan.search import SearchSpace, plan
@@ -38,8 +46,8 @@ SHAPES = {"smoke-3m (GQA 6/2, SwiGLU, RMSNorm)": ("smoke-3m", {}),
 
 
 def activation_rows(seq: int, batch: int) -> list[str]:
-    rows = ["| block | dtype | recompute | SDPA | predicted bytes | measured bytes | measured / predicted |",
-            "|---|---|---|---|---:|---:|---:|"]
+    rows = ["| block | dtype | recompute | SDPA | predicted bytes | measured bytes | measured / predicted | "
+            "saved_tensors_hooks / predicted |", "|---|---|---|---|---:|---:|---:|---:|"]
     cases = [(label, dt, rc, k) for label in SHAPES for dt in (torch.float32, torch.bfloat16)
              for rc in ("none", "selective", "full") for k in ("flash", "math")]
     for label, dtype, rc, kernel in tqdm(cases, desc="activations per layer"):
@@ -49,8 +57,14 @@ def activation_rows(seq: int, batch: int) -> list[str]:
         x = torch.randn(batch, seq, cfg.hidden, requires_grad=True, dtype=dtype)
         measured, _ = layer_saved_bytes(model.layers["0"], model.rope, x, recompute=rc, kernel=kernel)
         predicted = tessera_layer_bytes(cfg, seq, batch, recompute=rc, act_bytes=x.element_size(), kernel=kernel)
+        hooked = "n/a (checkpoint hides it)"
+        if rc == "none":  # the second, hook-based count only sees through an unwrapped block
+            block = model.layers["0"]
+            with sdpa_kernel(SDPBackend.MATH if kernel == "math" else SDPBackend.FLASH_ATTENTION):
+                n = hooked_saved_bytes(block, lambda b=block, m=model, x=x: b(x, m.rope), static=(model.rope,))
+            hooked = f"{n / predicted:.4f}"
         rows.append(f"| {label} | {str(dtype)[6:]} | {rc} | {kernel} | {predicted:,} | {measured:,} | "
-                    f"{measured / predicted:.4f} |")
+                    f"{measured / predicted:.4f} | {hooked} |")
     return rows
 
 
@@ -66,6 +80,23 @@ def moe_rows(seq: int, batch: int) -> list[str]:
         measured, _ = layer_saved_bytes(model.layers["0"], model.rope, x)
         predicted = tessera_layer_bytes(cfg, seq, batch, act_bytes=4) + moe_layer_extra_bytes(cfg, seq, batch, 1, 4)
         rows.append(f"| {label} | {predicted:,} | {measured:,} | {measured / predicted:.4f} |")
+    return rows
+
+
+def tp_rows(seq: int, batch: int) -> list[str]:
+    from framework.testing import run_distributed
+
+    rows = ["| block (fp32, no recompute) | TP + SP ranks | predicted bytes / rank | measured (every rank) | "
+            "measured / predicted |", "|---|---:|---:|---|---:|"]
+    cases = [("test-tiny", {}, 2), ("smoke-3m", {}, 2), ("test-tiny as MHA", {"n_kv_heads": 4}, 4),
+             ("smoke-3m as GPT", {"mlp": "gelu", "norm": "layernorm", "ffn_hidden": 768}, 2)]
+    for label, over, world in tqdm(cases, desc="TP + SP activations"):
+        preset = label.split()[0]
+        got = run_distributed(tp_layer_saved_bytes, world_size=world, preset=preset, seq=seq, batch=batch,
+                              overrides=over)
+        predicted = tessera_layer_bytes(model_config(preset, **over), seq, batch, tp=world, sp=True, act_bytes=4)
+        rows.append(f"| {label} | {world} | {predicted:,} | {', '.join(f'{g:,}' for g in got)} | "
+                    f"{max(got) / predicted:.4f} |")
     return rows
 
 
@@ -153,9 +184,10 @@ NOTES = (
     "activations as Megatron-LM runs it. \"Published layout, estimated\": the best setting of that (tp, pp) with "
     "Megatron's schedules (1F1B / interleaved 1F1B) and block.\n\n"
     "Gaps and limits: the one inexact dense row is LayerNorm in bf16 on CPU, which keeps its mean and rstd in bf16 "
-    "where the formula (like CUDA) assumes fp32 (-0.1%). Multi-rank activations (TP/SP, pipeline in-flight "
-    "factors) are formulas only here (hand-checked in tests/plan); the MoE terms follow models/moe's current "
-    "dispatch (sort/index/index_copy) and must be re-derived if it changes; model states are measured at rest "
+    "where the formula (like CUDA) assumes fp32 (-0.1%). TP + SP is measured without recompute only (the hooks "
+    "cannot see through checkpointing); pipeline in-flight factors are formulas (hand-checked in tests/plan); "
+    "the MoE terms follow models/moe's current dispatch (sort/index/index_copy) and must be re-derived if it "
+    "changes; model states are measured at rest "
     "after the step, where FSDP2 holds sharded gradients for every stage, so ZeRO-1/2's transient unsharded "
     "gradients are not in this table.")
 
@@ -171,6 +203,8 @@ def build_section(seq: int, batch: int) -> str:
     tables = [
         (f"Activation bytes per layer (s = {seq}, b = {batch}), measured by storage liveness",
          [*activation_rows(seq, batch), "", *moe_rows(seq, batch)]),
+        ("Activation bytes per layer under tensor + sequence parallelism (DTensor, gloo ranks, "
+         "saved_tensors_hooks on the local shards)", tp_rows(seq, batch)),
         ("Whole-model forward + loss", whole_model_rows(seq, batch)),
         ("Model states after one AdamW step (fp32: 4 + 4 + 8 bytes per parameter)", state_rows()),
         ("GPT-3 175B per-layer activations at s = 2048, b = 1 (formulas only)", korthikanti_rows()),

@@ -20,7 +20,7 @@ from data_pipeline.build_config import BuildConfig
 from data_pipeline.cache import MANIFEST, write_json_atomic
 from data_pipeline.dedup import cluster_signatures, exact_keep
 from data_pipeline.indexed import IndexedTokens, merge_indexed
-from data_pipeline.minhash import WordHasher, shingle_hashes
+from data_pipeline.minhash import shingle_hashes
 from data_pipeline.stages import (
     ingest_source,
     list_shards,
@@ -60,6 +60,9 @@ class _Corpus:
         parts = []
         for name, shard, _ in self.shards:
             path = self.work / stage / name / shard.name.replace(suffix_from, suffix_to)
+            if not path.is_file():
+                raise DataError(f"{path} is missing: the {stage} stage has not finished for every shard; run "
+                                f"`tessera data build CONFIG --stages {stage}` (all tasks) first")
             parts.append(np.load(path, mmap_mode="r"))
         return np.concatenate(parts) if parts else np.zeros(0)
 
@@ -101,11 +104,10 @@ def _near(cfg: BuildConfig, corpus: _Corpus, work: Path, exact: np.ndarray) -> n
         ids = np.flatnonzero(exact)  # exact duplicates are already gone
         sig = corpus.load(".hash.npy", ".sig.npy", "minhash")[ids]
         mh = cfg.dedup.minhash
-        hasher = WordHasher()
 
         def shingles_of(local: np.ndarray) -> list[np.ndarray]:
-            h, off = shingle_hashes(corpus.texts(ids[local]), mh.ngram, hasher)
-            return [np.unique(h[off[k]:off[k + 1]]) for k in range(len(local))]
+            h, off = shingle_hashes(corpus.texts(ids[local]), mh.ngram)
+            return [h[off[k]:off[k + 1]] for k in range(len(local))]
 
         result = cluster_signatures(sig, mh, priority=corpus.priority()[ids], shingles_of=shingles_of)
         keep[ids[~result.keep]] = False

@@ -108,7 +108,7 @@ def cluster_signatures(sig: np.ndarray, cfg: MinHashConfig, *, priority: np.ndar
         sig: (n, bands * rows) MinHash signatures.
         cfg: MinHash settings (bands, rows, probe, verify_threshold).
         priority: Per document; each removal keeps the higher-priority (then earlier) document.
-        shingles_of: Sorted distinct shingle hashes of the given documents; required for verification.
+        shingles_of: Shingle hashes of the given documents; required for verification.
     """
     n = sig.shape[0]
     pairs = candidate_pairs(band_keys(sig, cfg.bands, cfg.rows, cfg.probe))
@@ -117,8 +117,8 @@ def cluster_signatures(sig: np.ndarray, cfg: MinHashConfig, *, priority: np.ndar
         if shingles_of is None:
             raise ValueError("shingles_of is needed to verify candidate pairs")
         involved = np.unique(pairs)
-        shingles = dict(zip(involved.tolist(), shingles_of(involved), strict=True))
-        ok = [jaccard(shingles[i], shingles[j]) >= cfg.verify_threshold for i, j in pairs.tolist()]
+        sets = {i: np.unique(h) for i, h in zip(involved.tolist(), shingles_of(involved), strict=True)}
+        ok = [jaccard(sets[i], sets[j]) >= cfg.verify_threshold for i, j in pairs.tolist()]
         edges = pairs[np.asarray(ok, dtype=bool)]
     labels = union_find(n, map(tuple, edges))
     keep = greedy_keep(n, edges, _preference(np.zeros(n) if priority is None else np.asarray(priority)))

@@ -33,12 +33,10 @@ def true_jaccard(a: str, b: str, n: int = 5) -> float:
 
 
 def stdlib_chunks(count: int, seed: int = 0) -> list[str]:
-    """`count` chunks of 150-400 whitespace words from the standard library's code files."""
+    """`count` chunks of 150-400 whitespace words from the standard library's .py files (code first, then tests)."""
     rng = random.Random(seed)
     out: list[str] = []
-    for domain, path in list_stdlib_files():
-        if domain != "code":
-            continue
+    for _, path in sorted(list_stdlib_files(), key=lambda item: item[0] != "code"):  # code files, then tests
         try:
             words = path.read_text(encoding="utf-8").split()
         except (UnicodeDecodeError, OSError):

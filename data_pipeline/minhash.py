@@ -1,26 +1,24 @@
 """Near-duplicate detection: word n-gram MinHash signatures and LSH banding, vectorized in numpy.
 
-Shingles are word 5-grams (lower-cased `\\w+` words) hashed to 64 bits. Signature k of a document is
-min over its shingles x of (a_k * x + b_k) mod 2^64, keeping the top 32 bits — the multiply-add-shift universal
-hash family (Dietzfelbinger 1996), so a permutation is one multiply and one add on a whole batch at once,
-and taking the top bits after the min equals the min of the top bits. 112 permutations as 14 bands x 8 rows
-(FineWeb's setting): a pair with Jaccard J shares at least one band with probability 1 - (1 - J^8)^14
-(0.92 at J=0.8, 0.9996 at J=0.9, 0.05 at J=0.5). Candidate pairs are optionally verified by their true
-shingle Jaccard, then clustered by union-find.
+Shingles are word 5-grams (lower-cased words: runs of letters, digits and '_') hashed to 64 bits, with the
+words found and hashed over the bytes of a whole batch at once. Signature k of a document is the min over its
+shingles x of (a_k * x + b_k) mod 2^64, top 32 bits kept — the multiply-add-shift universal hash family
+(Dietzfelbinger 1996): one multiply and one add per permutation on a whole batch, and taking the top bits after
+the min equals the min of the top bits. 112 permutations as 14 bands x 8 rows (FineWeb's setting): a pair with
+Jaccard J shares at least one band with probability 1 - (1 - J^8)^14 (0.92 at J=0.8, 0.9996 at J=0.9, 0.05
+at J=0.5). With `probe`, bands that differ in one row also meet (0.9999 at J=0.8). Candidate pairs are
+optionally verified by their true shingle Jaccard, then clustered.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from framework.errors import ConfigError
 
-_WORDS = re.compile(r"\w+")
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _SHINGLE_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio) for combining word hashes
 
@@ -50,39 +48,73 @@ class MinHashConfig:
         return self.bands * self.rows
 
 
-class WordHasher:
-    """Stable 64-bit word hashes, memoized (a corpus has far fewer distinct words than words)."""
+# Bytes that belong to words: ASCII letters, digits, '_' and every byte of a multi-byte UTF-8 character (so
+# accented and non-Latin letters stay inside words). On ASCII this is exactly regex `\w+`.
+_WORD_BYTE = np.zeros(256, dtype=bool)
+_WORD_BYTE[list(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")] = True
+_WORD_BYTE[0x80:] = True
+_P = 0x100000001B3  # odd multiplier of the polynomial word hash (FNV prime); invertible mod 2^64
+_P_INV = pow(_P, -1, 1 << 64)
+
+
+class _Powers:
+    """P^i and P^-i mod 2^64 for i < n, grown on demand (one cumulative product each)."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
-        self._hashes = np.zeros(1 << 16, dtype=np.uint64)
+        self.pos = np.ones(1, dtype=np.uint64)
+        self.neg = np.ones(1, dtype=np.uint64)
 
-    def __call__(self, words: list[str]) -> np.ndarray:
-        ids = self._ids
-        n0 = len(ids)
-        new = sorted(set(words).difference(ids))  # set algebra and map run in C: ~50 ns a word
-        if new:
-            ids.update(zip(new, range(n0, n0 + len(new)), strict=True))
-            if len(ids) > len(self._hashes):
-                self._hashes = np.resize(self._hashes, 2 * len(ids))
-            self._hashes[n0:len(ids)] = np.fromiter(
-                (xxhash.xxh3_64_intdigest(w.encode("utf-8", "surrogatepass")) for w in new), np.uint64, len(new))
-        idx = np.fromiter(map(ids.__getitem__, words), np.int64, len(words))
-        return self._hashes[idx]
+    def get(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.pos) < n:
+            size = max(n, 2 * len(self.pos))
+            with np.errstate(over="ignore"):
+                self.pos = np.concatenate([[np.uint64(1)], np.cumprod(np.full(size - 1, _P, dtype=np.uint64))])
+                self.neg = np.concatenate([[np.uint64(1)], np.cumprod(np.full(size - 1, _P_INV, dtype=np.uint64))])
+        return self.pos[:n], self.neg[:n]
 
 
-def shingle_hashes(texts: Sequence[str], ngram: int, hasher: WordHasher) -> tuple[np.ndarray, np.ndarray]:
+_POWERS = _Powers()
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: spreads every input bit over the whole word."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """64-bit hashes of the lower-cased words of each text, concatenated, and each text's first word index.
+
+    Vectorized over the bytes of the whole batch: word boundaries from a byte table, and each word's
+    polynomial hash sum(b_j P^(j - start)) from one prefix sum, so no Python runs per word.
+    """
+    encoded = [t.lower().encode("utf-8", "surrogatepass") for t in texts]
+    data = b"\x00".join(encoded) + b"\x00"
+    b = np.frombuffer(data, dtype=np.uint8)
+    is_word = _WORD_BYTE[b].view(np.int8)
+    edges = np.diff(is_word, prepend=np.int8(0))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    pos, neg = _POWERS.get(len(b) + 1)
+    with np.errstate(over="ignore"):
+        prefix = np.zeros(len(b) + 1, dtype=np.uint64)
+        np.cumsum(b.astype(np.uint64) * pos[:len(b)], out=prefix[1:])
+        raw = (prefix[ends] - prefix[starts]) * neg[starts] + (ends - starts).astype(np.uint64)
+    doc_starts = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum([len(e) + 1 for e in encoded], out=doc_starts[1:])
+    first_word = np.searchsorted(starts, doc_starts)
+    return _mix64(raw), first_word
+
+
+def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
     """All shingle hashes of a batch of documents, concatenated, and each document's start offset.
 
     A document with fewer than `ngram` words has one shingle (all its words); an empty one has a single
     shingle of value 0, so every document has a signature.
     """
-    words_per_doc = [_WORDS.findall(t.lower()) for t in texts]
-    lens = np.fromiter((len(w) for w in words_per_doc), np.int64, len(texts))
-    flat = [w for ws in words_per_doc for w in ws]
-    wh = hasher(flat) if flat else np.zeros(0, dtype=np.uint64)
-    wstart = np.zeros(len(texts) + 1, dtype=np.int64)
-    np.cumsum(lens, out=wstart[1:])
+    wh, wstart = word_hashes(texts)
+    lens = np.diff(wstart)
     n_sh = np.maximum(lens - ngram + 1, 1)
     sstart = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(n_sh, out=sstart[1:])
@@ -109,13 +141,12 @@ def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 
-def signatures(texts: Sequence[str], cfg: MinHashConfig, hasher: WordHasher | None = None,
-               batch_shingles: int = 1 << 16, keep_shingles: list[np.ndarray] | None = None) -> np.ndarray:
+def signatures(texts: Sequence[str], cfg: MinHashConfig, batch_shingles: int = 1 << 14,
+               keep_shingles: list[np.ndarray] | None = None) -> np.ndarray:
     """MinHash signatures of `texts`: uint32 array of shape (len(texts), bands * rows).
 
-    When `keep_shingles` is a list, each document's sorted distinct shingle hashes are appended to it
-    (for Jaccard verification without shingling twice)."""
-    hasher = hasher or WordHasher()
+    When `keep_shingles` is a list, each document's shingle hashes are appended to it (for Jaccard
+    verification without shingling twice)."""
     a, b = permutations(cfg.num_perm, cfg.seed)
     out = np.empty((len(texts), cfg.num_perm), dtype=np.uint32)
     buf = np.empty((cfg.num_perm, batch_shingles), dtype=np.uint64)
@@ -126,9 +157,9 @@ def signatures(texts: Sequence[str], cfg: MinHashConfig, hasher: WordHasher | No
         while j < len(texts) and (j == i or budget + len(texts[j]) // 6 < batch_shingles):
             budget += len(texts[j]) // 6 + 1
             j += 1
-        h, starts = shingle_hashes(texts[i:j], cfg.ngram, hasher)
+        h, starts = shingle_hashes(texts[i:j], cfg.ngram)
         if keep_shingles is not None:
-            keep_shingles.extend(np.unique(h[starts[d]:starts[d + 1]]) for d in range(j - i))
+            keep_shingles.extend(h[starts[d]:starts[d + 1]] for d in range(j - i))
         work = buf[:, :len(h)] if len(h) <= buf.shape[1] else np.empty((cfg.num_perm, len(h)), dtype=np.uint64)
         with np.errstate(over="ignore"):
             np.multiply(a[:, None], h[None, :], out=work)
@@ -185,7 +216,7 @@ def candidate_pairs(keys: np.ndarray, small_group: int = 8) -> np.ndarray:
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
-    """Jaccard similarity of two sets of shingle hashes, each given sorted and distinct."""
+    """Jaccard similarity of two sets of shingle hashes, each given sorted and distinct (`np.unique`)."""
     inter = len(np.intersect1d(a, b, assume_unique=True))
     return inter / max(1, len(a) + len(b) - inter)
 

@@ -40,6 +40,9 @@ def cmd_slurm(args: argparse.Namespace) -> int:
                      time=args.time, partition=args.partition, account=args.account, mode=args.mode,
                      signal_lead_s=args.signal_lead, extra_sbatch=tuple(args.sbatch_arg))
     degrees = validate_spec(cfg, spec)
+    if gpus and procs % degrees["tp"]:
+        print(f"tessera: warning: parallel.tp={degrees['tp']} does not divide {procs} ranks per node, so tensor-"
+              f"parallel groups span nodes and every layer's collectives cross the network", file=sys.stderr)
     script = render_sbatch(cfg, spec, args.config, list(args.overrides), python=sys.executable, degrees=degrees)
     if args.dry_run:
         sys.stdout.write(script)

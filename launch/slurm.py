@@ -23,6 +23,7 @@ from typing import Literal
 
 from framework.config import Config
 from framework.errors import ParallelismError
+from framework.parallel.mesh import ParallelDims
 from launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError
 
 try:  # the checkpoint subsystem owns the code; 42 until it defines one
@@ -76,17 +77,14 @@ def parse_time_s(text: str) -> int:
 
 
 def layout_degrees(cfg: Config, world: int) -> dict[str, int]:
-    """The parallel degrees for `world` ranks (dp_shard=-1 inferred), or a ParallelismError with the fix."""
-    p = cfg.parallel
-    fixed = p.tp * p.pp * p.dp_replicate * p.cp
-    dp_shard = p.dp_shard if p.dp_shard > 0 else world // fixed
-    if (p.dp_shard > 0 and fixed * p.dp_shard != world) or dp_shard < 1 or world % fixed:
-        need = f"{fixed * p.dp_shard}" if p.dp_shard > 0 else f"a multiple of {fixed}"
-        raise ParallelismError(
-            f"nodes x procs-per-node = {world} ranks, but the layout tp={p.tp} x pp={p.pp} x "
-            f"dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} needs {need}; change --nodes/--procs-per-node "
-            f"(or --gpus-per-node) to match, or set parallel.dp_shard=-1 to infer it from the world size")
-    return {"tp": p.tp, "pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard}
+    """The parallel degrees for `world` ranks (dp_shard=-1 inferred), validated against the model the way the
+    trainer will (framework.parallel.mesh.ParallelDims), so a layout that cannot run fails before submission."""
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    except ParallelismError as err:
+        raise ParallelismError(f"--nodes x --procs-per-node = {world} ranks: {err}") from None
+    degrees = {"tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard}
+    return degrees | {axis: getattr(dims, axis) for axis in ("cp", "ep") if getattr(dims, axis) > 1}
 
 
 def validate_spec(cfg: Config, spec: SlurmSpec) -> dict[str, int]:
@@ -112,9 +110,14 @@ def validate_spec(cfg: Config, spec: SlurmSpec) -> dict[str, int]:
     except ParallelismError as err:
         p = cfg.parallel
         unit = p.tp * p.pp * p.dp_replicate * p.cp * max(p.dp_shard, 1)
-        fits = [n for n in range(1, 4 * spec.nodes + 1) if (n * spec.procs_per_node) % unit == 0
-                and (p.dp_shard < 0 or n * spec.procs_per_node == unit)][:4]
-        hint = f" (with {spec.procs_per_node} per node: --nodes {' or '.join(map(str, fits))})" if fits else ""
+
+        def fit(n: int) -> bool:
+            return (n * spec.procs_per_node) % unit == 0 and (p.dp_shard < 0 or n * spec.procs_per_node == unit)
+
+        fits = [n for n in range(1, 4 * spec.nodes + 1) if fit(n)][:4]
+        if not fits or fit(spec.nodes):  # the world size fits; the layout is wrong for the model
+            raise
+        hint = f" (with {spec.procs_per_node} per node: --nodes {' or '.join(map(str, fits))})"
         raise ParallelismError(f"{err}{hint}") from None
 
 

@@ -95,13 +95,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, rec
         cfg: model shape.
         seq_len: tokens per sequence (the attention term grows with it).
         causal: halve the attention term, as a causal kernel skips the masked half.
-        recompute: hardware FLOPs with full activation recomputation (one extra forward: 8N instead of 6N
-            and 16·L·h·s instead of 12·L·h·s), the "HFU" convention of Narayanan et al. 2021.
+        recompute: hardware FLOPs with full activation recomputation of the blocks (one extra forward of every
+            layer: 8N instead of 6N and 16·L·h·s instead of 12·L·h·s; the output head is not recomputed and stays
+            at 6·V·h), the "HFU" convention of Narayanan et al. 2021: 96·B·s·l·h²(1 + s/6h + V/(16·l·h)).
     """
     n = param_counts(cfg).active_non_embedding
     attn = 12 * cfg.n_layers * cfg.hidden * seq_len
     if causal:
         attn /= 2
     if recompute:
-        return 8 * n + attn * 4 / 3
+        head = param_counts(cfg).head_flop_params
+        return 8 * n - 2 * head + attn * 4 / 3
     return 6 * n + attn

@@ -109,6 +109,7 @@ class CheckpointManager:
 
     def resume_point(self) -> Path | None:
         """The newest valid checkpoint (rank 0 verifies; every rank gets its choice), or None."""
+        self.wait()  # a rollback may come while a save is in flight: let it commit (or fail) first
         step = -1
         if self.rank == 0:
             path = find_valid_checkpoint(self.root, self.cfg.verify)

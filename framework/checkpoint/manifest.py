@@ -1,4 +1,4 @@
-"""The integrity manifest of a checkpoint: every file's size and xxh3-64 checksum, verified on load.
+"""The integrity manifest of a checkpoint: every file's size and 64-bit checksum (xxh3), verified on load.
 
 `manifest.json` is written last, just before the checkpoint directory is renamed into place, so a checkpoint
 whose manifest is missing was never committed, and a file whose size or checksum disagrees was truncated or
@@ -8,14 +8,18 @@ corrupted after the commit (a full disk, a bad copy, a bit flip). Either way `ve
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-import xxhash
-
 from framework.errors import CheckpointError
+
+try:
+    import xxhash
+except ImportError:  # a minimal install (the GPU machine) still trains: checksums fall back to blake2b
+    xxhash = None  # type: ignore[assignment]
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -24,9 +28,15 @@ _CHUNK = 1 << 22
 VerifyMode = Literal["checksum", "size", "none"]
 
 
-def file_checksum(path: Path) -> str:
-    """xxh3-64 of a file's bytes, as 16 hex digits (fast enough to check every load: several GB/s)."""
-    h = xxhash.xxh3_64()
+DEFAULT_ALGO = "xxh3" if xxhash is not None else "blake2b64"
+
+
+def file_checksum(path: Path, algo: str = DEFAULT_ALGO) -> str:
+    """64-bit checksum of a file's bytes as 16 hex digits: xxh3 (several GB/s, fast enough for every load)."""
+    if algo == "xxh3" and xxhash is None:
+        raise CheckpointError(f"{path}: the manifest uses xxh3 checksums but the xxhash package is not "
+                              f"installed; pip install xxhash, or load with checkpoint.verify=size")
+    h: Any = xxhash.xxh3_64() if algo == "xxh3" else hashlib.blake2b(digest_size=8)
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
@@ -39,9 +49,9 @@ def _files(ckpt_dir: Path) -> list[Path]:
 
 def write_manifest(ckpt_dir: Path) -> dict[str, Any]:
     """Checksum every file under `ckpt_dir` and write `manifest.json` (atomically); return the manifest."""
-    files = {str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "xxh3": file_checksum(p)}
+    files = {str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "checksum": file_checksum(p)}
              for p in _files(ckpt_dir)}
-    manifest = {"version": VERSION, "files": files}
+    manifest = {"version": VERSION, "algo": DEFAULT_ALGO, "files": files}
     tmp = ckpt_dir / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, ckpt_dir / MANIFEST)
@@ -84,8 +94,8 @@ def verify_manifest(ckpt_dir: Path, mode: VerifyMode = "checksum") -> None:
                 f"checkpoint file {path} has {size} bytes, the manifest records {want['size']}: it was truncated "
                 f"or overwritten after the save; restore it or resume from an earlier step")
         if mode == "checksum":
-            got = file_checksum(path)
-            if got != want["xxh3"]:
+            got = file_checksum(path, manifest.get("algo", "xxh3"))
+            if got != want["checksum"]:
                 raise CheckpointError(
-                    f"checkpoint file {path} has checksum {got}, the manifest records {want['xxh3']}: its bytes "
-                    f"are corrupt; restore it or resume from an earlier step")
+                    f"checkpoint file {path} has checksum {got}, the manifest records {want['checksum']}: its "
+                    f"bytes are corrupt; restore it or resume from an earlier step")

@@ -34,8 +34,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.errors import ParallelismError, divisors
+from framework.parallel.config import ParallelConfig
+from framework.parallel.mesh import EP_AXES, ParallelDims
+from models.config import ModelConfig
 from models.moe import MoE, combine, permute
 from models.moe.experts import GroupedExperts
+from models.moe.step import format_moe_metrics, moe_layers, moe_stats, set_aux_loss_scale, update_routing_bias
 
 
 class _AllToAll(torch.autograd.Function):
@@ -152,7 +156,7 @@ def _shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
         moe.experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
-def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool, dtensor_residual: bool) -> None:
+def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     moe.token_shards = SequenceShards(tp_mesh.get_group())
     moe.router.weight = nn.Parameter(distribute_tensor(moe.router.weight.data, tp_mesh, [Replicate()],
                                                        src_data_rank=None))
@@ -162,14 +166,15 @@ def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool,
             "": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))})
     residual = Shard(1) if sequence_parallel else Replicate()
-    # the MoE always works on this rank's sequence shard; without SP that is a local slice of the replicated input
+    # The MoE always works on this rank's sequence shard; without SP that is a local slice of the replicated
+    # input, and the output is all-gathered back. The residual stream stays plain local tensors (models/plans.py).
     parallelize_module(moe, tp_mesh, PrepareModuleInputOutput(
         input_layouts=(residual,), desired_input_layouts=(Shard(1),), use_local_input=True,
-        output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=not dtensor_residual))
+        output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=True))
 
 
 def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None,
-                          sequence_parallel: bool = True, dtensor_residual: bool = True) -> None:
+                          sequence_parallel: bool = True) -> None:
     """Parallelize every MoE layer of `model` (a decoder or a pipeline stage of it) in place.
 
     Args:
@@ -178,8 +183,6 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None = None
             Shard(0) over it, so initialization and checkpoints see their full shapes.
         tp_mesh: the 1-D `tp` mesh when tensor parallelism is on.
         sequence_parallel: the residual stream is sharded over the sequence (else replicated) under TP.
-        dtensor_residual: the rest of the block is tensor-parallel (DTensor residual); False when only the
-            MoE layers are (tests).
     """
     ep = ep_mesh.size() if ep_mesh is not None else 1
     tp = tp_mesh.size() if tp_mesh is not None else 1
@@ -191,7 +194,7 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None = None
             moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), moe.n_experts)
         if tp > 1:
             assert tp_mesh is not None
-            _tensor_parallel_moe(moe, tp_mesh, sequence_parallel, dtensor_residual)
+            _tensor_parallel_moe(moe, tp_mesh, sequence_parallel)
 
 
 def set_data_reduce(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
@@ -233,7 +236,9 @@ def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, **fs
 
     edp_size = edp_mesh.size()
     for moe in moe_modules(model):
-        fully_shard(moe.experts, mesh=edp_mesh, **fsdp_kwargs)
+        # shard dim 1 over edp: dim 0 (experts) is already sharded over ep, and FSDP sharding it again makes a
+        # _StridedShard placement that gradient-norm code counting Shard placements would miss
+        fully_shard(moe.experts, mesh=edp_mesh, shard_placement_fn=lambda _: Shard(1), **fsdp_kwargs)
         moe.experts.grad_scale = edp_size / dp_size
 
 
@@ -257,3 +262,97 @@ class ExpertGradSync:
             if self.group is not None:
                 dist.all_reduce(g, group=self.group)
             g.div_(self.dp_size)
+
+
+def ep_mesh_of(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The (pp, dp_replicate, edp, ep) expert mesh over the ranks of `mesh` (the engine's 5-axis mesh).
+
+    ep blocks are contiguous in the flattened (dp_shard, cp, tp) ranks (framework/parallel/mesh.py), so the
+    expert mesh is a reshape of the same rank tensor; built from `mesh` it also works for sub-world meshes.
+    """
+    ranks = mesh.mesh.reshape(dims.pp, dims.dp_replicate, -1, dims.ep)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EP_AXES)
+
+
+class MoEParallel:
+    """What the parallel engine does for MoE layers, in call order (each call a no-op for a dense model).
+
+        moe = MoEParallel(model_cfg, pcfg, dims, mesh)
+        moe.parallelize(part)                 # after TP, before to_empty / init_weights
+        moe.shard(part, **fsdp_kwargs)        # after init and recompute, before FSDP wraps the blocks
+        moe.before_step(parts, scale)         # scale: gradient the aux loss gets per forward
+        moe.after_backward(parts)             # expert gradient sync when FSDP does not do it
+        moe.after_optimizer_step(parts)       # routing-bias update from all-reduced counts
+        metrics.update(moe.metrics(parts))    # per-layer stats summed over data ranks, merged over stages
+    """
+
+    def __init__(self, model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh) -> None:
+        self.enabled = model_cfg.moe.enabled
+        self.pcfg, self.dims, self.mesh = pcfg, dims, mesh
+        if not self.enabled:
+            return
+        check_expert_parallel(model_cfg.moe.n_experts, dims.ep)
+        self.ep_mesh = ep_mesh_of(mesh, dims)
+        data_groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard") if dims.size(a) > 1]
+        self.reduce = sum_over(data_groups)
+        self.experts_fsdp = False
+        self.grad_sync: ExpertGradSync | None = None
+
+    def parallelize(self, part: nn.Module) -> None:
+        if not self.enabled:
+            return
+        apply_expert_parallel(part, ep_mesh=self.ep_mesh["ep"] if self.dims.ep > 1 else None,
+                              tp_mesh=self.mesh["tp"] if self.dims.tp > 1 else None,
+                              sequence_parallel=self.pcfg.sequence_parallel)
+        set_data_reduce(part, self.reduce if any(True for _ in moe_modules(part)) else None)
+
+    def shard(self, part: nn.Module, **fsdp_kwargs: Any) -> None:
+        """FSDP over the edp ranks when the dense parameters are FSDP-sharded; else a hand-made gradient sync."""
+        if not self.enabled:
+            return
+        if self.dims.dp_shard > 1:
+            names = ("dp_replicate", "edp") if self.dims.dp_replicate > 1 else ("edp",)
+            apply_expert_fsdp(part, self.ep_mesh[names], self.dims.dp_size, **fsdp_kwargs)
+            self.experts_fsdp = True
+        else:
+            # dp_shard == 1: the replica sync (if any) already averaged over dp_replicate; the edp ranks inside
+            # one replica are tp ranks holding other tokens of the same group -> sum, nothing more to divide
+            inner = self.dims.edp_size // self.dims.dp_replicate
+            group = self.ep_mesh["edp"].get_group() if inner > 1 else None
+            params = expert_parameters(part)
+            if self.grad_sync is None:
+                self.grad_sync = ExpertGradSync(params, group, 1)
+            else:
+                self.grad_sync.params.extend(params)
+
+    def before_step(self, parts: list[nn.Module], scale: float) -> None:
+        if self.enabled:
+            set_aux_loss_scale(parts, scale)
+
+    def after_backward(self, parts: list[nn.Module]) -> None:
+        if self.enabled and self.grad_sync is not None:
+            self.grad_sync()
+
+    def after_optimizer_step(self, parts: list[nn.Module]) -> None:
+        if self.enabled:
+            update_routing_bias(parts, self.reduce)
+
+    def metrics(self, parts: list[nn.Module]) -> dict[str, float]:
+        """This step's MoE metrics on every rank: summed over the data ranks, merged over pipeline stages."""
+        if not self.enabled:
+            return {}
+        stats = {k: self.reduce(v) for k, v in moe_stats(parts).items()}
+        coefs = {name: (m.moe_cfg.aux_loss_coef, m.moe_cfg.z_loss_coef) for name, m in moe_layers(parts)}
+        if self.dims.pp > 1:
+            gathered: list[Any] = [None] * self.dims.pp
+            dist.all_gather_object(gathered, (stats, coefs), group=self.mesh["pp"].get_group())
+            stats, coefs = {}, {}
+            for s, c in gathered:
+                stats.update(s)
+                coefs.update(c)
+        return format_moe_metrics(dict(sorted(stats.items(), key=lambda kv: _layer_key(kv[0]))), coefs)
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    tail = name.rsplit(".", 1)[-1]
+    return (int(tail), name) if tail.isdigit() else (1 << 30, name)

@@ -113,10 +113,12 @@ def mlp_terms(cfg: ModelConfig, rows: int, ffn_t: int, p: int) -> list[SavedTerm
 
 def selective_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                     act_bytes: int = 2, kernel: AttnKernel = "flash") -> list[SavedTerm]:
-    """What the selective policy keeps: block input + every mm/addmm output + the fused SDPA outputs.
+    """What the selective policy keeps: the block input and the outputs of every mm/addmm/bmm, of the fused SDPA
+    kernels and of the tensor-parallel reduce-scatters (`framework.plan.measure.SELECTIVE_SAVE_OPS`).
 
-    Row-parallel projections (wo, w2) output a full-width partial sum before the all-reduce/reduce-scatter,
-    and the policy keeps it too (it cannot tell which matmul outputs backward needs).
+    Row-parallel projections (wo, w2) output a full-width partial sum before the reduce-scatter, and the policy
+    keeps it too (it cannot tell which matmul outputs backward needs). The math kernel's core is two bmm: the
+    policy keeps the fp32 scores q·kᵀ (a·s²·b) and the fp32 probabilities·v, and recomputes the softmax.
     """
     p, rows, h, t = act_bytes, seq * micro_batch, cfg.hidden, tp
     kv_t = cfg.kv_heads // t * cfg.head_dim
@@ -127,9 +129,16 @@ def selective_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1
              SavedTerm("attention.wv_out", p * rows * kv_t, True)]
     full = tessera_layer_terms(cfg, seq, micro_batch, tp=tp, sp=sp, act_bytes=act_bytes, kernel=kernel)
     terms += [term for term in full if term.selective and term.name.startswith("attention.")]
+    if kernel == "math":
+        m = max(p, FP32)
+        terms += [SavedTerm("attention.scores", m * cfg.n_heads // t * seq * seq * micro_batch, True),
+                  SavedTerm("attention.probs_v", m * rows * q_t, True)]
     terms.append(SavedTerm("attention.wo_out", p * rows * h, True))
     terms += [term for term in full if term.selective and term.name.startswith("feed_forward.")]
     terms.append(SavedTerm("feed_forward.w2_out", p * rows * h, True))
+    if t > 1 and sp:  # the reduce-scatters after wo and w2
+        terms += [SavedTerm("attention.reduce_scatter", p * rows // t * h, True),
+                  SavedTerm("feed_forward.reduce_scatter", p * rows // t * h, True)]
     return terms
 
 

@@ -139,6 +139,8 @@ def report(work: Workload, result: PlanResult, hw: Hardware, space: SearchSpace,
         est = best[0]
         lines.append(f"\nbest layout, rank {est.memory_rank} of the pipeline at peak: "
                      + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in est.memory.items() if v))
+        lines.append(f"  FLOPs per step: model {est.flops[0]:.3g}, hardware {est.flops[1]:.3g} "
+                     f"({est.flops[1] / est.layout.world:.3g} per GPU); pipeline bubble {est.bubble * 100:.1f}%")
         lines.append("  time per step: " + ", ".join(f"{k} {v:.3f}s" for k, v in est.time.items() if v))
         lines.append("  communication per rank per step: " + ", ".join(
             f"{axis} {c.wire_bytes / 1e9:.2f} GB in {c.seconds:.3f}s" for axis, c in est.comm.items() if c.messages))

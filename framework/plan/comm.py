@@ -5,7 +5,7 @@ all-gather, a reduce-scatter or an all-to-all (Thakur et al. 2005; the ZeRO pape
 
   tp  per layer and micro-batch, sequence parallel: all-gather before and reduce-scatter after attention and
       MLP, forward and backward (8 collectives of s·b·h activations), 4 more when the forward is recomputed
-      (the selective policy recomputes collectives too: only matmul and SDPA outputs are kept).
+      in full, 2 under selective recompute (it keeps the reduce-scatter outputs, reruns the all-gathers).
   pp  per micro-batch and chunk: the activation forward and its gradient backward, s·b·h/t each (SP-sharded).
   dp  per step on this rank's Ψ: stage 0 all-reduces gradients; 1 reduce-scatters gradients once and
       all-gathers parameters once; 2 reduce-scatters every micro-batch; 3 also all-gathers parameters before
@@ -50,7 +50,9 @@ def tp_comm_per_micro(work: Workload, lay: Layout, hw: Hardware, n_layers: int) 
     if lay.tp == 1:
         return AxisComm(0.0, 0, 0.0)
     buf = work.seq_len * lay.micro_batch * work.model.hidden * work.precision.act
-    n_coll = (8 + (4 if lay.recompute != "none" else 0)) * n_layers
+    # Recompute reruns the forward's collectives; the selective policy keeps reduce-scatter outputs, so only
+    # its two all-gathers run again.
+    n_coll = (8 + {"none": 0, "selective": 2, "full": 4}[lay.recompute]) * n_layers
     return _axis(hw, True, n_coll * ring_factor("all_gather", lay.tp) * buf, n_coll, lay.tp)
 
 

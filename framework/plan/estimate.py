@@ -42,6 +42,8 @@ class Estimate:
     hfu: float
     tokens_per_s: float
     bubble: float
+    flops: tuple[float, float] = (0.0, 0.0)
+    """(model, hardware) FLOPs per step over the whole cluster."""
     comm: dict[str, AxisComm] = field(default_factory=dict)
     time: dict[str, float] = field(default_factory=dict)
 
@@ -116,7 +118,7 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
     time = {"compute": m * compute, "tp": m * tp_c.seconds, "ep": m * ep_c.seconds, "bubble": bubble_s,
             "pp_p2p": pp.seconds, "dp_exposed": dp_exposed, "optimizer": optimizer_s}
     return Estimate(lay, mem, mem_rank, parts, step, model_flops / denom, hw_flops / denom, tokens / step, bubble,
-                    comm, time)
+                    (model_flops, hw_flops), comm, time)
 
 
 def _scaled(c: AxisComm, m: int) -> AxisComm:

@@ -17,18 +17,30 @@ from framework.plan.layout import Layout, Workload
 from models.config import PRESETS, ModelConfig
 
 
+def _diff(full: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `full` that differ from `base`, recursing into nested sections."""
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            nested = _diff(value, base[key])
+            if nested:
+                out[key] = nested
+        elif base.get(key) != value:
+            out[key] = value
+    return out
+
+
 def _model_section(cfg: ModelConfig) -> dict[str, Any]:
-    """The preset name plus the fields that differ from it, or every shape field of a custom model."""
+    """The preset name plus the fields that differ from it, or the fields of a custom model that differ from
+    the defaults."""
     from framework.config import to_dict
 
-    full = to_dict(cfg)
+    full = {k: v for k, v in to_dict(cfg).items() if k != "preset"}
     if cfg.preset and cfg.preset in PRESETS:
         from models.config import model_config
 
-        base = to_dict(model_config(cfg.preset))
-        return {"preset": cfg.preset, **{k: v for k, v in full.items() if k != "preset" and base.get(k) != v}}
-    defaults = to_dict(ModelConfig())
-    return {k: v for k, v in full.items() if k != "preset" and defaults.get(k) != v}
+        return {"preset": cfg.preset, **_diff(full, to_dict(model_config(cfg.preset)))}
+    return _diff(full, to_dict(ModelConfig()))
 
 
 def config_dict(work: Workload, lay: Layout) -> dict[str, Any]:

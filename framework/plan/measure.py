@@ -21,14 +21,16 @@ from torch.utils._pytree import tree_leaves
 
 from framework.plan.activations import AttnKernel, Recompute
 
-# The selective-recompute policy the planner's formula assumes: keep matmul outputs and fused attention
-# outputs, recompute everything else (norms, RoPE, the kv-head repeat, activations, the math-SDPA core).
+# The selective-recompute policy the planner's formula assumes — the engine's (framework/parallel/recompute.py):
+# keep the outputs of matmuls, fused attention and tensor-parallel reduce-scatters, recompute everything else
+# (norms, RoPE, the kv-head repeat, activations, softmax, all-gathers).
 SELECTIVE_SAVE_OPS: tuple[str, ...] = (
-    "aten.mm.default", "aten.addmm.default",
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
 )
 
 
@@ -37,6 +39,22 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if str(op) in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn() -> Callable[[], Any]:
+    """The engine's selective context when it is installed (so measurements use the real policy), else ours."""
+    try:
+        from framework.parallel.recompute import selective_context  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return functools.partial(create_selective_checkpoint_contexts_lazy, selective_policy)
+    return selective_context  # type: ignore[no-any-return,unused-ignore]
+
+
+def create_selective_checkpoint_contexts_lazy(policy: Callable[..., Any]) -> Any:
+    """`torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`, imported when called."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 @dataclass
@@ -103,18 +121,42 @@ def saved_bytes(module: torch.nn.Module, make_input: Callable[[], torch.Tensor],
     return sum(by_op.values()), by_op
 
 
+def hooked_saved_bytes(module: torch.nn.Module, forward: Callable[[], torch.Tensor],
+                       static: Iterable[torch.Tensor] = (),
+                       unwrap: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> int:
+    """Bytes autograd saves during `forward()`, seen through `torch.autograd.graph.saved_tensors_hooks`.
+
+    A second, independent measurement for the no-recompute case (checkpointing installs its own hooks, which hide
+    what it keeps — hence `saved_bytes`). Storages are counted once; parameters, buffers and `static` are skipped.
+    `unwrap` maps a saved tensor to the tensor holding its memory (a DTensor's local shard).
+    """
+    skip = {unwrap(t).untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers(), *static)}
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = unwrap(t).untyped_storage()
+        if storage.data_ptr() not in skip:
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    assert out.grad_fn is not None
+    return sum(sizes.values())
+
+
 def layer_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x_leaf: torch.Tensor, *,
                       recompute: Recompute = "none", kernel: AttnKernel = "flash") -> tuple[int, dict[str, int]]:
     """Measured activation bytes of one decoder block's forward on `x_leaf` (B, T, D) under a recompute mode."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if recompute == "none":
             return block(x, rope)  # type: ignore[no-any-return]
         context_fn: Callable[[], Any] = contextlib.nullcontext
         if recompute == "selective":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+            context_fn = selective_context_fn()
             return checkpoint(block, x, rope, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
         return checkpoint(block, x, rope, use_reentrant=False)  # type: ignore[no-any-return]
 
@@ -166,6 +208,57 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     return out
 
 
+def _dense_sp_plan(gated: bool) -> dict[str, Any]:
+    """Tensor + sequence parallel plan of a dense block (the TP rules of framework/plan/meta.py)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, Any] = {
+        "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if gated:
+        plan["feed_forward.w3"] = ColwiseParallel()
+    return plan
+
+
+def tp_layer_saved_bytes(rank: int, world_size: int, *, preset: str, seq: int, batch: int,
+                         overrides: dict[str, Any] | None = None) -> int:
+    """On each rank of a process group: saved bytes of one block under TP = world_size with sequence parallelism.
+
+    The block is parallelized with DTensor (`parallelize_module`) and counted through saved_tensors_hooks on the
+    local shards (no recompute: checkpointing would hide its tensors from the hooks).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from models.config import model_config
+    from models.decoder import build_model
+
+    cfg = model_config(preset, **(overrides or {}))
+    model = build_model(cfg)
+    block = model.layers["0"]
+    parallelize_module(block, init_device_mesh("cpu", (world_size,)), _dense_sp_plan(cfg.mlp == "swiglu"))
+    x_full = torch.randn(batch, seq, cfg.hidden, generator=torch.Generator().manual_seed(0))
+    x = x_full.chunk(world_size, dim=1)[rank].clone().requires_grad_(True)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined,no-any-return]
+
+    return hooked_saved_bytes(block, lambda: block(x, model.rope), static=[model.rope], unwrap=local)
+
+
 def trained_state_bytes(preset: str, *, shard: bool = False, seq: int = 16, batch: int = 2) -> dict[str, int]:
     """Model-state bytes on this rank after one AdamW step of a small preset model on CPU (fp32).
 
@@ -193,5 +286,5 @@ def trained_state_bytes(preset: str, *, shard: bool = False, seq: int = 16, batc
     return model_state_bytes(model, opt)
 
 
-__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "layer_saved_bytes", "model_saved_bytes", "model_state_bytes",
-           "saved_bytes", "selective_policy", "trained_state_bytes"]
+__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "hooked_saved_bytes", "layer_saved_bytes", "model_saved_bytes",
+           "model_state_bytes", "saved_bytes", "selective_policy", "tp_layer_saved_bytes", "trained_state_bytes"]

@@ -212,9 +212,11 @@ def plan_or_explain(work: Workload, gpus: int, hw: Hardware, space: SearchSpace 
         raise ParallelismError(f"--gpus {gpus} must be >= 1")
     if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
         near = valid_gpu_counts_near(work, gpus, hw, space)
+        smallest = smallest_cluster(work, hw, space)
         raise ParallelismError(
             f"--gpus {gpus} is not a whole number of {hw.gpus_per_node}-GPU nodes; "
-            f"use a multiple of {hw.gpus_per_node}" + (f", e.g. {near} (layouts fit there)" if near else ""))
+            f"use a multiple of {hw.gpus_per_node}" + (f", e.g. {near} (layouts fit there)" if near else "")
+            + (f"; the smallest cluster that fits is {smallest[0]} x {hw.name}" if smallest else ""))
     result = plan(work, gpus, hw, space, progress=progress)
     if result.feasible:
         return result

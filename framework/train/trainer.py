@@ -135,7 +135,8 @@ class Trainer:
     def _prepare_data(self) -> Any:
         from data_pipeline.prepare import prepare_data
 
-        data = prepare_data(self.cfg.data, is_builder=self.rank == 0)
+        data = prepare_data(self.cfg.data, is_builder=self.rank == 0,
+                            global_batch_size=self.cfg.train.global_batch_size)  # places data.schedule phases
         if data.vocab_size > self.cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={self.cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "

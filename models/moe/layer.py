@@ -11,6 +11,7 @@ Parallelism is installed from outside (framework/parallel/expert.py) by replacin
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Protocol
 
@@ -45,8 +46,19 @@ class TokenShards(Protocol):
 
 
 def _recording() -> bool:
-    """Training forward, not the recomputation of activation checkpointing inside backward (counted once)."""
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+    """A training forward that counts: not the recomputation of activation checkpointing inside backward, and
+    not the one-off metadata-inference pass of torch.distributed.pipelining (which feeds placeholder tensors)."""
+    return (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            and not _in_pipeline_metadata_inference())
+
+
+def _in_pipeline_metadata_inference() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_forward_metadata_inference":
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 class MoE(nn.Module):
@@ -79,6 +91,8 @@ class MoE(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         b, t, d = x_BTD.shape
+        if x_BTD.is_meta:  # shape inference (pipeline stages): routing needs values, the output shape does not
+            return torch.empty_like(x_BTD)
         x_ND = x_BTD.reshape(b * t, d)
         routing = self.router(x_ND)
         keep_NK, counts_E, dropped, n_group = self._decide(routing.expert_idx_NK, routing.weights_NK, b, t)

@@ -2,10 +2,9 @@
 
     python tests/checkpoint/fault_worker.py FAULT CONFIG [overrides...]
 
-FAULT is one of:
+FAULT is:
     kill-in-commit:N   SIGKILL this process while committing the checkpoint of step N (shards and meta.json are
                        written, the manifest and the rename are not): a kill in the middle of a save.
-    stall:R:N          rank R sleeps for an hour in step N (a hang for the watchdog to catch).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 
@@ -34,18 +32,6 @@ def main(argv: list[str]) -> int:
             return real_write_manifest(ckpt_dir)
 
         dcp.write_manifest = write_manifest  # type: ignore[assignment]
-    elif kind == "stall":
-        from framework.train.trainer import Trainer
-
-        stall_rank, stall_step = int(args[0]), int(args[1])
-        real_step = Trainer.train_step
-
-        def train_step(self: Trainer) -> dict[str, Any]:
-            if self.rank == stall_rank and self.step + 1 == stall_step:
-                time.sleep(3600)
-            return real_step(self)
-
-        Trainer.train_step = train_step  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown fault {fault!r}")
     from framework.cli import main as cli_main

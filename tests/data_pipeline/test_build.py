@@ -56,6 +56,8 @@ def _write_sources(root: Path) -> tuple[list[SourceConfig], dict[str, dict[str, 
     import datasets
 
     datasets.Dataset.from_dict({"text": [*good[50:60], good[1]]}).save_to_disk(str(root / "hf"))
+    # Local files read through `datasets.load_dataset("json", ...)`; a row without the field reads as None.
+    (root / "e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"text": _doc(rng)}, {"other": "x"}]))
     sources = [
         SourceConfig(name="plain", path=str(root / "a.jsonl"), profile="minimal", priority=1),
         SourceConfig(name="gz", path=str(root / "b.jsonl.gz"), profile="minimal"),
@@ -63,11 +65,13 @@ def _write_sources(root: Path) -> tuple[list[SourceConfig], dict[str, dict[str, 
         SourceConfig(name="pq", path=str(root / "d.parquet"), text_field="content", profile="minimal"),
         SourceConfig(name="tree", path=str(tree), glob="*.txt", profile="minimal"),
         SourceConfig(name="hf", path=str(root / "hf"), profile="minimal", priority=2),
+        SourceConfig(name="hfjson", path=str(root / "e.jsonl"), hf_builder="json", profile="minimal"),
     ]
     expect = {name: {"malformed": jsonl_expect, "in": 29} for name in ("plain", "gz", "zst")}
     expect["pq"] = {"malformed": {"missing_field": 1}, "in": 22}
     expect["tree"] = {"malformed": {"invalid_utf8": 1}, "in": 11}
     expect["hf"] = {"malformed": {}, "in": 11}
+    expect["hfjson"] = {"malformed": {"missing_field": 1}, "in": 2}
     return sources, expect
 
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from data_pipeline.dedup import exact_keep, greedy_keep, near_dedup
 from data_pipeline.dedup_eval import make_benchmark, recall_precision, true_jaccard
-from data_pipeline.minhash import MinHashConfig, WordHasher, band_keys, candidate_pairs, shingle_hashes, signatures
+from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, shingle_hashes, signatures, word_hashes
 
 
 def test_exact_keeps_the_higher_priority_copy() -> None:
@@ -32,11 +32,23 @@ def test_signature_agreement_estimates_jaccard() -> None:
 
 
 def test_shingles_are_word_5grams_and_order_sensitive() -> None:
-    h, off = shingle_hashes(["a b c d e f", "b c d e f", "", "x y"], 5, WordHasher())
+    h, off = shingle_hashes(["a b c d e f", "B, c; d e f.", "", "x y"], 5)
     assert off.tolist() == [0, 2, 3, 4, 5]  # 2 shingles, 1, 1 (empty doc), 1 (short doc)
-    assert h[1] == h[2]  # "b c d e f" in both documents
-    h2, _ = shingle_hashes(["f e d c b a"], 5, WordHasher())
+    assert h[1] == h[2]  # "b c d e f" in both documents (case and punctuation are not words)
+    h2, _ = shingle_hashes(["f e d c b a"], 5)
     assert not set(h2.tolist()) & set(h[:2].tolist())
+
+
+def test_word_hashes_match_regex_words() -> None:
+    texts = ["Hello, world! x_1 = café(2)", "", "  ", "naïve--Ünïcode words_here"]
+    wh, first = word_hashes(texts)
+    import re
+
+    words = [re.findall(r"\w+", t.lower()) for t in texts]
+    assert np.diff(first).tolist() == [len(w) for w in words]
+    flat = [w for ws in words for w in ws]
+    for i, j in [(a, b) for a in range(len(flat)) for b in range(len(flat))]:
+        assert (wh[i] == wh[j]) == (flat[i] == flat[j])
 
 
 def test_bands_and_probe_find_one_row_differences() -> None:

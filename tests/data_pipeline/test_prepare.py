@@ -120,3 +120,24 @@ def test_synthetic_kind() -> None:
     p = prepare_data(DataConfig(kind="synthetic", vocab_size=64, seq_len=16))
     assert p.vocab_size == 64 and p.tokenizer_path is None and p.train[5].shape == (17,)
     assert set(p.val) == {"synthetic"} and not np.array_equal(p.val["synthetic"][0], p.train[0])
+
+
+def _read(args: tuple[object, list[int]]) -> list[list[int]]:
+    samples, idx = args
+    return [samples[i].tolist() for i in idx]  # type: ignore[index]
+
+
+def test_samples_do_not_depend_on_loader_workers(stdlib_build) -> None:  # type: ignore[no-untyped-def]
+    from multiprocessing import get_context
+
+    train = prepare_data(stdlib_build.cfg).train
+    idx = list(range(0, 4000, 37))
+    reference = _read((train, idx))
+    for workers in (2, 3):
+        parts = [idx[w::workers] for w in range(workers)]  # interleaved, like DataLoader workers
+        with get_context("fork").Pool(workers) as pool:
+            got = pool.map(_read, [(prepare_data(stdlib_build.cfg).train, p) for p in parts])
+        merged = [None] * len(idx)
+        for w, rows in enumerate(got):
+            merged[w::workers] = rows
+        assert merged == reference

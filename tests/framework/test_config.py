@@ -20,12 +20,23 @@ def test_defaults_load() -> None:
     assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
 
 
+def _loader(path: Path):  # type: ignore[no-untyped-def]
+    """Each folder of configs/ holds one kind of YAML; a folder not listed holds training configs."""
+    kind = path.relative_to(REPO / "configs").parts[0]
+    if kind == "data":
+        from data_pipeline.build_config import load_build_config
+
+        return load_build_config
+    if kind == "ablations":
+        from framework.observe.ablate import load_spec
+
+        return load_spec
+    return load_config
+
+
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_shipped_config_loads(path: Path) -> None:
-    text = path.read_text()
-    if text.lstrip().startswith("# not-a-tessera-config"):
-        pytest.skip("documented non-config YAML")  # none today; the marker keeps the rule explicit
-    load_config(path)
+    assert _loader(path)(path) is not None
 
 
 def test_configs_exist() -> None:

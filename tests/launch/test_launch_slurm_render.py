@@ -59,9 +59,10 @@ def test_cpu_script_requests_no_gpus_and_passes_overrides() -> None:
 
 @pytest.mark.parametrize(("overrides", "spec", "message"), [
     (["parallel.tp=2", "parallel.dp_shard=4"], dict(nodes=2, procs_per_node=2),
-     r"nodes x procs-per-node = 4 ranks, .* needs 8; .*--nodes 4\)"),
-    (["parallel.tp=8", "parallel.pp=4"], dict(nodes=3, procs_per_node=8),
-     r"24 ranks, .* needs a multiple of 32.*--nodes 4 or 8"),
+     r"= 4 ranks: layout .* = 8 ranks, but the world size is 4; .*\(with 2 per node: --nodes 4\)"),
+    (["parallel.tp=4", "parallel.pp=4"], dict(nodes=3, procs_per_node=8),
+     r"= 24 ranks: world size 24 is not divisible by .* = 16.*\(with 8 per node: --nodes 2 or 4 or 6 or 8\)"),
+    (["parallel.tp=8"], dict(nodes=1, procs_per_node=8), r"= 8 ranks: parallel.tp=8 must divide model.n_heads=4"),
 ])
 def test_world_size_mismatch_fails_with_the_fix(overrides: list[str], spec: dict[str, int], message: str) -> None:
     cfg = load_config(REPO / "configs/smoke/tiny.yaml", overrides)

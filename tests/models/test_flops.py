@@ -20,7 +20,8 @@ def test_flops_hand_computed_tiny() -> None:
     seq = 32
     assert flops_per_token(cfg, seq) == 6 * n + 12 * 2 * 8 * 32
     assert flops_per_token(cfg, seq, causal=True) == 6 * n + 6 * 2 * 8 * 32
-    assert flops_per_token(cfg, seq, recompute=True) == 8 * n + 16 * 2 * 8 * 32
+    # full recompute reruns the blocks' forward, not the head's: 8 (N - head) + 6 head.
+    assert flops_per_token(cfg, seq, recompute=True) == 8 * n - 2 * head + 16 * 2 * 8 * 32
 
 
 def test_llama3_8b_matches_published_count() -> None:

@@ -1,4 +1,4 @@
-"""Model-state bytes predicted by the planner against a real AdamW step on CPU (1 process and FSDP2 ZeRO-3)."""
+"""Measured on several CPU ranks: model states (1 process, FSDP2 ZeRO-3) and activations under TP + SP."""
 
 from __future__ import annotations
 
@@ -28,17 +28,25 @@ def test_one_process_states_are_exact(preset: str) -> None:
     assert measured["optimizer"] == predicted["optimizer"] == 8 * psi  # exp_avg + exp_avg_sq in fp32
 
 
-def _rank_states(rank: int, world_size: int) -> dict[str, int]:
-    return trained_state_bytes("test-tiny", shard=True)
+def _two_ranks(rank: int, world_size: int) -> tuple[dict[str, int], int]:
+    from framework.plan.measure import tp_layer_saved_bytes
+
+    # One process group for both measurements: FSDP2 ZeRO-3 model states, then one block under TP2 + SP.
+    states = trained_state_bytes("test-tiny", shard=True)
+    return states, tp_layer_saved_bytes(rank, world_size, preset="test-tiny", seq=32, batch=2)
 
 
 @pytest.mark.distributed
-def test_fsdp_zero3_states_within_one_percent() -> None:
+def test_fsdp_zero3_states_and_tp_sp_activations() -> None:
+    from framework.plan.activations import tessera_layer_bytes
     from framework.testing import run_distributed
 
-    results = run_distributed(_rank_states, world_size=2)
+    results = run_distributed(_two_ranks, world_size=2)
     predicted = _predicted("test-tiny", 2, 3)
     for kind in ("params", "grads", "optimizer"):
-        assert sum(r[kind] for r in results) == pytest.approx(2 * predicted[kind])  # nothing lost or doubled
-        for r in results:
-            assert r[kind] == pytest.approx(predicted[kind], rel=0.01)
+        assert sum(r[0][kind] for r in results) == pytest.approx(2 * predicted[kind])  # nothing lost or doubled
+        for states, _ in results:
+            assert states[kind] == pytest.approx(predicted[kind], rel=0.01)
+    # DTensor TP + SP keeps the all-gathered input of the column-parallel projections at full size.
+    tp_sp = tessera_layer_bytes(model_config("test-tiny"), 32, 2, tp=2, sp=True, act_bytes=4)
+    assert [r[1] for r in results] == [tp_sp, tp_sp]

@@ -92,6 +92,7 @@ def test_communication_volumes() -> None:
     tp = tp_comm_per_micro(work, Layout(tp=8, micro_batch=1), hw, n_layers=2)
     assert tp.wire_bytes == pytest.approx(2 * 8 * (7 / 8) * 4096 * 4096 * 2)
     assert tp_comm_per_micro(work, Layout(tp=8, recompute="full"), hw, 1).messages == 12
+    assert tp_comm_per_micro(work, Layout(tp=8, recompute="selective"), hw, 1).messages == 10
     pp = pp_comm_per_step(work, Layout(tp=8, pp=4, dp=2, micro_batch=1), hw)
     assert pp.wire_bytes == pytest.approx(2 * 32 * 4096 * 4096 * 2 / 8)  # 32 micro-batches, fwd + bwd
 

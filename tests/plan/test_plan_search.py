@@ -34,7 +34,8 @@ def test_published_megatron_layouts_are_feasible_and_ranked(run: object) -> None
 
 def test_gpu_count_not_divisible_explains() -> None:
     work = Workload(model_config("llama3-70b", max_seq_len=4096), 4096, 512)
-    with pytest.raises(ParallelismError, match=r"--gpus 1020 is not a whole number of 8-GPU nodes.*e\.g\."):
+    with pytest.raises(ParallelismError, match=r"--gpus 1020 is not a whole number of 8-GPU nodes.*e\.g\..*"
+                                               r"smallest cluster that fits is \d+ x h100-80g"):
         plan_or_explain(work, 1020, get_hardware("h100-80g"))
 
 
@@ -68,14 +69,30 @@ def test_cli_end_to_end_writes_a_loadable_config(tmp_path: Path, capsys: pytest.
     assert world == 64
 
 
-def test_cli_custom_shape_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_custom_shape_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "moe.yaml"
     rc = main(["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn", "4096",
                "--vocab", "32000", "--experts", "8", "--top-k", "2", "--mlp", "swiglu", "--tied",
-               "--gpus", "16", "--gpu", "a100-40g", "--seq", "2048", "--global-batch", "64", "--top", "2"])
+               "--gpus", "16", "--gpu", "a100-40g", "--seq", "2048", "--global-batch", "64", "--top", "2",
+               "--write-config", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and " EP" in text
+    cfg = load_config(out)
+    assert (cfg.model.n_layers, cfg.model.hidden, cfg.model.kv_heads, cfg.model.ffn) == (8, 1024, 4, 4096)
+    assert cfg.model.moe.n_experts == 8 and cfg.model.moe.top_k == 2 and cfg.model.tied_embeddings
     assert main(["--model", "llama3-8b", "--layers", "4", "--gpus", "8", "--seq", "128", "--global-batch", "8"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
     assert main(["--model", "llama3-8b", "--gpus", "8", "--seq", "128", "--global-batch", "8",
                  "--schedules", "Zigzag"]) == 2
     assert "unknown ['Zigzag']" in capsys.readouterr().err
+
+
+def test_registered_in_the_top_level_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from framework.cli import main as tessera
+
+    assert tessera(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "2048", "--global-batch", "16",
+                    "--top", "1"]) == 0
+    assert "llama3-8b" in capsys.readouterr().out
+    assert tessera(["plan", "--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40g", "--seq", "4096",
+                    "--global-batch", "64"]) == 2
+    assert "smallest cluster that fits" in capsys.readouterr().err

@@ -82,7 +82,7 @@ def _run_layout(rank: int, cfg: ModelConfig, ep: int, tp: int, batches: list[tor
     with torch.device("meta"):
         model = Decoder(cfg)
     apply_expert_parallel(model, ep_mesh=ep_mesh["ep"] if ep > 1 else None, tp_mesh=mesh["tp"] if tp > 1 else None,
-                          sequence_parallel=False, dtensor_residual=False)
+                          sequence_parallel=False)
     model.to_empty(device="cpu")
     model.init_weights(11)
     if fsdp:  # ZeRO-3 style: experts over the edp ranks, everything else over the data ranks

@@ -13,7 +13,7 @@ from framework.plan.activations import (
     tessera_layer_bytes,
     tessera_layer_terms,
 )
-from framework.plan.measure import layer_saved_bytes, model_saved_bytes
+from framework.plan.measure import hooked_saved_bytes, layer_saved_bytes, model_saved_bytes
 from framework.plan.memory import moe_layer_extra_bytes
 from models.config import model_config
 from models.decoder import build_model
@@ -33,6 +33,9 @@ def test_tessera_block_hand_computed() -> None:
     # selective: block input, wq, wk (kv 32 wide), wv, sdpa out + lse, wo out, w1 out, w3 out, w2 out.
     assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4, recompute="selective") == 4 * (
         sbh + sbh + 2 * 32 * 2 * 32 + sbh + 4 * sb + sbh + 2 * sbf + sbh)
+    # selective with the math kernel: the two bmm outputs (fp32 scores a·s·s·b and probs·v) replace sdpa out + lse.
+    assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4, recompute="selective", kernel="math") == 4 * (
+        sbh + sbh + 2 * 32 * 2 * 32 + 4 * 32 * 32 * 2 + sbh + sbh + 2 * sbf + sbh)
     assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4, recompute="full") == 4 * sbh
     # bf16: the norm keeps an fp32 upcast of its input, the rest is 2 bytes.
     assert tessera_layer_bytes(cfg, 32, 2, act_bytes=2) == 2 * 4 * sbh + 2 * (8 * sbh + 4 * sbf) + 4 * (
@@ -51,6 +54,10 @@ def test_tessera_block_tp_sp() -> None:
     # sequence parallel shards only the norm region.
     assert tessera_layer_bytes(cfg, s, b, tp=t, sp=True) == 2 * (4 * sbh_t + 4 * sb // t + 2 * sbh_t) + tail
     assert tessera_layer_bytes(cfg, s, b, tp=t, sp=True, recompute="full") == 2 * sbh // t
+    # selective under TP + SP: input/t, wq/t, wk+wv (kv 1024 wide)/t, out/t, lse, wo full, w1+w3/t, w2 full, 2 RS/t.
+    kv = s * b * 1024 // t
+    assert tessera_layer_bytes(cfg, s, b, tp=t, sp=True, recompute="selective") == 2 * (
+        sbh_t + sbh_t + 2 * kv + sbh_t + sbh + 2 * sbf_t + sbh + 2 * sbh_t) + 4 * (32 // t) * sb
     names = [term.name for term in tessera_layer_terms(cfg, s, b)]
     assert "attention.logsumexp" in names and "attention.probs" not in names
 
@@ -87,6 +94,18 @@ def test_formula_matches_saved_tensors_exactly(shape: dict[str, object]) -> None
                                                 kernel=kernel)
             predicted = tessera_layer_bytes(cfg, s, b, recompute=recompute, act_bytes=4, kernel=kernel)
             assert measured == predicted, (recompute, kernel, by_op)
+
+
+def test_saved_tensor_hooks_agree_without_recompute() -> None:
+    # The hook-based count (what autograd packs) equals the liveness count and the formula.
+    torch.set_num_threads(1)
+    cfg = model_config("test-tiny")
+    model = build_model(cfg)
+    x = torch.randn(2, 32, cfg.hidden, requires_grad=True)
+    block = model.layers["0"]
+    hooked = hooked_saved_bytes(block, lambda: block(x, model.rope), static=(model.rope,))
+    # Both count the block input x: the first norm saves it.
+    assert hooked == layer_saved_bytes(block, model.rope, x)[0] == tessera_layer_bytes(cfg, 32, 2, act_bytes=4)
 
 
 def test_head_bytes_formula() -> None:

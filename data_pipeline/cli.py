@@ -1,0 +1,125 @@
+"""CLI: `tessera data build CONFIG`, `tessera data stats BUILD`, `tessera tokenizer train`.
+
+Registered by framework/cli.py through `register(subparsers)`; argparse only here, heavy imports in handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+STAGE_HELP = "ingest, exact, minhash, near, tokenizer, tokenize, manifest"
+
+
+def _task_from_env(args: argparse.Namespace) -> tuple[int, int]:
+    """--task/--tasks, defaulting to the SLURM job array's task id and count when run inside one."""
+    task = args.task if args.task is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
+    tasks = args.tasks if args.tasks is not None else int(os.environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
+    return task, tasks
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from data_pipeline.build import STAGES, run_build
+    from data_pipeline.build_config import load_build_config
+    from framework.errors import ConfigError
+
+    cfg = load_build_config(args.config, args.overrides)
+    stages = tuple(args.stages.split(",")) if args.stages else STAGES
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"--stages {args.stages!r} names unknown stages {unknown}; stages: {STAGE_HELP}")
+    task, tasks = _task_from_env(args)
+    if not 0 <= task < tasks:
+        raise ConfigError(f"--task {task} must be in [0, --tasks {tasks}); e.g. --task 0 --tasks 4")
+    manifest = run_build(cfg, stages=stages, task=task, tasks=tasks)
+    if manifest:
+        print(format_stats(manifest))
+        print(f"build written to {cfg.output_dir} (fingerprint {manifest['fingerprint'][:16]})")
+    else:
+        print(f"stages {','.join(stages)} done for task {task}/{tasks}; rerun without --stages to finish")
+    return 0
+
+
+def format_stats(manifest: dict[str, Any]) -> str:
+    """A table of a build's per-source accounting (documents and tokens)."""
+    head = ("source", "in", "kept", "filtered", "exact dup", "near dup", "malformed", "tokens kept", "top filter")
+    rows = [head]
+    for name, src in sorted(manifest["sources"].items()):
+        d = src["documents"]
+        filtered = d["filtered"]
+        top = max(filtered, key=filtered.get) if filtered else "-"
+        rows.append((name, str(d["in"]), str(d["kept"]), str(sum(filtered.values())), str(d["exact_duplicate"]),
+                     str(d["near_duplicate"]), str(sum(d["malformed"].values())), f"{src['tokens']['kept']:,}",
+                     f"{top} ({filtered[top]})" if filtered else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i in (0, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                              strict=True)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    tok = manifest["tokenizer"]
+    lines.append(f"tokenizer: vocab {tok['vocab_size']}, eos {tok['eos_id']}, sha256 {tok['sha256'][:16]}")
+    return "\n".join(lines)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from data_pipeline.prepare import read_manifest
+
+    manifest = read_manifest(args.build)
+    print(json.dumps(manifest["sources"], indent=2) if args.json else format_stats(manifest))
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from data_pipeline.ingest import read_records
+    from data_pipeline.tokenizer import Tokenizer, sample_lines, train_sentencepiece
+
+    def texts() -> Any:
+        for path in args.inputs:
+            for rec in read_records(path, args.format, args.text_field, args.glob):
+                if rec.text is not None:
+                    yield rec.text
+
+    lines = sample_lines(texts(), args.sample_chars, seed=args.seed)
+    out = train_sentencepiece(lines, args.out, vocab_size=args.vocab_size, model_type=args.type,
+                              threads=args.threads)
+    info = Tokenizer(out).info()
+    print(f"tokenizer {out}: vocab {info.vocab_size}, eos {info.eos_id}, bos {info.bos_id}, unk {info.unk_id}, "
+          f"user symbols {list(info.user_symbols)!r}, trained on {sum(map(len, lines)):,} characters")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the `data` and `tokenizer` subcommands to the tessera CLI."""
+    data = subparsers.add_parser("data", help="build and inspect tokenized datasets")
+    dsub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    p = dsub.add_parser("build", help="run (or resume) a data build from a YAML config")
+    p.add_argument("config", help="build YAML, e.g. configs/data/example.yaml")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    p.add_argument("--stages", help=f"comma-separated subset of: {STAGE_HELP}")
+    p.add_argument("--task", type=int, help="this task's index for sharded stages (default: SLURM_ARRAY_TASK_ID)")
+    p.add_argument("--tasks", type=int, help="number of tasks (default: SLURM_ARRAY_TASK_COUNT)")
+    p.set_defaults(func=cmd_build)
+    p = dsub.add_parser("stats", help="per-source accounting table of a finished build")
+    p.add_argument("build", help="the build's output directory")
+    p.add_argument("--json", action="store_true", help="print the manifest's per-source JSON instead")
+    p.set_defaults(func=cmd_stats)
+
+    tok = subparsers.add_parser("tokenizer", help="tokenizer tools")
+    tsub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    p = tsub.add_parser("train", help="train a sentencepiece tokenizer on text sources")
+    p.add_argument("inputs", nargs="+", help="files or directories (jsonl[.gz|.zst], parquet, HF dataset, text tree)")
+    p.add_argument("--out", required=True, help="output .model path")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--type", choices=("bpe", "unigram"), default="bpe")
+    p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet", "hf", "text"))
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--glob", default="*", help="text trees: which files are documents")
+    p.add_argument("--sample-chars", type=int, default=10_000_000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_tokenizer_train)
+
+
+__all__ = ["format_stats", "register"]

@@ -1,0 +1,46 @@
+"""`tessera data build/stats` and `tessera tokenizer train` end to end on tiny data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline.tokenizer import Tokenizer
+from framework.cli import main
+
+
+def _corpus(root: Path) -> Path:
+    rng = np.random.default_rng(1)
+    words = "river stone light cloud window garden bread music the of and to with that have be".split()
+    with open(root / "docs.jsonl", "w") as f:
+        for _ in range(40):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, 60)) + "."}) + "\n")
+        f.write("{broken\n")
+    return root / "docs.jsonl"
+
+
+def test_data_build_stats_and_tokenizer_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _corpus(tmp_path)
+    cfg = tmp_path / "build.yaml"
+    cfg.write_text(f"output_dir: {tmp_path / 'out'}\nshard_docs: 16\nsources:\n"
+                   f"  - {{name: words, path: {src}, profile: minimal}}\n"
+                   f"tokenizer: {{vocab_size: 300, sample_chars: 100000}}\n")
+    assert main(["data", "build", str(cfg), "--stages", "ingest,minhash", "--task", "0", "--tasks", "1"]) == 0
+    assert "stages ingest,minhash done" in capsys.readouterr().out
+    assert main(["data", "build", str(cfg), "workers=1"]) == 0
+    out = capsys.readouterr().out
+    assert "words" in out and "fingerprint" in out
+    assert main(["data", "stats", str(tmp_path / "out")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["source", "in", "kept"]
+    row = table[2].split()
+    assert row[0] == "words" and row[1] == "41" and row[6] == "1"  # 41 records in, 1 malformed
+    assert main(["data", "stats", str(tmp_path / "nope")]) == 2  # a typed error, not a traceback
+    assert "DataError" in capsys.readouterr().err
+    assert main(["data", "build", str(cfg), "--stages", "ingest,bogus"]) == 2
+    model = tmp_path / "tok.model"
+    assert main(["tokenizer", "train", str(src), "--out", str(model), "--vocab-size", "300"]) == 0
+    assert Tokenizer(model).vocab_size == 300 and "vocab 300" in capsys.readouterr().out
