@@ -38,7 +38,8 @@ def test_wandb_offline_files_hold_metrics(tmp_path: Path, monkeypatch: pytest.Mo
 
     run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
-    run = read_wandb_offline(tmp_path / "wandb")
+    run = read_wandb_offline(tmp_path / "wandb", wait_s=60)
+    assert run["complete"]
     assert run["run_id"] == (tmp_path / "wandb_run_id").read_text().strip()
     by_step = {h["_step"]: h for h in run["history"]}
     assert sorted(by_step) == [1, 2, 3, 4]
@@ -102,7 +103,8 @@ def test_trainer_writes_wandb_tensorboard_and_observe_fields(tmp_path: Path,
     summary = [r for r in records if r["type"] == "summary"]
     assert len(summary) == 1 and summary[0]["final_loss"] == result.last_loss
 
-    run = read_wandb_offline(tmp_path / "run" / "wandb")
+    run = read_wandb_offline(tmp_path / "run" / "wandb", wait_s=60)
+    assert run["complete"]
     wb = {h["_step"]: h["train/loss"] for h in run["history"] if "train/loss" in h}
     assert wb == {r["step"]: pytest.approx(r["loss"]) for r in train}
     assert run["summary"]["final_loss"] == pytest.approx(result.last_loss)
