@@ -58,7 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(int(torch_threads))
-    result = Trainer(cfg).train()
+    result = Trainer(cfg).train(stop_at=args.stop_at)
     print(f"run {result.run_dir}: steps {result.start_step}->{result.final_step}, "
           f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, {result.tokens_per_s:.0f} tokens/s")
     return result.exit_code
@@ -67,7 +67,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_smoke(args: argparse.Namespace) -> int:
     from framework.smoke import run_smoke
 
-    return run_smoke(args.config, args.overrides)
+    return run_smoke(args.config, args.overrides, nproc=args.nproc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,9 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train or resume a run from a YAML config")
     p.add_argument("config", help="YAML config, e.g. configs/smoke/smoke.yaml")
     p.add_argument("overrides", nargs="*", help="a.b.c=value overrides (values parsed as YAML)")
+    p.add_argument("--stop-at", type=int, default=None, help="stop (and checkpoint) after this step; resume later")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("smoke", help="end-to-end smoke job on the embedded standard-library corpus")
     p.add_argument("--config", default=SMOKE_CONFIG)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks (default: what the config's layout needs; 1 trains in this process)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_smoke)
     for name in SUBCOMMAND_MODULES:

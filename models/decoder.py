@@ -122,6 +122,8 @@ def initial_value(cfg: ModelConfig, fqn: str, shape: tuple[int, ...], seed: int)
     each block (`wo`, `w2`) N(0, init_std / sqrt(2 n_layers)) when `depth_scaled_init` (GPT-2, Megatron).
     """
     name = canonical_fqn(fqn)
+    if cfg.tied_embeddings and name == "output.weight":
+        name = "tok_embeddings.weight"  # a pipeline's last stage holds its own copy of the tied weight
     parts = name.split(".")
     leaf = parts[-1]
     if len(parts) >= 2 and parts[-2].endswith("norm"):

@@ -37,8 +37,9 @@ class ParallelConfig:
     """Transformer blocks per FSDP unit: the all-gather / reduce-scatter bucket is one unit's parameters."""
     fsdp_prefetch: int = 1
     """Units all-gathered ahead in forward and backward (FSDP2 explicit prefetching); 0 keeps FSDP2's default."""
-    fsdp_reduce_fp32: bool = True
-    """Reduce gradients in fp32 under bf16/fp16 (MixedPrecisionPolicy.reduce_dtype)."""
+    fsdp_mixed_precision: bool = False
+    """All-gather parameters in train.precision's dtype (MixedPrecisionPolicy), reducing gradients in fp32;
+    off: parameters stay fp32 and only autocast lowers the matmuls."""
     sequence_parallel: bool = True
     """With tp > 1, shard norms and residuals over the sequence (Korthikanti et al. 2022)."""
     loss_parallel: bool = True

@@ -1,0 +1,269 @@
+"""The parallel engine: TP -> (EP) -> activation checkpointing -> FSDP -> pipeline stages, behind `Engine`.
+
+    engine = build_parallel_engine(cfg, device)   # every rank; the default process group is initialized
+
+The loop hands each rank its data-parallel replica's micro-batches (n_micro, B, T+1); ranks of one replica
+(its tp and pp ranks) get the same batch. The returned loss is the global mean over every data rank, on
+every rank. Parity with the single-process `LocalEngine` is the contract (tests/parallel/test_parity.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from framework.errors import ParallelismError
+from framework.parallel.config import V_SCHEDULES, ParallelConfig
+from framework.parallel.mesh import AXES, ParallelDims
+from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
+from framework.parallel.precision import (
+    LossScaler,
+    global_grad_norm,
+    local_grad,
+    resolve_partial_grads,
+    scale_grads,
+)
+from framework.parallel.recompute import apply_recompute
+from framework.parallel.tensor import apply_tensor_parallel
+from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, set_micro_batch_sync
+from framework.train.config import TrainConfig
+from framework.train.engine import _DTYPES, autocast, cross_entropy
+from framework.train.optim import build_optimizer
+from models.config import ModelConfig
+from models.decoder import Decoder
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class ParallelEngine:
+    """One rank of a layout described by `dims` on `mesh` (a 5-axis mesh over the layout's ranks)."""
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, pcfg: ParallelConfig, device: torch.device,
+                 dims: ParallelDims, mesh: DeviceMesh) -> None:
+        self.model_cfg, self.train_cfg, self.pcfg, self.dims, self.mesh = model_cfg, train_cfg, pcfg, dims, mesh
+        self.device = device
+        coord = dict(zip(AXES, mesh.get_coordinate() or ()))
+        self.dp_rank = coord["dp_replicate"] * dims.dp_shard + coord["dp_shard"]
+        self.dp_size = dims.dp_size
+        self.pp_rank = coord["pp"]
+        per_replica = train_cfg.global_batch_size // dims.dp_size
+        if train_cfg.global_batch_size % (train_cfg.micro_batch_size * dims.dp_size):
+            raise ParallelismError(
+                f"train.global_batch_size={train_cfg.global_batch_size} must be a multiple of micro_batch_size x "
+                f"data-parallel size = {train_cfg.micro_batch_size} x {dims.dp_size}; change one of them")
+        self.n_micro = per_replica // train_cfg.micro_batch_size
+        if dims.pp > 1 and self.n_micro < dims.pp:
+            raise ParallelismError(
+                f"pipeline micro-batches = global_batch_size / (micro_batch_size x dp) = {self.n_micro} < "
+                f"parallel.pp={dims.pp}: the pipeline would idle; raise train.global_batch_size or lower "
+                f"train.micro_batch_size")
+        self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
+        self.scaler = LossScaler(train_cfg.precision == "fp16")
+        self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
+        self._build_parts()
+        self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
+                                                        for p in self.model_parts]
+        self._fix_tied_decay()
+        self.replica_sync: ReplicatedGradSync | None = None
+        if dims.dp_shard == 1 and dims.dp_replicate > 1:
+            self.replica_sync = ReplicatedGradSync(list(self.parameters()), mesh["dp_replicate"].get_group(),
+                                                   dims.dp_replicate)
+        self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
+        self._schedules: dict[int, Any] = {}
+        self._found_inf = False
+
+    # --- construction ---------------------------------------------------------------------------------------
+    def _build_parts(self) -> None:
+        with torch.device("meta"):
+            whole = Decoder(self.model_cfg)
+        if self.dims.pp > 1:
+            self.stage_ids, layers, self.n_stages = local_stages(self.pcfg, self.pp_rank, self.model_cfg.n_layers)
+            parts = [cut_stage(whole, s, layers[s], self.n_stages) for s in self.stage_ids]
+        else:
+            self.stage_ids, self.n_stages, parts = [0], 1, [whole]
+        for part in parts:
+            self._parallelize(part)
+        self.model_parts: list[nn.Module] = list(parts)
+        if self.model_cfg.tied_embeddings and self.dims.pp > 1:
+            self._tie_setup(parts)
+
+    def _parallelize(self, part: Decoder) -> None:
+        dims, pcfg = self.dims, self.pcfg
+        if dims.tp > 1:
+            apply_tensor_parallel(part, self.mesh["tp"], sequence_parallel=pcfg.sequence_parallel,
+                                  loss_parallel=pcfg.loss_parallel)
+        part.to_empty(device=self.device)
+        part.init_weights(self.train_cfg.seed)  # per-FQN seeds: bitwise the 1-process values, any layout
+        apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)
+        if dims.dp_shard > 1:
+            dp_mesh = self.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
+            param_dtype = _DTYPES[self.train_cfg.precision] if pcfg.fsdp_mixed_precision else None
+            apply_fsdp(part, dp_mesh, pcfg, param_dtype=param_dtype, pipelined=dims.pp > 1)
+
+    def _tie_setup(self, parts: list[Decoder]) -> None:
+        last = self.n_stages - 1
+        if last in self.stage_ids:
+            head = parts[self.stage_ids.index(last)].output
+            assert head is not None
+            self.tied_copy = head.weight
+        v_shaped = self.pcfg.pp_schedule in V_SCHEDULES  # stage 0 and the last stage share pp rank 0
+        if not v_shaped and self.dims.pp != 2:
+            raise ParallelismError(
+                f"model.tied_embeddings with parallel.pp={self.dims.pp} needs the embedding and head on the same "
+                f"rank or on a 2-stage pipeline; set model.tied_embeddings=false, parallel.pp=2, or a V schedule")
+        self._tie_local = v_shaped
+
+    def _fix_tied_decay(self) -> None:
+        """The head's copy of a tied embedding follows the embedding's (no) weight decay, as in the 1-process run."""
+        if self.tied_copy is None:
+            return
+        for opt in self.optimizers:
+            decay, no_decay = opt.param_groups[0], opt.param_groups[1]
+            if any(p is self.tied_copy for p in decay["params"]):
+                decay["params"] = [p for p in decay["params"] if p is not self.tied_copy]
+                no_decay["params"].append(self.tied_copy)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for part in self.model_parts:
+            yield from part.parameters()
+
+    # --- reductions -----------------------------------------------------------------------------------------
+    def _sum_over_layout(self, t: torch.Tensor) -> torch.Tensor:
+        for group in self.groups:
+            dist.all_reduce(t, group=group)
+        return t
+
+    def _global_mean_loss(self, local_mean: torch.Tensor | None) -> float:
+        """Loss of the last stage's ranks averaged over data ranks (tp copies divide out), on every rank."""
+        t = torch.zeros((), dtype=torch.float64, device=self.device)
+        if local_mean is not None:
+            t += local_mean.detach().double()
+        self._sum_over_layout(t)
+        return float(t) / (self.dims.world_size // self.dims.pp)
+
+    def _sync_tied(self) -> None:
+        emb: torch.Tensor | None = None
+        if 0 in self.stage_ids:
+            tok = self.model_parts[self.stage_ids.index(0)].tok_embeddings
+            assert isinstance(tok, nn.Embedding)
+            emb = tok.weight
+        if self._tie_local:
+            if emb is None or self.tied_copy is None:
+                return  # a middle rank of the V
+            g_emb, _ = local_grad(emb)
+            g_out, _ = local_grad(self.tied_copy)
+            g_emb.add_(g_out)
+            g_out.copy_(g_emb)
+            return
+        param = emb if emb is not None else self.tied_copy
+        assert param is not None
+        g, _ = local_grad(param)
+        dist.all_reduce(g, group=self.mesh["pp"].get_group())
+
+    def _after_backward(self) -> None:
+        if self.dims.tp > 1:
+            resolve_partial_grads(self.parameters())
+        if self.replica_sync is not None:
+            self.replica_sync()
+        if self.model_cfg.tied_embeddings and self.dims.pp > 1:
+            self._sync_tied()
+
+    # --- the Engine interface -------------------------------------------------------------------------------
+    def _loss_ctx(self) -> contextlib.AbstractContextManager[None]:
+        return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
+
+    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, labels) * self.scaler.scale
+
+    def _schedule(self, n_micro: int) -> Any:
+        if n_micro not in self._schedules:
+            self._schedules[n_micro] = build_schedule(
+                self.model_parts, self.stage_ids, self.n_stages, self.mesh["pp"].get_group(), self.device,
+                self.pcfg.pp_schedule, n_micro, self._loss_fn)
+        return self._schedules[n_micro]
+
+    def _pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor | None:
+        flat = batch.reshape(-1, batch.shape[-1])
+        with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
+            losses = run_schedule(self._schedule(batch.shape[0]), self.stage_ids, self.n_stages, flat[:, :-1],
+                                  flat[:, 1:], train=train)
+        if not losses:
+            return None
+        return torch.stack([_scalar(x).detach().float() for x in losses]).mean() / self.scaler.scale
+
+    def forward_backward(self, batch: torch.Tensor) -> float:
+        batch = batch.to(self.device, non_blocking=True)
+        self._found_inf = False
+        if self.dims.pp > 1:
+            local = self._pipeline(batch, train=True)
+        else:
+            n = batch.shape[0]
+            local = torch.zeros((), device=self.device)
+            for i, mb in enumerate(batch):
+                for part in self.model_parts:
+                    set_micro_batch_sync(part, self.pcfg.zero_stage, i == n - 1)
+                with autocast(self.device, self.train_cfg.precision):
+                    logits = self.model_parts[0](mb[:, :-1])
+                with self._loss_ctx():
+                    loss = cross_entropy(logits, mb[:, 1:]) / n
+                    (loss * self.scaler.scale).backward()
+                local += _scalar(loss.detach())
+        self._after_backward()
+        return self._global_mean_loss(local)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = [p for p in self.parameters() if p.grad is not None]
+        scale_grads(params, 1.0 / self.scaler.scale)
+        counted = [p for p in params if p is not self.tied_copy]  # a tied weight counts once (first stage)
+        norm = float(global_grad_norm(counted, self.dims.world_size // self.dims.pp, self.groups, self.device))
+        self._found_inf = not math.isfinite(norm)
+        if max_norm > 0 and not self._found_inf:
+            scale_grads(params, min(1.0, max_norm / (norm + 1e-6)))
+        return norm
+
+    def optimizer_step(self, lr: float) -> bool:
+        skip = self._found_inf
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            if not skip:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.scaler.update(skip)
+        return not skip
+
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        batch = batch.to(self.device)
+        if self.dims.pp > 1:
+            return self._global_mean_loss(self._pipeline(batch, train=False))
+        losses = []
+        for mb in batch:
+            with autocast(self.device, self.train_cfg.precision):
+                logits = self.model_parts[0](mb[:, :-1])
+            with self._loss_ctx():
+                losses.append(_scalar(cross_entropy(logits, mb[:, 1:])))
+        return self._global_mean_loss(torch.stack(losses).mean())
+
+    def extra_metrics(self) -> dict[str, float]:
+        return {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
+
+
+def build_parallel_engine(cfg: Any, device: torch.device, mesh: DeviceMesh | None = None) -> ParallelEngine:
+    """The engine for `cfg` (a framework.config.Config) on the whole world, or on `mesh` when given."""
+    world = mesh.size() if mesh is not None else dist.get_world_size()
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    if mesh is None:
+        mesh = dims.build_mesh(device.type)
+    return ParallelEngine(cfg.model, cfg.train, cfg.parallel, device, dims, mesh)

@@ -1,0 +1,70 @@
+"""Pipeline parallelism on torch.distributed.pipelining: stages cut by FQN from a meta-device model.
+
+Every stage is the same `Decoder` class with the layers it does not own deleted from its `ModuleDict` and the
+embedding / final norm / head set to None where they belong to another stage, so parameter FQNs
+(`layers.5.attention.wq.weight`) are identical in every layout. Pipeline micro-batches are the gradient
+accumulation steps; the schedule scales gradients by 1/n_micro (the loss is a per-micro-batch mean).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
+
+from framework.parallel.config import SINGLE_STAGE_SCHEDULES, ParallelConfig
+from framework.parallel.mesh import stage_layers, stages_of_rank
+from models.decoder import Decoder
+
+
+def cut_stage(whole: Decoder, stage: int, layers: Sequence[int], n_stages: int) -> Decoder:
+    """A copy of `whole` (normally on the meta device) holding only stage `stage`'s parts."""
+    part = copy.deepcopy(whole)
+    keep = {str(i) for i in layers}
+    for key in list(part.layers.keys()):
+        if key not in keep:
+            del part.layers[key]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def local_stages(cfg: ParallelConfig, pp_rank: int, n_layers: int) -> tuple[list[int], list[list[int]], int]:
+    """(stage ids of this rank, layers of every stage, number of stages)."""
+    n_stages = cfg.pp * cfg.virtual_stages
+    layers = stage_layers(n_layers, n_stages, cfg.pp_layer_split)
+    return stages_of_rank(pp_rank, cfg.pp, cfg.virtual_stages, cfg.pp_schedule), layers, n_stages
+
+
+def build_schedule(parts: Sequence[torch.nn.Module], stage_ids: Sequence[int], n_stages: int,
+                   pp_group: dist.ProcessGroup, device: torch.device, schedule: str, n_micro: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
+    """The named schedule over this rank's stages."""
+    stages = [PipelineStage(part, sid, n_stages, device, group=pp_group) for part, sid in zip(parts, stage_ids)]
+    cls = get_schedule_class(schedule)
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        assert issubclass(cls, PipelineScheduleSingle) and len(stages) == 1
+        return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)  # type: ignore[call-arg, arg-type]
+
+
+def run_schedule(schedule: _PipelineSchedule, stage_ids: Sequence[int], n_stages: int, inputs: torch.Tensor,
+                 labels: torch.Tensor, *, train: bool = True) -> list[torch.Tensor]:
+    """One step (or forward-only pass) over the whole rank batch; returns the last stage's per-micro losses."""
+    first, last = 0 in stage_ids, n_stages - 1 in stage_ids
+    losses: list[torch.Tensor] = []
+    args: tuple[Any, ...] = (inputs,) if first else ()
+    kwargs: dict[str, Any] = {"target": labels, "losses": losses} if last else {}
+    if train:
+        schedule.step(*args, **kwargs)
+    else:
+        schedule.eval(*args, **kwargs)
+    return losses

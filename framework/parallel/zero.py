@@ -1,0 +1,92 @@
+"""ZeRO data parallelism (Rajbhandari et al. 2020) on FSDP2, and plain replicated data parallelism.
+
+Each `parallel.zero_stage` is one configuration (docs/PARALLELISM.md):
+  0  replicate: every rank holds everything; gradients all-reduced once per step over dp_replicate (DDP).
+  1  FSDP2 over dp_shard, reshard_after_forward=False; gradients accumulate unsharded across micro-batches
+     (requires_gradient_sync only on the last one) and are reduce-scattered once per step; the optimizer
+     state and the master parameters are sharded.
+  2  as 1, but gradients are reduce-scattered after every micro-batch (only a shard is kept).
+  3  as 2, and parameters are resharded after forward (all-gathered again for backward).
+With dp_replicate > 1 and dp_shard > 1 the FSDP mesh is 2-D (HSDP): shard inside, all-reduce across.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from framework.parallel.config import ParallelConfig
+from models.decoder import Decoder
+
+
+def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, param_dtype: torch.dtype | None = None,
+               pipelined: bool = False) -> list[FSDPModule]:
+    """`fully_shard` groups of `cfg.fsdp_layers_per_unit` blocks, then the rest of `model` (embedding, norm, head).
+
+    Returns the units in forward order (for explicit prefetching). Under pipeline parallelism the schedule
+    owns gradient synchronization (one reduce-scatter per step), so stages 1 and 2 coincide there.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    kwargs: dict[str, object] = {"mesh": dp_mesh, "mp_policy": mp}
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
+    reshard = cfg.zero_stage == 3
+    keys = list(model.layers.keys())
+    units: list[FSDPModule] = []
+    for i in range(0, len(keys), cfg.fsdp_layers_per_unit):
+        group = [model.layers[k] for k in keys[i:i + cfg.fsdp_layers_per_unit]]
+        target: nn.Module | list[nn.Module] = group[0] if len(group) == 1 else group
+        # The last unit's parameters are needed again at once by backward: never reshard them.
+        last = i + cfg.fsdp_layers_per_unit >= len(keys)
+        fully_shard(target, reshard_after_forward=reshard and not last, **kwargs)  # type: ignore[arg-type, call-overload]
+        units.append(group[0])  # type: ignore[arg-type]
+    fully_shard(model, reshard_after_forward=reshard and not pipelined, **kwargs)  # type: ignore[arg-type, call-overload]
+    if cfg.fsdp_prefetch > 0 and len(units) > 1:
+        _set_prefetch(units, cfg.fsdp_prefetch)
+    return [model, *units]  # type: ignore[list-item]
+
+
+def _set_prefetch(units: list[FSDPModule], depth: int) -> None:
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + depth])
+        unit.set_modules_to_backward_prefetch(list(reversed(units[max(0, i - depth):i])))
+
+
+def set_micro_batch_sync(root: nn.Module, zero_stage: int, last: bool) -> None:
+    """Before each micro-batch's backward: ZeRO-1 syncs only on the last; ZeRO-1/2 keep parameters gathered."""
+    if not isinstance(root, FSDPModule):
+        return
+    root.set_requires_gradient_sync(last or zero_stage >= 2)
+    root.set_reshard_after_backward(last or zero_stage >= 3)
+    root.set_is_last_backward(last)
+
+
+class ReplicatedGradSync:
+    """ZeRO-0 / DDP: average gradients over the replica group with one flat all-reduce per dtype (a bucket)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
+        self.params = list(params)
+        self.group = group
+        self.size = size
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            by_dtype.setdefault(local.dtype, []).append(local)
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.size)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -1,0 +1,56 @@
+"""Tensor-parallel plans for the decoder: what each weight looks like under TP, as data (FQN -> style).
+
+Megatron-style sharding (Shoeybi et al. 2019): attention heads and the MLP hidden dimension are split
+column-wise on the way in and row-wise on the way out, so each block needs one reduction in forward and one
+in backward per sub-layer. With sequence parallelism (Korthikanti et al. 2022) the norms and residual stream
+are sharded over the sequence (dim 1) and those reductions become reduce-scatter / all-gather pairs.
+The embedding is vocab-parallel (row-wise over the vocabulary) and the head column-wise over the vocabulary,
+so `loss_parallel` can compute cross-entropy on vocab-sharded logits.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+Plan = dict[str, ParallelStyle]
+
+
+def decoder_top_plan(sequence_parallel: bool, loss_parallel: bool) -> Plan:
+    """Plan for the parts outside the blocks (embedding, final norm, head); stages may lack some of them."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: Plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
+
+
+def decoder_block_plan(sequence_parallel: bool) -> Plan:
+    """Plan for one transformer block (attention: wq/wk/wv column-wise, wo row-wise; SwiGLU: w1/w3, w2)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: Plan = {
+        "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
