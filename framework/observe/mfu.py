@@ -6,7 +6,7 @@ All FLOPs come from the one definition in `models.flops.flops_per_token`. Three 
                 what PaLM, Megatron and torchtitan publish, so numbers compare across papers;
     mfu_causal  the attention term halved, as a causal kernel skips the masked half — the honest figure;
     hfu         hardware FLOPs: the common count plus what activation recomputation repeats — one more forward
-                of the recomputed layers for `parallel.recompute=full` (8N + 16·L·h·s when every layer
+                of the recomputed layers for `parallel.recompute=full` (8N - 2·head + 16·L·h·s when every layer
                 recomputes; Narayanan et al. 2021), the attention core's forward (4·L·h·s) for `selective`
                 (Korthikanti et al. 2022); equal to `mfu` without recomputation.
 
