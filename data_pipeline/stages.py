@@ -16,6 +16,7 @@ import os
 import shutil
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -173,11 +174,14 @@ def minhash_shards(cfg: BuildConfig, work: Path, task: int = 0, tasks: int = 1) 
 
 
 def _run_pool(fn: Any, jobs: list[Any], workers: int, desc: str) -> None:
+    """Run shard jobs in worker processes; a worker that dies (e.g. OOM-killed) fails the stage loudly
+    (BrokenProcessPool) instead of hanging, and the rerun redoes only the unfinished shards."""
     if not jobs:
         return
-    with get_context("fork").Pool(min(workers, len(jobs))) as pool:
-        for _ in tqdm(pool.imap_unordered(fn, jobs), total=len(jobs), desc=desc, unit="shard", disable=None):
-            pass
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("fork")) as pool:
+        futures = [pool.submit(fn, job) for job in jobs]
+        for fut in tqdm(as_completed(futures), total=len(jobs), desc=desc, unit="shard", disable=None):
+            fut.result()
 
 
 # ---- tokenize kept documents, one shard per task ----
