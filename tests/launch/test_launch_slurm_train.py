@@ -51,7 +51,7 @@ def _train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r.get("type") == "train"}
 
 
-def _signal_mid_run(slurm: SlurmCluster, jobs: dict[str, tuple[str, Path]], timeout: float = 150) -> dict[str, int]:
+def _signal_mid_run(slurm: SlurmCluster, jobs: dict[str, tuple[str, Path]], timeout: float = 400) -> dict[str, int]:
     """USR1 to each job once its metrics show step >= SIGNAL_AT_STEP; returns the step seen at signal time."""
     signalled: dict[str, int] = {}
     deadline = time.monotonic() + timeout
@@ -80,13 +80,13 @@ def test_slurm_training_matches_local_and_resumes_after_usr1(slurm: SlurmCluster
     signalled = _signal_mid_run(slurm, jobs)
     for job, _ in jobs.values():
         slurm.release_requeued(job)
-    local_out, _ = local.communicate(timeout=300)
+    local_out, _ = local.communicate(timeout=600)
     assert local.returncode == 0, local_out
     reference = _train_losses(local_dir / run)
     assert sorted(reference) == list(range(1, steps + 1)), local_out
 
     for name, (job, run_dir) in jobs.items():
-        state = slurm.wait(job, FINAL, timeout=240)
+        state = slurm.wait(job, FINAL, timeout=400)
         log = (run_dir / f"slurm-{job}.out").read_text()
         assert state == "COMPLETED", f"{name} job {job} ended {state}:\n{log}\n{slurm.logs()}"
         losses = _train_losses(run_dir)
