@@ -59,9 +59,9 @@ def test_tp2_dp2_sigusr1_requeue_then_sigkill_at_random_step_resume_bitwise(
     saved = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert seen <= saved <= seen + 2 and max(train_losses(run)) == saved, (seen, saved)
     assert "SIGUSR1" in first.logs()
-    # 2. The requeued job (same command) resumes; SIGKILL every rank at a random later step.
+    # 2. The requeued job resumes (saving asynchronously this time); SIGKILL every rank at a random later step.
     kill_after = random.Random().randint(saved + 2, STEPS - 1)
-    second = launch(train_argv(run, *TP2_DP2), world=4)
+    second = launch(train_argv(run, *TP2_DP2, "checkpoint.async_save=true"), world=4)  # async changes no bit
     wait_for(lambda: max(train_losses(run), default=0) >= kill_after, second)
     second.kill(signal.SIGKILL)
     assert max(train_losses(run)) < STEPS, "the run finished before the kill; nothing was tested"
@@ -80,7 +80,8 @@ def _train_ranks(rank: int, world: int, overrides: list[str], stop_at: int | Non
 def test_reshard_tp2_pp2_dp2_to_dp4_and_one_process(tmp_path: Path) -> None:
     common = ["data.seed=7", "train.steps=8", "checkpoint.interval=4", "train.warmup_steps=2"]
     src = tmp_path / "src"
-    three_d = [*common, f"run.dir={src}", "parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=2"]
+    three_d = [*common, f"run.dir={src}", "parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=2",
+               "checkpoint.async_save=true"]
     uninterrupted = run_distributed(_train_ranks, 8, timeout_s=600, overrides=three_d, stop_at=None)[0]
     assert sorted(uninterrupted) == list(range(1, 9))
     for name, world, layout in (("dp4", 4, ["parallel.dp_shard=4"]), ("one", 1, [])):

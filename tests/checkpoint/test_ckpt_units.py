@@ -6,17 +6,20 @@ import io
 import math
 import os
 import pickle
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from framework.checkpoint import REQUEUE_EXIT_CODE
+from framework.checkpoint.async_save import AsyncSaver
 from framework.checkpoint.config import CheckpointConfig, GuardConfig
 from framework.checkpoint.dcp import candidates, load_state, prune_checkpoints, write_latest, write_shards
 from framework.checkpoint.guard import LossGuard
 from framework.checkpoint.manager import check_compatible, find_valid_checkpoint
 from framework.checkpoint.manifest import verify_manifest, write_manifest
+from framework.checkpoint.signals import StopSignals
 from framework.checkpoint.storage import read_dcp_metadata
 from framework.errors import CheckpointError, ConfigError
 
@@ -125,3 +128,31 @@ def test_config_validation_messages() -> None:
         CheckpointConfig(watchdog_timeout_s=60, collective_timeout_s=30).validate()
     with pytest.raises(ConfigError, match="min_history"):
         GuardConfig(window=4, min_history=8).validate()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signals_set_the_flag_and_restore_handlers(sig: signal.Signals) -> None:
+    before = signal.getsignal(sig)
+    stop = StopSignals().install()
+    assert not stop.agreed_stop()
+    os.kill(os.getpid(), sig)  # delivered to the main thread before the next bytecode
+    assert stop.agreed_stop() and stop.signal_name == sig.name
+    stop.restore()
+    assert signal.getsignal(sig) == before
+
+
+def test_async_save_commits_in_background_and_surfaces_errors(tmp_path: Path) -> None:
+    saver = AsyncSaver(pg=None)
+    live = {"model": {"w": torch.ones(3)}}
+    saver.save(tmp_path, 1, live, {"note": "ok"}, keep_last=2, keep_every=0)
+    live["model"]["w"].add_(1)  # training goes on: the staged copy is what gets written
+    assert saver.wait() == 1
+    assert (tmp_path / "latest").read_text().strip() == "step_1"
+    verify_manifest(tmp_path / "step_1")
+    target = {"model": {"w": torch.zeros(3)}}
+    load_state(tmp_path / "step_1", target)
+    assert torch.equal(target["model"]["w"], torch.ones(3))
+    saver.save(tmp_path, 2, {"model": {"w": torch.ones(3)}, "bad": lambda: 0}, {}, keep_last=2, keep_every=0)
+    with pytest.raises(CheckpointError, match="asynchronous checkpoint save failed"):
+        saver.wait()
+    assert (tmp_path / "latest").read_text().strip() == "step_1" and not (tmp_path / "step_2").exists()
