@@ -41,7 +41,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cfg = model_config(args.preset)
-    print("| recompute | measured bytes | Tessera formula | ratio | Korthikanti GPT (16-bit) |\n|---|---:|---:|---:|---:|")
+    print("| recompute | measured bytes | Tessera formula | ratio | Korthikanti GPT (16-bit) |")
+    print("|---|---:|---:|---:|---:|")
     for mode in ("none", "selective", "full"):
         got = measure(args.preset, args.seq, args.batch, mode)
         want = tessera_layer_bytes(cfg, args.seq, args.batch, recompute=mode, act_bytes=4)  # type: ignore[arg-type]
