@@ -51,9 +51,17 @@ class GopherRepetitionFilter:
     max_dup_para_frac: float = 0.3
     max_dup_line_char_frac: float = 0.2
     max_dup_para_char_frac: float = 0.2
-    top_ngram_max_char_frac: dict[int, float] = field(default_factory=lambda: {2: 0.2, 3: 0.18, 4: 0.16})
-    dup_ngram_max_char_frac: dict[int, float] = field(
-        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
+    # Keyed by n as a string ("2": ...) so the config round-trips through YAML and JSON unchanged.
+    top_ngram_max_char_frac: dict[str, float] = field(default_factory=lambda: {"2": 0.2, "3": 0.18, "4": 0.16})
+    dup_ngram_max_char_frac: dict[str, float] = field(
+        default_factory=lambda: {"5": 0.15, "6": 0.14, "7": 0.13, "8": 0.12, "9": 0.11, "10": 0.10})
+
+    def validate(self) -> None:
+        for name in ("top_ngram_max_char_frac", "dup_ngram_max_char_frac"):
+            keys = list(getattr(self, name))
+            if not all(k.isdigit() and int(k) >= 1 for k in keys):
+                raise ConfigError(f"filters.gopher_repetition.{name} keys {keys} must be n-gram sizes written as "
+                                  f"quoted whole numbers, e.g. {{'2': 0.2}}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -156,13 +164,13 @@ def gopher_repetition(text: str, c: GopherRepetitionFilter) -> Verdict:
             return None, f"gopher_repetition.dup_{kind}s"
     words = _WORD.findall(text.lower())
     total = sum(map(len, words)) or 1
-    for n, limit in sorted(c.top_ngram_max_char_frac.items()):
+    for n, limit in sorted((int(k), v) for k, v in c.top_ngram_max_char_frac.items()):
         grams = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
         if grams:
             gram, count = grams.most_common(1)[0]
             if count > 1 and count * sum(map(len, gram)) / total > limit:
                 return None, f"gopher_repetition.top_{n}gram"
-    for n, limit in sorted(c.dup_ngram_max_char_frac.items()):
+    for n, limit in sorted((int(k), v) for k, v in c.dup_ngram_max_char_frac.items()):
         seen: set[tuple[str, ...]] = set()
         covered = [False] * len(words)
         for i in range(len(words) - n + 1):

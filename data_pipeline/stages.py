@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,18 @@ def _chunks(cfg: BuildConfig, src: SourceConfig, counts: dict[str, Any], rejects
         yield chunk
 
 
+def _ordered(pool: ProcessPoolExecutor, chunks: Iterator[list[str]], depth: int) -> Iterator[list[Any]]:
+    """Filter results in input order with at most `depth` chunks in flight (streaming: the source is never
+    read ahead more than that); a dead worker raises BrokenProcessPool instead of hanging."""
+    pending: deque[Future[list[Any]]] = deque()
+    for chunk in chunks:
+        pending.append(pool.submit(_filter_chunk, chunk))
+        if len(pending) >= depth:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 class _ShardWriter:
     def __init__(self, out: Path, shard_docs: int) -> None:
         self.out, self.shard_docs, self.k = out, shard_docs, 0
@@ -129,11 +142,11 @@ def ingest_source(cfg: BuildConfig, src: SourceConfig, work: Path) -> dict[str, 
     names = resolve_filters(src.filters, src.profile)
     writer = _ShardWriter(out, cfg.shard_docs)
     rejects = open(out / "rejects.jsonl", "w", encoding="utf-8") if cfg.rejects else None
-    ctx = get_context("fork")
     try:
-        with ctx.Pool(cfg.workers, _init_filter_worker, (cfg, names)) as pool, \
+        with ProcessPoolExecutor(cfg.workers, mp_context=get_context("fork"), initializer=_init_filter_worker,
+                                 initargs=(cfg, names)) as pool, \
                 tqdm(desc=f"ingest {src.name}", unit="doc", disable=None) as bar:
-            for results in pool.imap(_filter_chunk, _chunks(cfg, src, counts, rejects)):
+            for results in _ordered(pool, _chunks(cfg, src, counts, rejects), depth=4 * cfg.workers):
                 for kept, reason, chars in results:
                     counts["chars_in"] += chars
                     if kept is None:
@@ -173,11 +186,14 @@ def minhash_shards(cfg: BuildConfig, work: Path, task: int = 0, tasks: int = 1) 
 
 
 def _run_pool(fn: Any, jobs: list[Any], workers: int, desc: str) -> None:
+    """Run shard jobs in worker processes; a worker that dies (e.g. OOM-killed) fails the stage loudly
+    (BrokenProcessPool) instead of hanging, and the rerun redoes only the unfinished shards."""
     if not jobs:
         return
-    with get_context("fork").Pool(min(workers, len(jobs))) as pool:
-        for _ in tqdm(pool.imap_unordered(fn, jobs), total=len(jobs), desc=desc, unit="shard", disable=None):
-            pass
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("fork")) as pool:
+        futures = [pool.submit(fn, job) for job in jobs]
+        for fut in tqdm(as_completed(futures), total=len(jobs), desc=desc, unit="shard", disable=None):
+            fut.result()
 
 
 # ---- tokenize kept documents, one shard per task ----

@@ -38,7 +38,7 @@ class Ranks:
                                                stderr=subprocess.STDOUT))
         self.log_dir = log_dir
 
-    def wait(self, timeout: float = 240) -> list[int]:
+    def wait(self, timeout: float = 600) -> list[int]:
         deadline = time.monotonic() + timeout
         codes = []
         for p in self.procs:
@@ -87,7 +87,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def wait_for(cond: Callable[[], bool], ranks: Ranks, timeout: float = 180) -> None:
+def wait_for(cond: Callable[[], bool], ranks: Ranks, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if not ranks.alive():

@@ -143,3 +143,38 @@ def test_prepare_reads_a_build_and_yaml_configs_load(built, tmp_path: Path) -> N
     (tmp_path / "bad.yaml").write_text("output_dir: x\nsources: [{name: a, path: b, profil: web}]\n")
     with pytest.raises(ConfigError, match=r"sources\[0\]\.profil.*profile"):
         load_build_config(tmp_path / "bad.yaml")
+
+
+def test_build_killed_hard_then_rerun_matches_a_straight_build(built) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL the building process at its n-th atomic write (mid-ingest, then later), rerun, compare."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from framework.config.core import to_dict
+
+    root, sources, _, straight = built
+    for n in (3, 9):
+        cfg = _config(root, sources, f"killed{n}")
+        cfg_file = root / f"killed{n}.yaml"
+        cfg_file.write_text(yaml.safe_dump(to_dict(cfg)))
+        code = (
+            "import os, signal\nimport data_pipeline.stages as st\nimport data_pipeline.build as b\n"
+            "main, calls, orig = os.getpid(), [0], st.save_npy_atomic\n"
+            "def killer(path, arr):\n"
+            "    if os.getpid() == main:\n"
+            "        calls[0] += 1\n"
+            f"        if calls[0] == {n}: os.kill(main, signal.SIGKILL)\n"
+            "    orig(path, arr)\n"
+            "st.save_npy_atomic = b.save_npy_atomic = killer\n"
+            "from data_pipeline.build_config import load_build_config\n"
+            f"b.run_build(load_build_config({str(cfg_file)!r}))\n")
+        repo = Path(__file__).resolve().parents[2]
+        proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+        assert proc.returncode == -9, proc.stderr[-2000:]
+        assert not (root / f"killed{n}" / "manifest.json").exists()
+        resumed = run_build(cfg)
+        assert resumed["fingerprint"] == straight["fingerprint"] and resumed["sources"] == straight["sources"]
