@@ -81,7 +81,8 @@ class ObserveConfig:
     peak_tflops: float | None = None
     """Peak dense TFLOP/s per device, overriding the table (and the CPU measurement)."""
     recompute: bool = False
-    """Full activation recomputation is on: HFU counts the extra forward (8N instead of 6N)."""
+    """Count full activation recomputation in HFU even when parallel.recompute does not say so (an engine that
+    recomputes on its own); otherwise HFU follows parallel.recompute and parallel.recompute_every."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     def validate(self) -> None:

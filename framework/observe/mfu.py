@@ -5,8 +5,10 @@ All FLOPs come from the one definition in `models.flops.flops_per_token`. Three 
     mfu         common convention: 6N + 12·L·h·s per token (N without the input embedding, no causal halving) —
                 what PaLM, Megatron and torchtitan publish, so numbers compare across papers;
     mfu_causal  the attention term halved, as a causal kernel skips the masked half — the honest figure;
-    hfu         hardware FLOPs, counting the extra forward of full activation recomputation (8N + 16·L·h·s;
-                Narayanan et al. 2021) when `observe.recompute` is set; equal to `mfu` otherwise.
+    hfu         hardware FLOPs: the common count plus what activation recomputation repeats — one more forward
+                of the recomputed layers for `parallel.recompute=full` (8N - 2·head + 16·L·h·s when every layer
+                recomputes; Narayanan et al. 2021), the attention core's forward (4·L·h·s) for `selective`
+                (Korthikanti et al. 2022); equal to `mfu` without recomputation.
 
 MFU = (tokens/s per device) x (FLOPs per token) / (peak FLOP/s per device). The peak is the dense bf16 figure of
 the table below for GPUs (sparsity excluded, as everyone reports) and a measured fp32 matmul rate on CPU.
@@ -105,10 +107,24 @@ class FlopsMeter:
 
     @classmethod
     def for_model(cls, model: ModelConfig, seq_len: int, n_devices: int, peak: float,
-                  recompute: bool = False) -> FlopsMeter:
-        return cls(flops_common=flops_per_token(model, seq_len),
-                   flops_causal=flops_per_token(model, seq_len, causal=True),
-                   flops_hardware=flops_per_token(model, seq_len, recompute=recompute),
+                  recompute: str = "none", recompute_fraction: float = 1.0) -> FlopsMeter:
+        """FLOPs of `model` at `seq_len`.
+
+        Args:
+            recompute: activation recomputation — none, full (one extra forward of the recomputed layers) or
+                selective (recomputes the attention core: the forward third of the attention term).
+            recompute_fraction: share of the layers that recompute (parallel.recompute_every).
+        """
+        common = flops_per_token(model, seq_len)
+        causal = flops_per_token(model, seq_len, causal=True)
+        if recompute == "full":
+            extra = flops_per_token(model, seq_len, recompute=True) - common
+        elif recompute == "selective":
+            attention = 2 * (common - causal)  # 12·L·h·s, from the one FLOPs function
+            extra = attention / 3
+        else:
+            extra = 0.0
+        return cls(flops_common=common, flops_causal=causal, flops_hardware=common + recompute_fraction * extra,
                    n_devices=n_devices, peak_tflops=peak)
 
     def metrics(self, tokens_per_s: float) -> dict[str, float]:

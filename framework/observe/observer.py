@@ -39,7 +39,10 @@ class Observer:
         self.meter: FlopsMeter | None = None
         if obs.mfu:
             peak = peak_tflops(device, obs.accelerator, obs.peak_tflops)
-            self.meter = FlopsMeter.for_model(cfg.model, cfg.data.seq_len, world, peak, obs.recompute)
+            mode = "full" if obs.recompute else getattr(cfg.parallel, "recompute", "none")
+            every = max(1, int(getattr(cfg.parallel, "recompute_every", 1)))
+            fraction = len(range(0, cfg.model.n_layers, every)) / cfg.model.n_layers  # layers with i % k == 0
+            self.meter = FlopsMeter.for_model(cfg.model, cfg.data.seq_len, world, peak, mode, fraction)
         self._n_steps, self._peak_mb = 0, 0.0
         self._last: dict[str, Any] | None = None
         self._sums: dict[str, float] = {}

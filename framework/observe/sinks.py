@@ -122,6 +122,8 @@ def _chunks(data: bytes) -> Iterator[bytes]:
         if kind == 0 and length == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):
+            return  # a chunk still being written
         payload = data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind == 1:  # full
@@ -135,24 +137,37 @@ def _chunks(data: bytes) -> Iterator[bytes]:
             pending = b""
 
 
-def read_wandb_offline(path: str | Path) -> dict[str, Any]:
+def read_wandb_offline(path: str | Path, wait_s: float = 0.0) -> dict[str, Any]:
     """History, summary and config of an offline wandb run, decoded with wandb's own protobuf schema.
 
     Args:
         path: a `run-<id>.wandb` file, or a directory searched for one.
+        wait_s: poll up to this long for the exit record before returning what is there.
 
     Returns:
-        {"history": [{"_step": n, "train/loss": ...}, ...], "summary": {...}, "config": {...}, "run_id": str}.
+        {"history": [{"_step": n, "train/loss": ...}, ...], "summary": {...}, "config": {...}, "run_id": str,
+        "complete": bool} — complete once wandb wrote the run's exit record (its service may still be flushing
+        right after `finish()` returns on a busy machine).
     """
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = _read_once(Path(path))
+        if out["complete"] or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _read_once(path: Path) -> dict[str, Any]:
     import json
 
     from wandb.proto import wandb_internal_pb2 as pb
 
-    path = Path(path)
     files = [path] if path.suffix == ".wandb" else sorted(path.rglob("run-*.wandb"))
     if not files:
         raise FileNotFoundError(f"no run-*.wandb file under {path}")
-    out: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "run_id": ""}
+    out: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "run_id": "", "complete": False}
     for file in files:
         for chunk in _chunks(file.read_bytes()):
             rec = pb.Record()  # type: ignore[attr-defined]
@@ -166,6 +181,8 @@ def read_wandb_offline(path: str | Path) -> dict[str, Any]:
                     key = item.key or "/".join(item.nested_key)
                     if key:
                         out["summary"][key] = json.loads(item.value_json)
+            elif kind == "exit":
+                out["complete"] = True
             elif kind == "run":
                 out["run_id"] = rec.run.run_id
                 for item in rec.run.config.update:

@@ -20,7 +20,7 @@ def test_mfu_matches_hand_calculation() -> None:
     # full recompute 8N - 2*head (the head is not recomputed: 2*512*64) + 16*4*64*32 = 1_511_936.
     cfg = model_config("test-tiny")
     assert flops_per_token(cfg, 32) == 1_183_104
-    meter = FlopsMeter.for_model(cfg, 32, n_devices=2, peak=1.0, recompute=True)
+    meter = FlopsMeter.for_model(cfg, 32, n_devices=2, peak=1.0, recompute="full")
     m = meter.metrics(tokens_per_s=1000.0)  # 500 tokens/s per device against 1 TFLOP/s
     assert m["tokens_per_s_per_device"] == 500.0
     assert m["mfu"] == pytest.approx(500 * 1_183_104 / 1e12, rel=1e-12)
@@ -29,6 +29,12 @@ def test_mfu_matches_hand_calculation() -> None:
     assert m["tflops_per_device"] == pytest.approx(500 * 1_183_104 / 1e12, rel=1e-12)
     no_recompute = FlopsMeter.for_model(cfg, 32, n_devices=2, peak=1.0).metrics(1000.0)
     assert no_recompute["hfu"] == no_recompute["mfu"]
+    # Selective recomputation repeats the attention core's forward: 4*4*64*32 = 32768 FLOPs per token.
+    selective = FlopsMeter.for_model(cfg, 32, n_devices=2, peak=1.0, recompute="selective").metrics(1000.0)
+    assert selective["hfu"] == pytest.approx(500 * (1_183_104 + 32_768) / 1e12, rel=1e-12)
+    # Full recomputation on every other layer (recompute_every=2 on 4 layers): half of the extra forward.
+    half = FlopsMeter.for_model(cfg, 32, n_devices=2, peak=1.0, recompute="full", recompute_fraction=0.5)
+    assert half.flops_hardware == pytest.approx((1_183_104 + 1_511_936) / 2)
 
 
 def test_torchtitan_llama3_8b_h100() -> None:

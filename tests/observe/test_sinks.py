@@ -38,7 +38,8 @@ def test_wandb_offline_files_hold_metrics(tmp_path: Path, monkeypatch: pytest.Mo
 
     run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
-    run = read_wandb_offline(tmp_path / "wandb")
+    run = read_wandb_offline(tmp_path / "wandb", wait_s=60)
+    assert run["complete"]
     assert run["run_id"] == (tmp_path / "wandb_run_id").read_text().strip()
     by_step = {h["_step"]: h for h in run["history"]}
     assert sorted(by_step) == [1, 2, 3, 4]
@@ -72,3 +73,45 @@ def test_tensorboard_sink(tmp_path: Path) -> None:
     losses = [(e.step, e.value) for e in acc.Scalars("train/loss")]
     assert losses == [(s, pytest.approx(5.0 / s)) for s in range(1, 5)]
     assert [(e.step, e.value) for e in acc.Scalars("val_loss/code")] == [(4, 3.25)]
+
+
+def test_trainer_writes_wandb_tensorboard_and_observe_fields(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real (tiny, synthetic-data) Trainer run: every sink holds the same losses as metrics.jsonl."""
+    import json
+
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from framework.config import load_config
+    from framework.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    cfg = load_config("configs/smoke/tiny.yaml", [f"run.dir={tmp_path / 'run'}", "train.eval_interval=3",
+                                                  "observe.wandb.enabled=true", "observe.tensorboard=true"])
+    result = Trainer(cfg).train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    for r in train:
+        assert 0 < r["mfu_causal"] < r["mfu"] == r["hfu"] and r["tokens_per_s_per_device"] == r["tokens_per_s"]
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in evals] == [3, 6] and "val_ppl/synthetic" in evals[0]
+    assert [r["step"] for r in records if r["type"] == "checkpoint"] == [3, 6]
+    summary = [r for r in records if r["type"] == "summary"]
+    assert len(summary) == 1 and summary[0]["final_loss"] == result.last_loss
+
+    run = read_wandb_offline(tmp_path / "run" / "wandb", wait_s=60)
+    assert run["complete"]
+    wb = {h["_step"]: h["train/loss"] for h in run["history"] if "train/loss" in h}
+    assert wb == {r["step"]: pytest.approx(r["loss"]) for r in train}
+    assert run["summary"]["final_loss"] == pytest.approx(result.last_loss)
+    assert run["config"]["run"]["name"] == "tiny"
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert [round(e.value, 5) for e in acc.Scalars("train/loss")] == [round(r["loss"], 5) for r in train]
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), f"API key written to {path}"

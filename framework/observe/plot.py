@@ -1,0 +1,85 @@
+"""`tessera plot RUN... [--out PNG]`: the loss curves of several runs in one PNG (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from framework.errors import ConfigError
+
+
+@dataclass
+class Curves:
+    """What a run's metrics.jsonl holds for plotting."""
+
+    name: str
+    steps: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    val: dict[str, list[float]] = field(default_factory=dict)
+    """val_loss/<domain> series, aligned with eval_steps."""
+
+
+def read_curves(run_dir: str | Path, name: str | None = None) -> Curves:
+    """Train loss and validation losses of the run at `run_dir` (its metrics.jsonl)."""
+    from framework.train.run_dir import RunDir
+
+    run = RunDir(run_dir)
+    if not run.metrics_file.is_file():
+        raise ConfigError(f"{run.metrics_file} does not exist; pass run directories (they hold metrics.jsonl), "
+                          f"e.g. runs/smoke")
+    curves = Curves(name or run.path.name)
+    for rec in run.read_metrics(kind=None):
+        if rec.get("type") == "train":
+            curves.steps.append(rec["step"])
+            curves.tokens.append(rec.get("tokens", 0))
+            curves.loss.append(rec["loss"])
+        elif rec.get("type") == "eval":
+            curves.eval_steps.append(rec["step"])
+            for key, value in rec.items():
+                if key.startswith("val_loss/"):
+                    curves.val.setdefault(key.split("/", 1)[1], []).append(value)
+    return curves
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what there is)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_runs(runs: list[Curves], out: str | Path, title: str = "", smooth_window: int = 1,
+              colors: list[str] | None = None) -> Path:
+    """Train loss per step (left) and mean validation loss (right) of every run; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, c in enumerate(runs):
+        color = colors[i] if colors else f"C{i % 10}"
+        ax_train.plot(c.steps, smooth(c.loss, smooth_window), color=color, lw=1.2, label=c.name)
+        if c.eval_steps and "mean" in c.val:
+            ax_val.plot(c.eval_steps, c.val["mean"], "o-", color=color, lw=1.2, ms=3, label=c.name)
+    ax_train.set(xlabel="step", ylabel="train loss (nats/token)", title="train loss"
+                 + (f" (moving average of {smooth_window})" if smooth_window > 1 else ""))
+    ax_val.set(xlabel="step", ylabel="mean validation loss", title="validation loss (mean over domains)")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
