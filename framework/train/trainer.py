@@ -8,6 +8,7 @@ after the resumed step are dropped so the file always reads as one run.
 
 from __future__ import annotations
 
+import os
 import random
 import resource
 import time
@@ -135,7 +136,9 @@ class Trainer:
     def _prepare_data(self) -> Any:
         from data_pipeline.prepare import prepare_data
 
-        data = prepare_data(self.cfg.data, is_builder=self.rank == 0,
+        # One builder per node: node-local cache dirs work, and on a shared filesystem builders serialize on a lock.
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        data = prepare_data(self.cfg.data, is_builder=local_rank == 0,
                             global_batch_size=self.cfg.train.global_batch_size)  # places data.schedule phases
         if data.vocab_size > self.cfg.model.vocab_size:
             raise ConfigError(
