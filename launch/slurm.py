@@ -163,14 +163,14 @@ def _header(cfg: Config, spec: SlurmSpec, run_dir: str) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
-def _env_block(spec: SlurmSpec) -> list[str]:
+def _env_block(cfg: Config, spec: SlurmSpec) -> list[str]:
+    timeout = getattr(cfg.checkpoint, "collective_timeout_s", 600)
     lines = [
         "# Threads: each rank gets --cpus-per-task cores; more OpenMP/MKL threads than cores only thrash.",
         f"export OMP_NUM_THREADS={spec.cpus_per_rank}",
         f"export TESSERA_NUM_THREADS={spec.cpus_per_rank}",
-        "# Collectives: a rank that dies or hangs must fail the job within the collective timeout instead of",
-        "# burning the allocation; the timeout is the trainer's process-group timeout.",
-        "export TESSERA_COLLECTIVE_TIMEOUT_S=${TESSERA_COLLECTIVE_TIMEOUT_S:-1800}",
+        f"# Collectives: a rank that dies or hangs fails the job after checkpoint.collective_timeout_s = {timeout:g} s",
+        "# instead of burning the allocation (the config decides; exporting TESSERA_COLLECTIVE_TIMEOUT_S overrides).",
     ]
     if spec.gpus_per_node > 0:
         lines += [
@@ -238,7 +238,7 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"MASTER_PORT=$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))",
         "export MASTER_ADDR MASTER_PORT",
-        *_env_block(spec),
+        *_env_block(cfg, spec),
         "",
         'echo "[tessera] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST' +
         ' ($MASTER_ADDR:$MASTER_PORT) at $(date -u +%FT%TZ)"',
