@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.errors import ParallelismError
 from framework.parallel.config import V_SCHEDULES, ParallelConfig
+from framework.parallel.expert import MoEParallel
 from framework.parallel.mesh import AXES, ParallelDims
 from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
 from framework.parallel.precision import (
@@ -71,6 +73,7 @@ class ParallelEngine:
         self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
         self.scaler = LossScaler(train_cfg.precision == "fp16")
         self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
+        self.moe = MoEParallel(model_cfg, pcfg, dims, mesh)  # MoE (issue 5); every call a no-op for dense models
         self._build_parts()
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
                                                         for p in self.model_parts]
@@ -103,12 +106,16 @@ class ParallelEngine:
         if dims.tp > 1:
             apply_tensor_parallel(part, self.mesh["tp"], sequence_parallel=pcfg.sequence_parallel,
                                   loss_parallel=pcfg.loss_parallel)
+        self.moe.parallelize(part)  # MoE (issue 5): experts over ep, routing on the tp sequence shards
         part.to_empty(device=self.device)
         part.init_weights(self.train_cfg.seed)  # per-FQN seeds: bitwise the 1-process values, any layout
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)
+        param_dtype = _DTYPES[self.train_cfg.precision] if pcfg.fsdp_mixed_precision else None
+        # MoE (issue 5): experts FSDP-sharded over the edp ranks (before FSDP wraps their blocks), or hand-synced
+        self.moe.shard(part, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                            reduce_dtype=torch.float32 if param_dtype else None))
         if dims.dp_shard > 1:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
-            param_dtype = _DTYPES[self.train_cfg.precision] if pcfg.fsdp_mixed_precision else None
             apply_fsdp(part, dp_mesh, pcfg, param_dtype=param_dtype, pipelined=dims.pp > 1)
 
     def _tie_setup(self, parts: list[Decoder]) -> None:
@@ -172,6 +179,7 @@ class ParallelEngine:
         dist.all_reduce(g, group=self.mesh["pp"].get_group())
 
     def _after_backward(self) -> None:
+        self.moe.after_backward(self.model_parts)  # MoE (issue 5): expert gradients over edp without FSDP
         if self.dims.tp > 1:
             resolve_partial_grads(self.parameters())
         if self.replica_sync is not None:
@@ -205,6 +213,8 @@ class ParallelEngine:
     def forward_backward(self, batch: torch.Tensor) -> float:
         batch = batch.to(self.device, non_blocking=True)
         self._found_inf = False
+        # MoE (issue 5): the aux losses' gradient per forward; the pipeline schedule divides by n_micro itself
+        self.moe.before_step(self.model_parts, self.scaler.scale / (1 if self.dims.pp > 1 else batch.shape[0]))
         if self.dims.pp > 1:
             local = self._pipeline(batch, train=True)
         else:
@@ -240,6 +250,8 @@ class ParallelEngine:
             if not skip:
                 opt.step()
             opt.zero_grad(set_to_none=True)
+        if not skip:
+            self.moe.after_optimizer_step(self.model_parts)  # MoE (issue 5): routing-bias update
         self.scaler.update(skip)
         return not skip
 
@@ -257,7 +269,9 @@ class ParallelEngine:
         return self._global_mean_loss(torch.stack(losses).mean())
 
     def extra_metrics(self) -> dict[str, float]:
-        return {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
+        out = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
+        out.update(self.moe.metrics(self.model_parts))  # MoE (issue 5): load, drops, aux/z losses per layer
+        return out
 
 
 def build_parallel_engine(cfg: Any, device: torch.device, mesh: DeviceMesh | None = None) -> ParallelEngine:

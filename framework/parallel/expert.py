@@ -311,6 +311,10 @@ class MoEParallel:
         if not self.enabled:
             return
         if self.dims.dp_shard > 1:
+            if self.pcfg.cpu_offload:
+                from torch.distributed.fsdp import CPUOffloadPolicy
+
+                fsdp_kwargs.setdefault("offload_policy", CPUOffloadPolicy())
             names = ("dp_replicate", "edp") if self.dims.dp_replicate > 1 else ("edp",)
             apply_expert_fsdp(part, self.ep_mesh[names], self.dims.dp_size, **fsdp_kwargs)
             self.experts_fsdp = True

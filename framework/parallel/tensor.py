@@ -6,6 +6,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from models.decoder import Decoder
+from models.moe.layer import MoE
 from models.plans import Plan, decoder_block_plan, decoder_top_plan
 
 
@@ -39,5 +40,8 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
         assert model.output is not None and model.tok_embeddings is not None
         model.output.weight = model.tok_embeddings.weight
     block_plan = decoder_block_plan(sequence_parallel)
+    moe_plan = {k: v for k, v in block_plan.items() if not k.startswith("feed_forward")}
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _present(block, block_plan))  # type: ignore[arg-type]
+        # MoE (issue 5): framework/parallel/expert.py parallelizes an MoE layer's feed-forward
+        plan = moe_plan if isinstance(block.feed_forward, MoE) else block_plan  # type: ignore[union-attr]
+        parallelize_module(block, tp_mesh, _present(block, plan))  # type: ignore[arg-type]
