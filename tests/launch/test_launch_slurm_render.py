@@ -41,7 +41,7 @@ def test_cli_dry_run_prints_the_script_with_this_interpreter() -> None:
     args = [CONFIG, "--nodes", "128", "--gpus-per-node", "8", "--cpus-per-rank", "12", "--time", "2-00:00:00",
             "--partition", "h100", "--account", "llm", "--dry-run"]
     out = subprocess.run([sys.executable, "-m", "framework.cli", "launch", "slurm", *args], cwd=REPO,
-                         env={**os.environ, **job_env()}, capture_output=True, text=True, timeout=120)
+                         env={**os.environ, **job_env()}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     expected = (SNAPSHOTS / "llama3-70b-128n-h100.srun.sbatch").read_text().replace(PYTHON, sys.executable)
     assert out.stdout == expected

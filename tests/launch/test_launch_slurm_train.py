@@ -40,7 +40,7 @@ def _submit(slurm: SlurmCluster, cwd: Path, mode: str) -> str:
     cwd.mkdir(parents=True)
     cmd = [sys.executable, "-m", "framework.cli", "launch", "slurm", str(CONFIG), "--nodes", "2",
            "--procs-per-node", "2", "--time", "10", "--signal-lead", "60", "--mode", mode]
-    out = subprocess.run(cmd, cwd=cwd, env=_env(slurm), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=cwd, env=_env(slurm), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()[-1]
 
