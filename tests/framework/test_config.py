@@ -21,13 +21,13 @@ def test_defaults_load() -> None:
 
 
 def _loader(path: Path):  # type: ignore[no-untyped-def]
-    """Each folder of configs/ holds one kind of YAML; a folder not listed holds training configs."""
+    """configs/data/ holds data-build configs, *.ablate.yaml ablation specs; everything else trains."""
     kind = path.relative_to(REPO / "configs").parts[0]
     if kind == "data":
         from data_pipeline.build_config import load_build_config
 
         return load_build_config
-    if kind == "ablations":
+    if path.name.endswith(".ablate.yaml"):
         from framework.observe.ablate import load_spec
 
         return load_spec
