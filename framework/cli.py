@@ -59,8 +59,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(int(torch_threads))
     result = Trainer(cfg).train(stop_at=args.stop_at)
-    print(f"run {result.run_dir}: steps {result.start_step}->{result.final_step}, "
-          f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, {result.tokens_per_s:.0f} tokens/s")
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"run {result.run_dir}: steps {result.start_step}->{result.final_step}, "
+              f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, {result.tokens_per_s:.0f} tokens/s")
     return result.exit_code
 
 
