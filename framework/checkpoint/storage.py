@@ -1,7 +1,7 @@
 """DCP storage that never unpickles code.
 
 DCP stores tensors with `torch.save` (read back with `weights_only=True`), but its `.metadata` file is a plain
-pickle and non-tensor values (optimizer hyper-parameters) come back through `torch.load(weights_only=False)`.
+pickle and non-tensor values (optimizer hyper-parameters) come back through an unrestricted torch load.
 `SafeFileSystemReader` reads `.metadata` with an unpickler that only resolves DCP's own metadata classes and
 torch dtypes/layouts, and `SafeLoadPlanner` loads byte items with `weights_only=True`: a crafted checkpoint can
 make a load fail, never run code.
