@@ -66,6 +66,10 @@ class Config:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 f"raise model.max_seq_len or lower data.seq_len")
+        if self.data.eod_id is not None and self.data.eod_id >= self.model.vocab_size:
+            raise ConfigError(
+                f"data.eod_id={self.data.eod_id} is outside model.vocab_size={self.model.vocab_size}; set data.eod_id "
+                f"to the id that ends each document (null: the tokenizer's EOS)")
 
 
 def _resolve_model_preset(data: dict[str, Any]) -> dict[str, Any]:
