@@ -165,7 +165,8 @@ def _unbox(group: Any) -> dist.ProcessGroup | None:
     if isinstance(group, str):
         from torch._C._distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(group)
+        resolve: Any = _resolve_process_group  # takes a GroupName (a str NewType in newer torch)
+        return resolve(group)
     return dist.ProcessGroup.unbox(group)
 
 

@@ -23,7 +23,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
-def _fsdp_groups(parts: Sequence[nn.Module]) -> Iterator[tuple[str, Any]]:
+def fsdp_units(parts: Sequence[nn.Module]) -> Iterator[tuple[str, Any]]:
     """(FQN of the first module of the unit, FSDPParamGroup) for every FSDP unit, each once."""
     seen: set[int] = set()
     for part in parts:
@@ -39,7 +39,7 @@ def _fsdp_groups(parts: Sequence[nn.Module]) -> Iterator[tuple[str, Any]]:
 
 
 def _fsdp_params(parts: Sequence[nn.Module]) -> Iterator[Any]:
-    for _, group in _fsdp_groups(parts):
+    for _, group in fsdp_units(parts):
         yield from group.fsdp_params
 
 
@@ -85,7 +85,8 @@ def model_state_report(parts: Sequence[nn.Module], optimizers: Sequence[torch.op
     return dict(out)
 
 
-def _unsharded(fp: Any) -> tuple[int, int]:
+def working_copy_bytes(fp: Any) -> tuple[int, int]:
+    """(all-gathered parameter bytes, unsharded gradient bytes) of one FSDPParam, (0, 0) when resharded."""
     param = getattr(fp, "_unsharded_param", None)
     if param is None:  # never all-gathered yet
         return 0, 0
@@ -102,8 +103,8 @@ def _unsharded(fp: Any) -> tuple[int, int]:
 def unsharded_by_unit(parts: Sequence[nn.Module]) -> dict[str, tuple[int, int]]:
     """{unit FQN: (bytes of its all-gathered parameters, bytes of its unsharded gradients)} for units holding any."""
     out: dict[str, tuple[int, int]] = {}
-    for fqn, group in _fsdp_groups(parts):
-        sizes = [_unsharded(fp) for fp in group.fsdp_params]
+    for fqn, group in fsdp_units(parts):
+        sizes = [working_copy_bytes(fp) for fp in group.fsdp_params]
         params, grads = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
         if params or grads:
             out[fqn] = (params, grads)
