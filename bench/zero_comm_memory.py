@@ -269,7 +269,9 @@ def explanations(results: dict[tuple[int, int], dict[str, Any]], n: int, sizes: 
         f"gathered with its gradients (2 x {4 * block:,} B). The paper counts these as temporary buffers outside "
         "16Ψ/N; their size is set by "
         "the unit size (`parallel.fsdp_layers_per_unit`, the vocabulary), not by N, so the ratio grows with N. "
-        "Persistent states alone are 16P/N exactly.",
+        "Persistent states alone are 16P/N exactly; at m = 4 the peak is 16P/N + "
+        f"{results[(3, 4)]['total'] - round(16 * p / n):,} B (the last block, kept gathered from forward, in place "
+        "of the first).",
         f"- **The model's shape matters**: in test-tiny (4 blocks, vocabulary 512) the root unit is "
         f"{100 * tiny['root'] / tiny['all']:.0f}% of the parameters and the same stage-3 working set would be "
         f"{_working_set(tiny) / (16 * tiny['all'] / n):.2f}x 16P/N on top ({_working_set(sizes) / (16 * p / n):.2f}x "
