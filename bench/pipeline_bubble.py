@@ -1,0 +1,300 @@
+"""Pipeline bubble: idle fraction of every torch.distributed.pipelining schedule, measured against the formulas.
+
+Eight ranks on two cores cannot time real compute, so every stage costs a fixed, known time instead: a custom
+autograd op sleeps `f` in forward and `i` in its backward (the input-gradient path), a second op on the stage's
+weight sleeps `w` in its backward (the weight-gradient path). Sleeping needs no CPU, so the ranks' timelines are
+what the schedule makes them. Costs are per rank and per micro-batch — F = I = W = `--unit-ms` (so B = I + W = 2F,
+the assumption of both the 1F1B and the zero-bubble formulas) — split evenly over the rank's stages.
+
+For each (schedule, p, m) the real schedule class runs through Tessera's `build_schedule` on gloo with forked
+ranks (`run_distributed`): a warm-up step, `--steps` steps with all costs 0 (what p2p and the Python runtime cost
+alone), then `--steps` timed steps. Idle fraction = 1 - busy / makespan per rank, averaged over ranks, where busy
+is the summed sleep time the ops recorded and makespan spans the earliest start to the latest end (median over
+steps). Next to it: `framework.plan.bubble.bubble_fraction` (the planner's formula) and the schedule's own
+action table simulated with the same costs (`framework.parallel.schedule_sim`). The ops also log which
+(stage, micro-batch) they ran, so the executed order is checked against the table.
+
+    python bench/pipeline_bubble.py [--pp 2 4] [--micro 4 8] [--unit-ms 20] [--steps 3] [--write docs/BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from framework.errors import ParallelismError
+from framework.parallel.config import SCHEDULES, SINGLE_STAGE_SCHEDULES
+from framework.parallel.mesh import stages_of_rank
+from framework.parallel.pipeline import build_schedule, run_schedule
+from framework.parallel.schedule_sim import (
+    StageCosts,
+    Table,
+    action_table,
+    compute_actions,
+    executed_single_stage_table,
+    fit_overhead,
+    per_rank_costs,
+    simulate,
+    stages_per_rank,
+    validate_table,
+)
+from framework.plan.bubble import bubble_fraction
+from framework.testing import run_distributed
+
+HEADING = "## Pipeline bubble (issue 3)"
+Event = tuple[str, int, int, float, float]  # (F | I | W, stage, micro-batch, start, end)
+
+
+@dataclass
+class Costs:
+    """Seconds one stage sleeps per action; mutable so the same stages run with and without cost."""
+
+    f: float = 0.0
+    i: float = 0.0
+    w: float = 0.0
+    log: list[Event] = field(default_factory=list)
+
+    def sleep(self, kind: str, stage: int, mb: int, seconds: float) -> None:
+        t0 = time.perf_counter()
+        if seconds > 0:
+            time.sleep(seconds)
+        self.log.append((kind, stage, mb, t0, time.perf_counter()))
+
+
+class _InputPath(torch.autograd.Function):
+    """Identity that costs `f` forward and `i` backward: the activation-gradient work of a stage."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, stage: int, costs: Costs) -> torch.Tensor:  # type: ignore[override]
+        ctx.stage, ctx.costs, ctx.mb = stage, costs, int(x[0, 0].item())
+        costs.sleep("F", stage, ctx.mb, costs.f)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        ctx.costs.sleep("I", ctx.stage, ctx.mb, ctx.costs.i)
+        return grad, None, None
+
+
+class _WeightPath(torch.autograd.Function):
+    """Zeros shaped like the activation that cost `w` in backward: the weight-gradient work of a stage."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, rows: int, mb: int, stage: int,  # type: ignore[override]
+                costs: Costs) -> torch.Tensor:
+        ctx.stage, ctx.costs, ctx.mb = stage, costs, mb
+        return weight.new_zeros(rows, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.costs.sleep("W", ctx.stage, ctx.mb, ctx.costs.w)
+        return grad.sum(0), None, None, None, None
+
+
+class TimedStage(torch.nn.Module):
+    """out = InputPath(x) + WeightPath(weight): values pass through unchanged (column 0 carries the micro-batch
+    index for the order check). torch's zero-bubble split differentiates to the stage input first (I runs only
+    `_InputPath.backward`, because `_WeightPath` does not lead to the input) and later from the saved gradient of
+    the sum to the weight (W runs only `_WeightPath.backward`), so I and W cost exactly `i` and `w`."""
+
+    def __init__(self, stage: int, costs: Costs) -> None:
+        super().__init__()
+        self.stage, self.costs = stage, costs
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.requires_grad:  # stage 0: a real first stage still back-propagates through its own layers
+            x = x.detach().requires_grad_(True)
+        h = _InputPath.apply(x, self.stage, self.costs)
+        return h + _WeightPath.apply(self.weight, x.shape[0], int(x[0, 0].item()), self.stage, self.costs)
+
+
+@dataclass(frozen=True)
+class Case:
+    schedule: str
+    pp: int
+    n_micro: int
+    stages: int  # per rank
+    table: Table
+    exposed_ok: bool  # the schedule's own pipeline_order passed validate_table
+
+
+def plan_cases(schedules: list[str], pps: list[int], micros: list[int], virtual: int) -> tuple[list[Case], list[str]]:
+    """Every runnable (schedule, p, m) with its action table; the refused ones as lines for the report."""
+    cases, refused = [], []
+    grid = [(s, p, m) for p in pps for m in micros for s in schedules]
+    for s, p, m in tqdm(grid, desc="action tables", leave=False):
+        v = stages_per_rank(s, virtual)
+        try:
+            table = action_table(s, p, m, virtual)
+        except ParallelismError as exc:
+            refused.append(f"{s} p={p} m={m}: {str(exc.__cause__ or exc).splitlines()[0]}")
+            continue
+        ok = not validate_table(table, p * v, m)
+        if not ok and s in SINGLE_STAGE_SCHEDULES:
+            table = executed_single_stage_table(s, p, m)
+        cases.append(Case(s, p, m, v, table, ok))
+    return cases, refused
+
+
+def _one_step(sched: Any, ids: list[int], n_stages: int, costs: Costs, x: torch.Tensor, group: Any,
+              ) -> tuple[float, float, float, list[Event]]:
+    dist.barrier(group=group)
+    costs.log.clear()
+    t0 = time.perf_counter()
+    run_schedule(sched, ids, n_stages, x, torch.zeros_like(x))
+    t1 = time.perf_counter()
+    return t0, t1, sum(e[4] - e[3] for e in costs.log), list(costs.log)
+
+
+def _rank_main(rank: int, world: int, cases: list[Case], unit_s: float, steps: int) -> list[dict[str, Any] | None]:
+    groups = {p: dist.new_group(list(range(p))) for p in sorted({c.pp for c in cases})}
+    out: list[dict[str, Any] | None] = []
+    for case in tqdm(cases, desc="schedules on gloo", disable=rank != 0):
+        if rank >= case.pp:
+            out.append(None)
+            continue
+        v, n_stages = case.stages, case.pp * case.stages
+        ids = stages_of_rank(rank, case.pp, v, case.schedule)
+        costs = Costs()
+        parts = [TimedStage(s, costs) for s in ids]
+        sched = build_schedule(parts, ids, n_stages, groups[case.pp], torch.device("cpu"), case.schedule,
+                               case.n_micro, lambda out, target: (out - target).pow(2).mean())
+        x = torch.arange(case.n_micro, dtype=torch.float32).repeat_interleave(2).view(case.n_micro, 2)
+        free = [_one_step(sched, ids, n_stages, costs, x, groups[case.pp]) for _ in range(1 + steps)][1:]
+        costs.f, costs.i, costs.w = unit_s / v, unit_s / v, unit_s / v
+        timed = [_one_step(sched, ids, n_stages, costs, x, groups[case.pp]) for _ in range(steps)]
+        out.append({"free": [t[:3] for t in free], "timed": [t[:3] for t in timed], "events": timed[0][3]})
+    return out
+
+
+def _makespans(per_rank: list[list[tuple[float, float, float]]]) -> list[float]:
+    return [max(r[k][1] for r in per_rank) - min(r[k][0] for r in per_rank) for k in range(len(per_rank[0]))]
+
+
+def executed_matches_table(case: Case, events_by_rank: list[list[Event]]) -> bool:
+    """Each rank ran its table's actions in order: F as one forward event, a backward (B, I, W) as the
+    (stage, micro-batch) of its backward events; consecutive events of the same backward collapse to one."""
+    def collapse(seq: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        return [e for k, e in enumerate(seq) if k == 0 or e != seq[k - 1] or e[0] == "F"]
+
+    for rank, events in enumerate(events_by_rank):
+        want: list[tuple[str, int, int]] = []
+        for a in compute_actions(case.table, rank):
+            kind, s, mb = a.computation_type.value, a.stage_index, a.microbatch_index
+            assert mb is not None
+            if not (kind == "I" and s == 0):  # torch skips stage 0's I; its W runs the whole backward
+                want.append(("F" if kind == "F" else "bwd", s, mb))
+        got = [("F" if k == "F" else "bwd", s, mb) for k, s, mb, _, _ in events]
+        if collapse(got) != collapse(want):
+            return False
+    return True
+
+
+def summarize(cases: list[Case], results: list[list[dict[str, Any] | None]], unit_ms: float) -> list[dict[str, Any]]:
+    """One row per case: formula, table simulation, measured idle fraction, runtime overhead, order check."""
+    rows = []
+    for k, case in enumerate(cases):
+        res = [r for r in (results[rank][k] for rank in range(case.pp)) if r is not None]
+        assert len(res) == case.pp, f"{case.schedule}: {len(res)} of {case.pp} ranks reported"
+        timed = [r["timed"] for r in res]
+        spans = [1000 * t for t in _makespans(timed)]
+        busy = [[1000 * step[2] for step in rank] for rank in timed]
+        idle = statistics.median(sum(1 - busy[r][j] / spans[j] for r in range(case.pp)) / case.pp
+                                 for j in range(len(spans)))
+        wall_ms, free_ms = statistics.median(spans), 1000 * statistics.median(_makespans([r["free"] for r in res]))
+        n_stages = case.pp * case.stages
+        nominal = per_rank_costs(unit_ms, unit_ms, unit_ms, case.schedule, case.stages)
+        sim = simulate(case.table, n_stages, nominal)
+        # Sleeps overshoot on a loaded machine: simulate with the costs the ops really took.
+        scale = statistics.mean(statistics.mean(b) for b in busy) / statistics.mean(sim.busy.values())
+        real = StageCosts(nominal.f * scale, nominal.i * scale, nominal.w * scale)
+        o_free = fit_overhead(case.table, n_stages, StageCosts(0.0, 0.0, 0.0), free_ms)
+        rows.append({"schedule": case.schedule, "p": case.pp, "m": case.n_micro, "v": case.stages,
+                     "formula": bubble_fraction(case.schedule, case.pp, case.n_micro, case.stages),
+                     "table": sim.idle_fraction(), "measured": idle, "wall_ms": wall_ms, "table_ms": sim.makespan,
+                     "predicted": simulate(case.table, n_stages, real, overhead=o_free).idle_fraction(),
+                     "o_free": o_free, "o_timed": fit_overhead(case.table, n_stages, real, wall_ms),
+                     "order_ok": executed_matches_table(case, [r["events"] for r in res]),
+                     "exposed_ok": case.exposed_ok})
+    return rows
+
+
+def render(rows: list[dict[str, Any]], refused: list[str], args: argparse.Namespace, elapsed: float) -> str:
+    """The BENCHMARKS.md section (table and how it was made); the analysis paragraphs follow it in the file."""
+    cmd = (f"python bench/pipeline_bubble.py --pp {' '.join(map(str, args.pp))} --micro "
+           f"{' '.join(map(str, args.micro))} --unit-ms {args.unit_ms:g} --steps {args.steps}")
+    lines = [HEADING, "", f"Command: `{cmd}` ({elapsed:.0f} s; gloo, forked ranks, torch {torch.__version__}).",
+             f"Costs per rank per micro-batch: F = I = W = {args.unit_ms:g} ms (B = I + W = 2F), split evenly over "
+             "the rank's v stages. Idle = 1 - busy/makespan, mean over ranks, median of the timed steps. "
+             "*table + o*: the action table simulated with the sleeps' real durations plus o ms of runtime per "
+             "action, o fitted to the zero-cost steps of the same run (`o zero-cost`); `o timed` is the o that "
+             "reproduces the timed step itself.", "",
+             "| schedule | p | m | v | formula | action table | table + o | measured | measured/formula "
+             "| measured/table | measured/(table + o) | step ms (table) | o zero-cost ms | o timed ms "
+             "| order = table |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        note = "" if r["exposed_ok"] else " (executed loop; exposed table invalid)"
+        lines.append(
+            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['v']} | {r['formula']:.3f} | {r['table']:.3f} | "
+            f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['measured'] / r['formula']:.2f} | "
+            f"{r['measured'] / max(r['table'], 1e-9):.2f} | {r['measured'] / max(r['predicted'], 1e-9):.2f} | "
+            f"{r['wall_ms']:.0f} ({r['table_ms']:.0f}) | {r['o_free']:.1f} | {r['o_timed']:.1f} | "
+            f"{'yes' if r['order_ok'] else 'NO'}{note} |")
+    if refused:
+        lines += ["", "Refused by torch (not run): " + "; ".join(refused)]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace the table part of this bench's section (up to the analysis marker) or append the section."""
+    marker = "<!-- pipeline_bubble analysis -->"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    if HEADING in old:
+        start = old.index(HEADING)
+        end = old.find(marker, start)
+        nxt = old.find("\n## ", start + len(HEADING))
+        if end == -1 or (nxt != -1 and end > nxt):
+            end = nxt if nxt != -1 else len(old)
+            text += "\n"
+        path.write_text(old[:start] + text + old[end:])
+    else:
+        path.write_text(old.rstrip("\n") + "\n\n" + text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline degrees (ranks)")
+    ap.add_argument("--micro", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
+    ap.add_argument("--virtual", type=int, default=2, help="stages per rank of the looped schedules")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    ap.add_argument("--unit-ms", type=float, default=20.0, help="F = I = W per rank and micro-batch (ms)")
+    ap.add_argument("--steps", type=int, default=3, help="zero-cost and timed steps per case")
+    ap.add_argument("--write", type=Path, help="replace this bench's section in this markdown file")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    cases, refused = plan_cases(args.schedules, args.pp, args.micro, args.virtual)
+    results = run_distributed(_rank_main, max(c.pp for c in cases), backend="gloo", timeout_s=900,
+                              cases=cases, unit_s=args.unit_ms / 1000, steps=args.steps)
+    rows = summarize(cases, results, args.unit_ms)
+    text = render(rows, refused, args, time.perf_counter() - t0)
+    print(text)
+    if args.write:
+        write_section(args.write, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
