@@ -18,10 +18,15 @@ from models.config import model_config
 from models.decoder import build_model
 
 
-def _plain_collectives(world: int) -> dict[str, Any]:
+def _plain_collectives(rank: int, world: int) -> dict[str, Any]:
     group = dist.new_group(list(range(world)))
     log = CommLogger({group: "dp_shard"})
     with log.active():
+        # Pipeline-style p2p (torch.distributed.pipelining batches isend/irecv): 16 bytes each way.
+        peer = (rank + 1) % world
+        ops = [dist.P2POp(dist.isend, torch.ones(4), peer, group), dist.P2POp(dist.irecv, torch.empty(4), peer, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
         dist.all_reduce(torch.ones(10), group=group)  # 40 bytes
         out = torch.empty(8 * world)
         dist.all_gather_into_tensor(out, torch.ones(8), group=group)  # full buffer 32 * world bytes
@@ -63,14 +68,16 @@ def _fsdp_and_dtensor(rank: int, world: int) -> dict[str, Any]:
 
 
 def _body(rank: int, world: int) -> dict[str, Any]:
-    return {"plain": _plain_collectives(world), **_fsdp_and_dtensor(rank, world)}
+    return {"plain": _plain_collectives(rank, world), **_fsdp_and_dtensor(rank, world)}
 
 
 def test_logger_counts_every_collective_once_per_axis_and_fsdp_memory() -> None:
     world = 2
     res = run_distributed(_body, world, timeout_s=120)[0]
     plain = res["plain"]
-    assert plain["calls"] == {("dp_shard", "all_reduce"): 1, ("dp_shard", "all_gather"): 1, ("world", "all_reduce"): 1}
+    assert plain["calls"] == {("dp_shard", "all_reduce"): 1, ("dp_shard", "all_gather"): 1, ("world", "all_reduce"): 1,
+                              ("dp_shard", "send"): 1, ("dp_shard", "recv"): 1}
+    assert plain["wire"][("dp_shard", "send")] == plain["wire"][("dp_shard", "recv")] == 16
     assert plain["wire"][("dp_shard", "all_reduce")] == 40 * 2 * (world - 1) / world
     assert plain["wire"][("dp_shard", "all_gather")] == 32 * world * (world - 1) / world
     assert wire_factor("all_reduce", 8) == 2 * 7 / 8 and wire_factor("send", 4) == 1.0
