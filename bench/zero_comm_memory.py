@@ -10,8 +10,9 @@ vocabulary, so that the root FSDP unit (embedding + final norm + head) is a few 
 in a real model, instead of a third. fp32 parameters, gradients and AdamW states (no mixed precision).
 
 Communication: `framework.parallel.comm.CommLogger` counts every collective on the data-parallel axes (ring
-wire bytes per rank). Memory: `framework.parallel.memory` samples, after every module's forward, after every
-gradient accumulation into a parameter and after the optimizer step, (a) the persistent states -- each
+wire bytes per rank). Memory: `framework.parallel.memory` is sampled before and after every module's forward,
+after every gradient accumulation into a parameter and after the optimizer step (cross-checked there against
+the full report): (a) the persistent states -- each
 rank's parameter shard (the fp32 master), its gradient shard, the AdamW states -- and (b) FSDP's working
 copies -- all-gathered parameters and unsharded gradients, per FSDP unit.
 """
@@ -127,7 +128,6 @@ def _case(world: int, stage: int, n_micro: int, layers: int) -> dict[str, Any]:
     comm = engine.comm
     return {"wire": {op: w for (axis, op), w in comm.wire.items() if axis in DP_AXES},
             "calls": {op: c for (axis, op), c in comm.calls.items() if axis in DP_AXES},
-            "other_axes": sorted({axis for axis, _ in comm.wire if axis not in DP_AXES}),
             "persistent": sampler.persistent, "total": sampler.total, "paper": sampler.paper,
             "at_peak": sampler.at_peak}
 
