@@ -318,19 +318,20 @@ def sensitivity(m: int, pp: int, virtual: int) -> str:
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace the table part of this bench's section (up to the analysis marker) or append the section."""
+    """Replace the table part of this bench's section (up to the analysis marker, which keeps the hand-written
+    analysis below it) or the whole section, or append it; rerunning with the same text changes nothing."""
     marker = "<!-- pipeline_bubble analysis -->"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if HEADING in old:
-        start = old.index(HEADING)
-        end = old.find(marker, start)
-        nxt = old.find("\n## ", start + len(HEADING))
-        if end == -1 or (nxt != -1 and end > nxt):
-            end = nxt if nxt != -1 else len(old)
-            text += "\n"
-        path.write_text(old[:start] + text + old[end:])
-    else:
+    text = text.rstrip("\n") + "\n\n"
+    if HEADING not in old:
         path.write_text(old.rstrip("\n") + "\n\n" + text)
+        return
+    start = old.index(HEADING)
+    end = old.find(marker, start)
+    nxt = old.find("\n## ", start + len(HEADING))
+    if end == -1 or (nxt != -1 and end > nxt):
+        end = nxt + 1 if nxt != -1 else len(old)
+    path.write_text((old[:start] + text + old[end:]).rstrip("\n") + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
