@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.sections import replace_section
 from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.manager import CheckpointManager
 from framework.config import load_config
@@ -90,18 +93,6 @@ def measure(args: argparse.Namespace) -> list[str]:
     return rows
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this bench's section of `path` (or append it), leaving the other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[nxt + 1:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/smoke/tiny.yaml")
@@ -134,7 +125,7 @@ def main(argv: list[str]) -> int:
         "compute).", ""])
     print(section)
     if args.write:
-        write_section(args.write, section)
+        replace_section(args.write, SECTION, section)
     return 0
 
 

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.sections import replace_section
 from framework.config import load_config
 from framework.train.engine import cross_entropy
 from framework.train.optim import build_optimizer
@@ -121,18 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        _replace_section(args.write, "## Framework tax (issue 2)", text)
+        replace_section(args.write, "## Framework tax (issue 2)", text)
     return 0
-
-
-def _replace_section(path: Path, heading: str, text: str) -> None:
-    """Replace (or append) the section starting at `heading` up to the next '## ' heading."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if heading in old:
-        start = old.index(heading)
-        nxt = old.find("\n## ", start + len(heading))
-        old = old[:start] + (old[nxt + 1:] if nxt != -1 else "")
-    path.write_text(old.rstrip("\n") + "\n\n" + text)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.sections import replace_section
 from framework.errors import ParallelismError
 from framework.parallel.config import SCHEDULES, SINGLE_STAGE_SCHEDULES
 from framework.parallel.mesh import stages_of_rank
@@ -318,20 +319,18 @@ def sensitivity(m: int, pp: int, virtual: int) -> str:
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace the table part of this bench's section (up to the analysis marker, which keeps the hand-written
-    analysis below it) or the whole section, or append it; rerunning with the same text changes nothing."""
+    """Replace this bench's section (or append it), keeping the hand-written analysis that follows the marker
+    inside the section; rerunning with the same text changes nothing."""
     marker = "<!-- pipeline_bubble analysis -->"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    text = text.rstrip("\n") + "\n\n"
-    if HEADING not in old:
-        path.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    start = old.index(HEADING)
-    end = old.find(marker, start)
-    nxt = old.find("\n## ", start + len(HEADING))
-    if end == -1 or (nxt != -1 and end > nxt):
-        end = nxt + 1 if nxt != -1 else len(old)
-    path.write_text((old[:start] + text + old[end:]).rstrip("\n") + "\n")
+    old = path.read_text() if path.exists() else ""
+    analysis = ""
+    if HEADING in old:
+        start = old.index(HEADING)
+        nxt = old.find("\n## ", start + len(HEADING))
+        section = old[start:nxt + 1 if nxt != -1 else len(old)]
+        if marker in section:
+            analysis = "\n" + section[section.index(marker):].rstrip("\n") + "\n"
+    replace_section(path, HEADING, text.rstrip("\n") + "\n" + analysis)
 
 
 def main(argv: list[str] | None = None) -> int:

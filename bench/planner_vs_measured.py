@@ -22,6 +22,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.sections import replace_section
 from framework.plan.activations import embedding_bytes, head_bytes, korthikanti_layer_bytes, tessera_layer_bytes
 from framework.plan.hardware import get_hardware
 from framework.plan.layout import Layout, Precision, Workload
@@ -214,18 +217,6 @@ def build_section(seq: int, batch: int) -> str:
     return "\n".join([*head, *body, NOTES, "", f"(bench wall time {time.time() - t0:.0f} s)", ""])
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this bench's section of `path` (or append it), leaving the other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section.rstrip() + "\n" + (text[nxt:] if nxt != -1 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write", type=Path, help="update this markdown file's planner section")
@@ -235,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     section = build_section(args.seq, args.batch)
     print(section)
     if args.write:
-        write_section(args.write, section)
+        replace_section(args.write, SECTION, section)
     return 0
 
 

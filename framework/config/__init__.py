@@ -25,7 +25,7 @@ from framework.config.core import (
     to_dict,
     validate_tree,
 )
-from framework.errors import ConfigError
+from framework.errors import ConfigError, ParallelismError
 from framework.observe.config import ObserveConfig
 from framework.parallel.config import ParallelConfig
 from framework.train.config import TrainConfig
@@ -66,6 +66,13 @@ class Config:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 f"raise model.max_seq_len or lower data.seq_len")
+        tp = self.parallel.tp
+        if tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % tp:
+            fits = [n for n in range(self.data.seq_len - tp, self.data.seq_len + tp + 1) if n > 0 and n % tp == 0]
+            raise ParallelismError(
+                f"data.seq_len={self.data.seq_len} must be divisible by parallel.tp={tp}: sequence parallelism cuts "
+                f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
+                f"parallel.sequence_parallel=false")
 
 
 def _resolve_model_preset(data: dict[str, Any]) -> dict[str, Any]:

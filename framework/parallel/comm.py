@@ -1,27 +1,59 @@
 """Communication logger: bytes per collective per mesh axis per step.
 
-While active, wraps the `torch.distributed` collectives (FSDP2, DDP-style all-reduce, pipeline p2p, clipping)
-and watches functional collectives (`_c10d_functional.*`, used by DTensor tensor parallelism) with a dispatch
-mode. Each call is attributed to the mesh axis whose process group it ran on and recorded as the payload
-bytes the op moves through this rank and, with ring algorithms, its wire bytes per rank:
-all-reduce 2(N-1)/N x buffer, all-gather / reduce-scatter (N-1)/N x full buffer, all-to-all (N-1)/N x buffer,
-send/recv 1 x buffer.
+While active, a dispatch mode sees every collective at the operator level, whoever issued it:
+- `c10d.*` ops: every `ProcessGroup` method dispatches one (`dist.all_reduce` of DDP-style sync and
+  clipping, FSDP2's `all_gather_single` / `reduce_scatter_single`, pipeline `isend`/`irecv`,
+  `batch_isend_irecv`), so FSDP2 is counted whichever `torch.distributed` function it binds;
+- `_c10d_functional.*` ops: DTensor tensor parallelism and the autograd-aware all-to-all of expert parallelism.
+A dispatch mode is popped while it handles an op, so the `c10d` op a functional collective runs underneath is
+not seen again: each collective is counted exactly once. Each call is attributed to the mesh axis whose process
+group it ran on and recorded as the full buffer it moves (the all-gathered output, the reduce-scattered input)
+and, with ring algorithms, its wire bytes per rank: all-reduce 2(N-1)/N x buffer, all-gather / reduce-scatter /
+all-to-all / broadcast (N-1)/N x buffer, send/recv 1 x buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_WRAPPED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
-            "send", "recv", "isend", "irecv", "all_gather")
+# op name -> (recorded kind, schema argument holding the full buffer); barriers move no data and are left out.
+_C10D: dict[str, tuple[str, str]] = {
+    "allreduce_": ("all_reduce", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "reduce_": ("reduce", "tensors"),
+    "_allgather_base_": ("all_gather", "output_tensor"),
+    "allgather_": ("all_gather", "output_tensors"),
+    "allgather_coalesced_": ("all_gather", "output_lists"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+    "alltoall_base_": ("all_to_all", "input"),
+    "alltoall_": ("all_to_all", "input_tensors"),
+    "broadcast_": ("broadcast", "tensors"),
+    "gather_": ("gather", "input_tensors"),
+    "scatter_": ("scatter", "output_tensors"),
+    "send": ("send", "tensors"),
+    "recv_": ("recv", "tensors"),
+    "recv_any_source_": ("recv", "tensors"),
+}
+# Functional collectives take the local input; an all-gather's full buffer is group_size x that.
+_FUNCTIONAL: dict[str, str] = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast", "broadcast_": "broadcast", "isend": "send", "irecv": "recv",
+}
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 
 
 def wire_factor(op: str, n: int) -> float:
@@ -36,68 +68,34 @@ def wire_factor(op: str, n: int) -> float:
 
 
 class CommLogger:
-    """Counts bytes per (axis, op). `axes` maps process groups to axis names (others are 'other')."""
+    """Counts bytes per (axis, op). `axes` maps process groups to axis names (others are 'world' or 'other')."""
 
     def __init__(self, axes: dict[Any, str] | None = None) -> None:
         # Keyed by group name: sub-mesh lookups may hand back different Python wrappers of one process group.
         self.axes = {_name(g): axis for g, axis in (axes or {}).items()}
-        self.groups = {_name(g): g for g in (axes or {})}
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.payload: dict[tuple[str, str], int] = defaultdict(int)
         self.wire: dict[tuple[str, str], float] = defaultdict(float)
-        self._originals: dict[str, Callable[..., Any]] = {}
 
     def axis_of(self, group: Any) -> str:
         if group is not None and _name(group) in self.axes:
             return self.axes[_name(group)]  # checked first: an axis spanning the world may use the WORLD group
-        if group is None or group is dist.GroupMember.WORLD:
+        if group is None or _name(group) == _name(dist.group.WORLD):
             return "world"
         return "other"
 
     def record(self, op: str, group: Any, full_bytes: int) -> None:
-        n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        n = group.size() if group is not None else dist.get_world_size()
         key = (self.axis_of(group), op)
         self.calls[key] += 1
         self.payload[key] += full_bytes
         self.wire[key] += full_bytes * wire_factor(op, n)
 
-    def _wrap(self, name: str) -> None:
-        original = getattr(dist, name)
-        self._originals[name] = original
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
-            tensor = args[0] if args else kwargs.get("tensor", kwargs.get("output"))
-            if name in ("all_gather_into_tensor", "all_to_all_single") and tensor is not None:
-                size = tensor.numel() * tensor.element_size()  # the output is the full buffer
-            elif name == "reduce_scatter_tensor":
-                inp = args[1] if len(args) > 1 else kwargs["input"]
-                size = inp.numel() * inp.element_size()
-            elif name == "all_gather" and args:
-                size = sum(t.numel() * t.element_size() for t in args[0])
-            else:
-                size = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
-            if name in ("send", "recv", "isend", "irecv") and group is None and len(args) > 2:
-                group = args[2]
-            self.record(name, group, size)
-            return original(*args, **kwargs)
-
-        setattr(dist, name, wrapper)
-
     @contextlib.contextmanager
     def active(self) -> Iterator[CommLogger]:
-        """Count every collective issued inside the block."""
-        for name in _WRAPPED:
-            self._wrap(name)
-        mode = _FunctionalCollectives(self)
-        try:
-            with mode:
-                yield self
-        finally:
-            for name, original in self._originals.items():
-                setattr(dist, name, original)
-            self._originals.clear()
+        """Count every collective issued inside the block (on this thread and the autograd threads it drives)."""
+        with _CollectiveCounter(self):
+            yield self
 
     def reset(self) -> None:
         self.calls.clear()
@@ -113,29 +111,63 @@ class CommLogger:
             out[f"comm/{axis}/{op}/wire_bytes"] = self.wire[(axis, op)]
         return out
 
-    def wire_bytes(self, axes: tuple[str, ...] | None = None) -> float:
-        return sum(v for (axis, _), v in self.wire.items() if axes is None or axis in axes)
+    def wire_bytes(self, axes: tuple[str, ...] | None = None, ops: tuple[str, ...] | None = None) -> float:
+        return sum(v for (axis, op), v in self.wire.items()
+                   if (axes is None or axis in axes) and (ops is None or op in ops))
 
 
-class _FunctionalCollectives(TorchDispatchMode):
-    """Sees the `_c10d_functional` ops DTensor issues; group names are resolved to axes by the logger."""
+class _CollectiveCounter(TorchDispatchMode):
+    """Records `c10d` and `_c10d_functional` ops on the logger; every other op passes straight through."""
 
     def __init__(self, logger: CommLogger) -> None:
         super().__init__()
         self.logger = logger
-        self.by_name = logger.groups
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
-        if str(func).startswith("_c10d_functional.") and "wait" not in name and args:
-            t = args[0]
-            group = self.by_name.get(args[-1]) if isinstance(args[-1], str) else None
-            if isinstance(t, torch.Tensor) and group is not None:
-                n = dist.get_world_size(group)
-                size = t.numel() * t.element_size() * (n if "all_gather" in name else 1)
-                self.logger.record(name.replace("_tensor", "").replace("_into", ""), group, size)
+        namespace = getattr(func, "namespace", "")
+        if namespace == "c10d" or namespace in _FUNCTIONAL_NAMESPACES:
+            self._record(func, namespace, args, kwargs)
         return func(*args, **kwargs)
+
+    def _record(self, func: Any, namespace: str, args: Any, kwargs: dict[str, Any]) -> None:
+        name = func._schema.name.split("::")[-1]
+        bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+        if namespace == "c10d":
+            if name not in _C10D:
+                return
+            kind, buffer = _C10D[name]
+            group = _unbox(bound.get("process_group"))
+            self.logger.record(kind, group, _nbytes(bound.get(buffer)))
+            return
+        if name not in _FUNCTIONAL:
+            return
+        kind = _FUNCTIONAL[name]
+        group = _unbox(bound.get("group_name"))
+        size = _nbytes(bound.get("input", bound.get("inputs", bound.get("tensor"))))
+        if kind == "all_gather":
+            size *= int(bound["group_size"])
+        self.logger.record(kind, group, size)
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _unbox(group: Any) -> dist.ProcessGroup | None:
+    """The ProcessGroup behind an op argument: a TorchScript-boxed group or a group name."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, str):
+        from torch._C._distributed_c10d import _resolve_process_group
+
+        resolve: Any = _resolve_process_group  # takes a GroupName (a str NewType in newer torch)
+        return resolve(group)
+    return dist.ProcessGroup.unbox(group)
 
 
 def _name(group: Any) -> str:

@@ -135,12 +135,11 @@ class ParallelEngine:
             head = parts[self.stage_ids.index(last)].output
             assert head is not None
             self.tied_copy = head.weight
-        v_shaped = self.pcfg.pp_schedule in V_SCHEDULES  # stage 0 and the last stage share pp rank 0
-        if not v_shaped and self.dims.pp != 2:
-            raise ParallelismError(
-                f"model.tied_embeddings with parallel.pp={self.dims.pp} needs the embedding and head on the same "
-                f"rank or on a 2-stage pipeline; set model.tied_embeddings=false, parallel.pp=2, or a V schedule")
-        self._tie_local = v_shaped
+        # A V schedule puts stage 0 and the last stage on pp rank 0; otherwise they sit on pp ranks 0 and pp-1
+        # (looped schedules too), which swap their gradient pieces point-to-point after backward.
+        self._tie_local = self.pcfg.pp_schedule in V_SCHEDULES
+        pp_ranks = self.mesh["pp"].mesh.flatten().tolist()
+        self._tie_peer = pp_ranks[-1] if self.pp_rank == 0 else pp_ranks[0]
 
     def _fix_tied_decay(self) -> None:
         """The head's copy of a tied embedding follows the embedding's (no) weight decay, as in the 1-process run."""
@@ -185,9 +184,15 @@ class ParallelEngine:
             g_out.copy_(g_emb)
             return
         param = emb if emb is not None else self.tied_copy
-        assert param is not None
+        if param is None:
+            return  # a middle pp rank holds neither copy
         g, _ = local_grad(param)
-        dist.all_reduce(g, group=self.mesh["pp"].get_group())
+        other = torch.empty_like(g)
+        group = self.mesh["pp"].get_group()
+        ops = [dist.P2POp(dist.isend, g, self._tie_peer, group), dist.P2POp(dist.irecv, other, self._tie_peer, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        g.add_(other)  # a + b == b + a bitwise: both copies stay identical
 
     def _after_backward(self) -> None:
         self.moe.after_backward(self.model_parts)  # MoE (issue 5): expert gradients over edp without FSDP

@@ -2,35 +2,99 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from framework.parallel.comm import CommLogger, wire_factor
-from framework.parallel.memory import model_state_report
+from framework.parallel.memory import model_state_report, unsharded_by_unit, unsharded_bytes
 from framework.testing import run_distributed
 from models.config import model_config
 from models.decoder import build_model
 
 
-def _body(rank: int, world: int) -> tuple[dict, dict]:
+def _plain_collectives(rank: int, world: int) -> dict[str, Any]:
     group = dist.new_group(list(range(world)))
     log = CommLogger({group: "dp_shard"})
     with log.active():
+        # Pipeline-style p2p (torch.distributed.pipelining batches isend/irecv): 16 bytes each way.
+        peer = (rank + 1) % world
+        ops = [dist.P2POp(dist.isend, torch.ones(4), peer, group), dist.P2POp(dist.irecv, torch.empty(4), peer, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
         dist.all_reduce(torch.ones(10), group=group)  # 40 bytes
         out = torch.empty(8 * world)
         dist.all_gather_into_tensor(out, torch.ones(8), group=group)  # full buffer 32 * world bytes
         dist.all_reduce(torch.ones(3))  # default group -> "world"
+        dist.barrier()  # moves no data: not recorded
     dist.all_reduce(torch.ones(5), group=group)  # outside the block: not counted
-    return dict(log.wire), dict(log.calls)
+    return {"wire": dict(log.wire), "calls": dict(log.calls)}
 
 
-def test_logger_counts_bytes_per_axis_with_ring_factors() -> None:
-    wire, calls = run_distributed(_body, 2, timeout_s=120)[0]
-    assert calls == {("dp_shard", "all_reduce"): 1, ("dp_shard", "all_gather_into_tensor"): 1,
-                     ("world", "all_reduce"): 1}
-    assert wire[("dp_shard", "all_reduce")] == 40 * 2 * (2 - 1) / 2
-    assert wire[("dp_shard", "all_gather_into_tensor")] == 64 * (2 - 1) / 2
+def _fsdp_and_dtensor(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2's all-gather / reduce-scatter and DTensor's functional collectives, each counted once."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 4, bias=False))  # 192 params, 768 bytes
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    log = CommLogger({mesh.get_group(): "dp_shard"})
+    out: dict[str, Any] = {}
+
+    def mid_forward(*_: Any) -> None:
+        # model[1]'s parameters are now the root unit's all-gathered working copies (model[0] is resharded):
+        # the persistent bytes must still be the shards.
+        out["mid_report"] = model_state_report([model], [])
+        out["mid_unsharded"] = unsharded_bytes([model])
+
+    model[1].register_forward_hook(mid_forward)
+    with log.active():
+        model(torch.randn(2, 8)).sum().backward()
+        out["fsdp_calls"] = dict(log.calls)
+        out["fsdp_payload"] = dict(log.payload)
+        log.reset()
+        shard = DTensor.from_local(torch.ones(3), mesh, [Shard(0)])
+        out["full"] = shard.full_tensor().sum().item()  # one functional all-gather of 12 * world bytes
+        out["dtensor_calls"] = dict(log.calls)
+        out["dtensor_payload"] = dict(log.payload)
+    out["end_report"] = model_state_report([model], [])
+    out["end_units"] = unsharded_by_unit([model])
+    return out
+
+
+def _body(rank: int, world: int) -> dict[str, Any]:
+    return {"plain": _plain_collectives(rank, world), **_fsdp_and_dtensor(rank, world)}
+
+
+def test_logger_counts_every_collective_once_per_axis_and_fsdp_memory() -> None:
+    world = 2
+    res = run_distributed(_body, world, timeout_s=120)[0]
+    plain = res["plain"]
+    assert plain["calls"] == {("dp_shard", "all_reduce"): 1, ("dp_shard", "all_gather"): 1, ("world", "all_reduce"): 1,
+                              ("dp_shard", "send"): 1, ("dp_shard", "recv"): 1}
+    assert plain["wire"][("dp_shard", "send")] == plain["wire"][("dp_shard", "recv")] == 16
+    assert plain["wire"][("dp_shard", "all_reduce")] == 40 * 2 * (world - 1) / world
+    assert plain["wire"][("dp_shard", "all_gather")] == 32 * world * (world - 1) / world
     assert wire_factor("all_reduce", 8) == 2 * 7 / 8 and wire_factor("send", 4) == 1.0
+
+    # FSDP2 binds dist.all_gather_single / reduce_scatter_single: both units all-gathered in forward and again in
+    # backward (reshard_after_forward=True), each gradient reduce-scattered once; full buffers, 768 bytes per pass.
+    assert res["fsdp_calls"] == {("dp_shard", "all_gather"): 4, ("dp_shard", "reduce_scatter"): 2}
+    assert res["fsdp_payload"] == {("dp_shard", "all_gather"): 2 * 768, ("dp_shard", "reduce_scatter"): 768}
+    # DTensor's functional all-gather is counted once, not again as the c10d op it runs on.
+    assert res["full"] == 3 * world
+    assert res["dtensor_calls"] == {("dp_shard", "all_gather"): 1}
+    assert res["dtensor_payload"] == {("dp_shard", "all_gather"): 12 * world}
+
+    # Persistent bytes are each rank's shard (768 / world), mid-step as after; working copies are reported apart.
+    assert res["mid_report"] == {"params": 768 // world, "params/float32": 768 // world, "total": 768 // world}
+    assert res["mid_unsharded"] == (256, 0)  # the root unit's 64 all-gathered parameters, no gradient yet
+    assert res["end_report"]["grads"] == 768 // world and res["end_units"] == {}
 
 
 def test_memory_report_counts_params_grads_and_adam_states() -> None:

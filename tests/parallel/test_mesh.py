@@ -90,6 +90,18 @@ def test_config_rejects_bad_schedule_and_virtual_stages() -> None:
     assert ParallelConfig(pp_schedule="Interleaved1F1B").virtual_stages == 2
 
 
+def test_sequence_parallel_needs_seq_len_divisible_by_tp() -> None:
+    from pathlib import Path
+
+    from framework.config import load_config
+
+    tiny = Path(__file__).resolve().parents[2] / "configs/smoke/tiny.yaml"
+    with pytest.raises(ParallelismError, match=r"data.seq_len=33 must be divisible by parallel.tp=2.*32 or 34"):
+        load_config(tiny, ["parallel.tp=2", "data.seq_len=33"])
+    no_sp = load_config(tiny, ["parallel.tp=2", "data.seq_len=33", "parallel.sequence_parallel=false"])
+    assert no_sp.data.seq_len == 33
+
+
 def test_stage_split_and_placement() -> None:
     assert stage_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert stage_layers(5, 2, [1, 4]) == [[0], [1, 2, 3, 4]]

@@ -44,9 +44,13 @@ def _extras() -> list[dict[str, Any]]:
         out.append({"tp": 2, "dp_shard": 2, "recompute": mode})
         out.append({"tp": 2, "pp": 2, "dp_shard": 2, "recompute": mode, "recompute_every": 2,
                     "pp_schedule": "Interleaved1F1B"})
-    # Tied embeddings: a 2-stage pipeline all-reduces the embedding/head gradients, a V keeps both on rank 0.
+    # Tied embeddings: a 2-stage pipeline swaps the embedding/head gradients, a V keeps both on rank 0.
     out.append({"tp": 2, "pp": 2, "dp_shard": 2, "model.tied_embeddings": True})
     out.append({"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "model.tied_embeddings": True})
+    # Deeper pipelines: first and last stage on pp ranks 0 and 3 swap gradients point-to-point (plain and looped).
+    out.append({"pp": 4, "dp_shard": 1, "pp_schedule": "1F1B", "model.tied_embeddings": True})
+    out.append({"pp": 4, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "model.tied_embeddings": True,
+                "model.n_layers": 8})
     out.append({"tp": 2, "dp_shard": 2, "train.precision": "bf16"})
     out.append({"tp": 2, "pp": 2, "dp_shard": 2, "train.precision": "fp16"})
     return out
