@@ -47,6 +47,13 @@ class DataConfig:
     """Seed of the mixture order (independent of world size and workers)."""
     wait_timeout_s: float = 1800.0
     """How long non-builder ranks wait for the builder's outputs before failing."""
+    document_mask: bool = False
+    """Attend only within each document of a packed row (block-causal mask from the EOD tokens of the inputs);
+    costs an O(seq_len^2) mask per row and takes SDPA off its flash kernel (docs/DATA.md)."""
+    reset_position_ids: bool = False
+    """Restart rotary positions at 0 after every EOD token (Megatron's reset_position_ids)."""
+    eod_id: int | None = None
+    """Token id that ends each document, for document_mask / reset_position_ids; None: the tokenizer's EOS."""
 
     def validate(self) -> None:
         if self.seq_len < 2:
@@ -72,5 +79,7 @@ class DataConfig:
             raise ConfigError(f"data.vocab_size={self.vocab_size} must be >= 2; e.g. 4096")
         if self.num_samples is not None and self.num_samples < 1:
             raise ConfigError(f"data.num_samples={self.num_samples} must be >= 1 or null")
+        if self.eod_id is not None and self.eod_id < 0:
+            raise ConfigError(f"data.eod_id={self.eod_id} must be a token id >= 0, or null for the tokenizer's EOS")
         if any(c <= 0 for c in self.max_epochs.values()):
             raise ConfigError(f"data.max_epochs={self.max_epochs} must be positive; e.g. {{prose: 4}}")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
+from models.documents import block_causal_mask
 from models.layers import Attention, FeedForward, build_norm, rope_tables
 
 
@@ -55,10 +56,23 @@ class Decoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) -> logits or hidden states.
+
+        Args:
+            x: (B, T) token ids, or (B, T, D) hidden states on a pipeline stage without the embedding.
+            attn_mask: Optional SDPA mask broadcastable to (B, H, T, T); None means plain causal attention.
+            doc_ids: (B, T) document index of every token (models/documents.py): attention stays within a
+                document (a block-causal mask, built once here and shared by every layer).
+            positions: (B, T) rotary position of every token; None means 0..T-1 in every row.
+        """
+        if doc_ids is not None:
+            attn_mask = block_causal_mask(doc_ids)
+        rope = self.rope if positions is None else self.rope[positions]  # (T, E/2, 2) or (B, T, E/2, 2)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
-            h = layer(h, self.rope, attn_mask)
+            h = layer(h, rope, attn_mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

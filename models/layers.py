@@ -43,11 +43,16 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 
 
 def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels (interleaved, as Llama's complex formulation) by position-dependent angles."""
+    """Rotate pairs of channels (interleaved, as Llama's complex formulation) by position-dependent angles.
+
+    `rope_TE2` is the (max_seq_len, E/2, 2) table (positions 0..T-1) or a per-row gather of it, (B, T, E/2, 2),
+    for positions that restart at document boundaries.
+    """
     b, t, h, e = x_BTHE.shape
     xf = x_BTHE.float().reshape(b, t, h, e // 2, 2)
-    cos = rope_TE2[:t, None, :, 0]
-    sin = rope_TE2[:t, None, :, 1]
+    table = rope_TE2[:t] if rope_TE2.dim() == 3 else rope_TE2
+    cos = table[..., None, :, 0]
+    sin = table[..., None, :, 1]
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.reshape(b, t, h, e).type_as(x_BTHE)

@@ -66,6 +66,10 @@ class Config:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 f"raise model.max_seq_len or lower data.seq_len")
+        if self.data.eod_id is not None and self.data.eod_id >= self.model.vocab_size:
+            raise ConfigError(
+                f"data.eod_id={self.data.eod_id} is outside model.vocab_size={self.model.vocab_size}; set data.eod_id "
+                f"to the id that ends each document (null: the tokenizer's EOS)")
         tp = self.parallel.tp
         if tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % tp:
             fits = [n for n in range(self.data.seq_len - tp, self.data.seq_len + tp + 1) if n > 0 and n % tp == 0]

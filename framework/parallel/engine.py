@@ -44,6 +44,7 @@ from framework.train.engine import _DTYPES, autocast, cross_entropy
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import Decoder
+from models.documents import DocumentMasking, model_kwargs
 
 
 def micro_batches(dims: ParallelDims, train_cfg: TrainConfig) -> int:
@@ -66,12 +67,18 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
 
 
 class ParallelEngine:
-    """One rank of a layout described by `dims` on `mesh` (a 5-axis mesh over the layout's ranks)."""
+    """One rank of a layout described by `dims` on `mesh` (a 5-axis mesh over the layout's ranks).
+
+    With `documents`, every rank derives the document ids from its own copy of the replica's full-sequence tokens
+    (before sequence-parallel sharding); pipeline stages receive them as schedule keyword arguments, split into
+    micro-batches like the inputs, so they cost no communication.
+    """
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, pcfg: ParallelConfig, device: torch.device,
-                 dims: ParallelDims, mesh: DeviceMesh) -> None:
+                 dims: ParallelDims, mesh: DeviceMesh, documents: DocumentMasking | None = None) -> None:
         self.model_cfg, self.train_cfg, self.pcfg, self.dims, self.mesh = model_cfg, train_cfg, pcfg, dims, mesh
         self.device = device
+        self.documents = documents
         coord = dict(zip(AXES, mesh.get_coordinate() or ()))
         self.dp_rank = coord["dp_replicate"] * dims.dp_shard + coord["dp_shard"]
         self.dp_size = dims.dp_size
@@ -225,7 +232,7 @@ class ParallelEngine:
             batch = flat.reshape(self.dims.pp, -1, flat.shape[-1])
         with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
             losses = run_schedule(self._schedule(batch.shape[0]), self.stage_ids, self.n_stages, flat[:, :-1],
-                                  flat[:, 1:], train=train)
+                                  flat[:, 1:], train=train, model_kwargs=model_kwargs(self.documents, flat[:, :-1]))
         if not losses:
             return None
         return torch.stack([_scalar(x).detach().float() for x in losses]).mean() / self.scaler.scale
@@ -248,7 +255,7 @@ class ParallelEngine:
                 for part in self.model_parts:
                     set_micro_batch_sync(part, self.pcfg.zero_stage, i == n - 1)
                 with autocast(self.device, self.train_cfg.precision):
-                    logits = self.model_parts[0](mb[:, :-1])
+                    logits = self.model_parts[0](mb[:, :-1], **model_kwargs(self.documents, mb[:, :-1]))
                 with self._loss_ctx():
                     loss = cross_entropy(logits, mb[:, 1:]) / n
                     (loss * self.scaler.scale).backward()
@@ -295,7 +302,7 @@ class ParallelEngine:
         losses = []
         for mb in batch:
             with autocast(self.device, self.train_cfg.precision):
-                logits = self.model_parts[0](mb[:, :-1])
+                logits = self.model_parts[0](mb[:, :-1], **model_kwargs(self.documents, mb[:, :-1]))
             with self._loss_ctx():
                 losses.append(_scalar(cross_entropy(logits, mb[:, 1:])))
         return self._global_mean_loss(torch.stack(losses).mean())
@@ -315,10 +322,11 @@ class ParallelEngine:
         return report
 
 
-def build_parallel_engine(cfg: Any, device: torch.device, mesh: DeviceMesh | None = None) -> ParallelEngine:
+def build_parallel_engine(cfg: Any, device: torch.device, mesh: DeviceMesh | None = None,
+                          documents: DocumentMasking | None = None) -> ParallelEngine:
     """The engine for `cfg` (a framework.config.Config) on the whole world, or on `mesh` when given."""
     world = mesh.size() if mesh is not None else dist.get_world_size()
     dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
     if mesh is None:
         mesh = dims.build_mesh(device.type)
-    return ParallelEngine(cfg.model, cfg.train, cfg.parallel, device, dims, mesh)
+    return ParallelEngine(cfg.model, cfg.train, cfg.parallel, device, dims, mesh, documents)

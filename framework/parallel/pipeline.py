@@ -57,12 +57,20 @@ def build_schedule(parts: Sequence[torch.nn.Module], stage_ids: Sequence[int], n
 
 
 def run_schedule(schedule: _PipelineSchedule, stage_ids: Sequence[int], n_stages: int, inputs: torch.Tensor,
-                 labels: torch.Tensor, *, train: bool = True) -> list[torch.Tensor]:
-    """One step (or forward-only pass) over the whole rank batch; returns the last stage's per-micro losses."""
+                 labels: torch.Tensor, *, train: bool = True, model_kwargs: dict[str, torch.Tensor] | None = None
+                 ) -> list[torch.Tensor]:
+    """One step (or forward-only pass) over the whole rank batch; returns the last stage's per-micro losses.
+
+    `model_kwargs` (whole-batch tensors, e.g. document ids) reach every stage's forward: the schedule splits
+    keyword arguments into micro-batches along dim 0 exactly as it splits the inputs, on every rank, so later
+    stages get them without any send/receive (each rank of a replica holds the replica's batch).
+    """
     first, last = 0 in stage_ids, n_stages - 1 in stage_ids
     losses: list[torch.Tensor] = []
     args: tuple[Any, ...] = (inputs,) if first else ()
-    kwargs: dict[str, Any] = {"target": labels, "losses": losses} if last else {}
+    kwargs: dict[str, Any] = dict(model_kwargs or {})
+    if last:
+        kwargs.update(target=labels, losses=losses)
     if train:
         schedule.step(*args, **kwargs)
     else:

@@ -21,6 +21,7 @@ from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import build_model
+from models.documents import DocumentMasking, model_kwargs
 from models.moe.step import moe_metrics, set_aux_loss_scale, update_routing_bias
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,11 +73,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LocalEngine:
-    """One process, one device: gradient accumulation over micro-batches, AdamW, optional bf16/fp16 autocast."""
+    """One process, one device: gradient accumulation over micro-batches, AdamW, optional bf16/fp16 autocast.
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device) -> None:
+    `documents` (data.document_mask / data.reset_position_ids) keeps attention within each packed document.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device,
+                 documents: DocumentMasking | None = None) -> None:
         self.device = device
         self.train_cfg = train_cfg
+        self.documents = documents
         self.model = build_model(model_cfg, seed=train_cfg.seed, device=device)
         self.model_parts: list[nn.Module] = [self.model]
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(self.model_parts, train_cfg, device)]
@@ -98,7 +104,7 @@ class LocalEngine:
         for mb in batch:
             inputs, labels = mb[:, :-1], mb[:, 1:]
             with autocast(self.device, self.train_cfg.precision):
-                logits = self.model(inputs)
+                logits = self.model(inputs, **model_kwargs(self.documents, inputs))
             loss = cross_entropy(logits, labels) / n_micro
             self.scaler.scale(loss).backward()
             total += loss.detach()
@@ -129,7 +135,7 @@ class LocalEngine:
         losses = []
         for mb in batch:
             with autocast(self.device, self.train_cfg.precision):
-                logits = self.model(mb[:, :-1])
+                logits = self.model(mb[:, :-1], **model_kwargs(self.documents, mb[:, :-1]))
             losses.append(cross_entropy(logits, mb[:, 1:]))
         return float(torch.stack(losses).mean())
 

@@ -23,9 +23,11 @@ import torch.distributed as dist
 from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
 from framework.errors import ConfigError
+from framework.train.documents import resolve_documents
 from framework.train.engine import Engine, LocalEngine, resolve_device
 from framework.train.run_dir import RunDir, get_logger, setup_logging
 from framework.train.schedule import lr_at
+from models.documents import DocumentMasking
 
 log = get_logger("train")
 
@@ -89,19 +91,22 @@ def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def build_engine(cfg: Config, device: torch.device) -> Engine:
-    """The single-process engine for a 1-rank run without parallel settings; the parallel engine otherwise."""
+def build_engine(cfg: Config, device: torch.device, documents: DocumentMasking | None = None) -> Engine:
+    """The single-process engine for a 1-rank run without parallel settings; the parallel engine otherwise.
+
+    `documents`: per-document attention / positions (data.document_mask), resolved against the data's EOD id.
+    """
     _, world = _world()
     p = cfg.parallel
     if world == 1 and p.tp == p.pp == p.ep == p.dp_replicate == 1 and p.dp_shard in (-1, 1):
-        return LocalEngine(cfg.model, cfg.train, device)
+        return LocalEngine(cfg.model, cfg.train, device, documents)
     try:
         from framework.parallel.engine import build_parallel_engine  # type: ignore[import-not-found]
     except ImportError as err:
         raise ConfigError(
             f"parallel layout tp={p.tp} pp={p.pp} dp_shard={p.dp_shard} on world size {world} needs the parallel "
             f"engine (framework/parallel), which failed to import: {err}") from err
-    engine: Engine = build_parallel_engine(cfg, device)
+    engine: Engine = build_parallel_engine(cfg, device, documents=documents)
     return engine
 
 
@@ -118,7 +123,8 @@ class Trainer:
         self.device = resolve_device(cfg.run.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         self.data = self._prepare_data()
-        self.engine = build_engine(cfg, self.device)
+        documents = resolve_documents(cfg.data, self.data.eos_id, cfg.model.vocab_size)  # data.document_mask
+        self.engine = build_engine(cfg, self.device, documents)
         from data_pipeline.loader import BatchLoader
 
         self.loader = BatchLoader(self.data.train, global_batch_size=cfg.train.global_batch_size,

@@ -9,6 +9,8 @@ import torch
 
 from framework.config import Config, load_config
 from framework.parallel.mesh import AXES, ParallelDims
+from framework.train.documents import resolve_documents
+from models.documents import DocumentMasking
 
 TINY = "configs/smoke/tiny.yaml"
 STEPS = 5
@@ -18,11 +20,25 @@ def make_config(overrides: tuple[str, ...] = ()) -> Config:
     return load_config(TINY, ["train.grad_clip=0.5", "train.warmup_steps=1", "train.lr=3.0e-3", *overrides])
 
 
+def documents(cfg: Config) -> DocumentMasking | None:
+    """data.document_mask / reset_position_ids resolved against the synthetic data's EOS, as the trainer does."""
+    from data_pipeline.prepare import prepare_data
+
+    return resolve_documents(cfg.data, prepare_data(cfg.data).eos_id, cfg.model.vocab_size)
+
+
 def batches(cfg: Config, steps: int = STEPS) -> torch.Tensor:
-    """(steps, global_batch, seq_len + 1) random token ids, the same for every layout."""
+    """(steps, global_batch, seq_len + 1) random token ids, the same for every layout.
+
+    With document masking about one token in eight is the EOD (documents of ~8 tokens, some of length 1).
+    """
     gen = torch.Generator().manual_seed(7)
-    return torch.randint(0, cfg.model.vocab_size, (steps, cfg.train.global_batch_size, cfg.data.seq_len + 1),
-                         generator=gen)
+    shape = (steps, cfg.train.global_batch_size, cfg.data.seq_len + 1)
+    out = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
+    docs = documents(cfg)
+    if docs is not None:
+        out[torch.rand(shape, generator=torch.Generator().manual_seed(8)) < 0.125] = docs.eod_id
+    return out
 
 
 def rank_batch(step_batch: torch.Tensor, dp_rank: int, dp_size: int, micro: int) -> torch.Tensor:
@@ -52,7 +68,7 @@ def reference(overrides: tuple[str, ...] = ()) -> list[tuple[float, float]]:
 
     torch.manual_seed(0)
     cfg = make_config(overrides)
-    return train_engine(LocalEngine(cfg.model, cfg.train, torch.device("cpu")), cfg)
+    return train_engine(LocalEngine(cfg.model, cfg.train, torch.device("cpu"), documents(cfg)), cfg)
 
 
 def layout_overrides(layout: dict[str, Any]) -> tuple[str, ...]:
@@ -128,5 +144,5 @@ def run_round(rank: int, world: int, layouts: list[dict[str, Any]], extra: tuple
     if mine is None:
         return {}
     i, cfg, dims = mine
-    engine = ParallelEngine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"), dims, meshes[i])
+    engine = ParallelEngine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"), dims, meshes[i], documents(cfg))
     return {i: train_engine(engine, cfg)}

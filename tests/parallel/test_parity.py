@@ -34,6 +34,8 @@ def _matrix() -> list[dict[str, Any]]:
                     out.append(rep)
     out.append({"dp_shard": 2, "zero_stage": 3, "cpu_offload": True})
     out.append({"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1, "zero_stage": 0})
+    # data.document_mask: the mask from full-sequence tokens under TP + SP (fills this spawn's last round).
+    out.append({"tp": 2, "dp_shard": 1, "zero_stage": 0, "data.document_mask": True})
     return out
 
 
@@ -53,6 +55,14 @@ def _extras() -> list[dict[str, Any]]:
                 "model.n_layers": 8})
     out.append({"tp": 2, "dp_shard": 2, "train.precision": "bf16"})
     out.append({"tp": 2, "pp": 2, "dp_shard": 2, "train.precision": "fp16"})
+    # data.document_mask: document ids reach every pipeline stage as schedule kwargs (single-stage, interleaved
+    # and V schedules), FSDP forwards them, positions restart per document; one extra 8-rank round.
+    mask = {"data.document_mask": True}
+    out.append({"pp": 2, "dp_shard": 2, "zero_stage": 1, "pp_schedule": "1F1B", **mask})
+    out.append({"tp": 2, "pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", **mask,
+                "data.reset_position_ids": True})
+    out.append({"dp_shard": 2, "zero_stage": 3, **mask})
+    out.append({"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", **mask})
     return out
 
 
