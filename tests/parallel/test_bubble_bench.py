@@ -4,6 +4,9 @@ simulated with known costs must reproduce the closed-form bubbles where those ar
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
@@ -21,6 +24,7 @@ from framework.parallel.schedule_sim import (
     validate_table,
 )
 from framework.plan.bubble import bubble_fraction
+from framework.testing import run_distributed
 
 F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
 
@@ -99,3 +103,22 @@ def test_bad_tables_and_refused_layouts_raise() -> None:
         action_table("DualPipeV", 4, 4)  # needs m >= 2p
     with pytest.raises(ParallelismError, match="unknown"):
         action_table("Chimera", 2, 4)
+
+
+def test_bench_runs_the_real_schedules_with_the_intended_costs() -> None:
+    # One tiny spawn: the bench's premise is that every table action triggers exactly its intended sleeps
+    # (ZB's I only the input path, W only the weight path, stage 0's W both) in the table's order.
+    path = Path(__file__).resolve().parents[2] / "bench" / "pipeline_bubble.py"
+    spec = importlib.util.spec_from_file_location("pipeline_bubble_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(bench)
+    cases, refused = bench.plan_cases(["1F1B", "ZBVZeroBubble"], [2], [4], 2)
+    assert [c.schedule for c in cases] == ["1F1B", "ZBVZeroBubble"] and refused == []
+    results = run_distributed(bench._rank_main, 2, backend="gloo", timeout_s=120, cases=cases, unit_s=0.003,
+                              steps=1)
+    rows = bench.summarize(cases, results, 3.0)
+    for row in rows:
+        assert row["order_ok"], row
+        assert 0.0 <= row["measured"] < 1.0 and row["table"] == pytest.approx(row["formula"])
