@@ -103,7 +103,14 @@ def pack_rounds(layouts: list[dict[str, Any]], world: int = 8) -> list[list[dict
 
 
 def run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
-    return [run_round(rank, world, r) for r in rounds]
+    import torch.distributed as dist
+
+    out = [run_round(rank, world, r) for r in rounds]
+    # Rank 0 hosts the TCPStore that gloo groups rendezvous through: a rank that finished early (e.g. rank 0 on a
+    # fast layout) must not exit while another still creates its meshes ("Broken pipe" on the store, seen under
+    # load with a 1-rank layout at the end of the last round).
+    dist.barrier()
+    return out
 
 
 def compare(rounds: list[list[dict[str, Any]]], results: list[list[dict[int, Any]]], atol: float = 1e-5
