@@ -37,6 +37,7 @@ class PreparedData:
     """Per-source held-out samples."""
     vocab_size: int
     eos_id: int
+    """The end-of-document token; -1 when the build's tokenizer names none (data.document_mask then refuses)."""
     tokenizer_path: str | None
     fingerprint: str
     """Identifies data + mixture; checkpoints compare it to refuse resuming on different data."""
@@ -103,7 +104,7 @@ def load_build(build_dir: str | Path, cfg: DataConfig, global_batch_size: int | 
         "data": manifest["fingerprint"], "seq_len": cfg.seq_len, "seed": cfg.seed, "phases": phases,
         "val_fraction": cfg.val_fraction, "length": length}, sort_keys=True).encode()).hexdigest()
     return PreparedData(train=mixture, val={k: v for k, v in val.items() if len(v)},
-                        vocab_size=int(tok["vocab_size"]), eos_id=int(tok["eos_id"]),
+                        vocab_size=int(tok["vocab_size"]), eos_id=int(tok.get("eos_id", -1)),
                         tokenizer_path=str(build_dir / Path(tok["path"]).name), fingerprint=fingerprint,
                         build_dir=str(build_dir))
 

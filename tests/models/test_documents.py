@@ -121,6 +121,31 @@ def test_resolve_documents_and_bad_configs() -> None:
         load_config(TINY, ["data.eod_id=-3"])
 
 
+def test_trainer_refuses_document_mask_on_a_build_without_eos(tmp_path: Path) -> None:
+    """A build whose tokenizer names no EOS: the trainer stops with a DataError that names the fixes."""
+    import json
+
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedWriter
+    from framework.train.trainer import Trainer
+
+    build = tmp_path / "build"
+    build.mkdir()
+    writer = IndexedWriter(build / "web", 512)
+    for i in range(20):
+        writer.add(np.arange(i, i + 40) % 500)
+    writer.finalize()
+    np.save(build / "web.hash.npy", np.full(20, np.iinfo(np.uint64).max, dtype=np.uint64))  # none held out
+    (build / "manifest.json").write_text(json.dumps({
+        "sources": {"web": {}}, "fingerprint": "hand-made", "tokenizer": {"vocab_size": 512, "path": "tok.model"}}))
+    overrides = [f"run.dir={tmp_path / 'run'}", "data.kind=build", f"data.build_dir={build}", "data.weights={web: 1.0}",
+                 "data.document_mask=true"]
+    with pytest.raises(DataError, match=r"eos_id=-1\) and data.eod_id is null; set data.eod_id"):
+        Trainer(load_config(TINY, overrides))
+    assert Trainer(load_config(TINY, [*overrides, "data.eod_id=3"])).engine.documents == DocumentMasking(eod_id=3)
+
+
 def test_trainer_runs_with_document_mask(tmp_path: Path) -> None:
     """The trainer resolves the synthetic data's EOS (vocab_size - 1) and trains with the mask."""
     from framework.train.trainer import Trainer
