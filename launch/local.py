@@ -29,7 +29,7 @@ def validate(config: str, overrides: Sequence[str], nproc: int) -> None:
     from framework.parallel.mesh import ParallelDims
 
     cfg = load_config(config, overrides)
-    micro_batches(ParallelDims.from_config(cfg.parallel, nproc, cfg.model), cfg.train)
+    micro_batches(ParallelDims.from_config(cfg.parallel, nproc, cfg.model), cfg.train, cfg.parallel.pp_schedule)
 
 
 def build_command(nproc: int, args: Sequence[str], python: str = sys.executable) -> list[str]:

@@ -92,3 +92,29 @@ class ParallelConfig:
                 f"set parallel.pp_virtual_stages=2 or 0")
         if self.fsdp_prefetch < 0:
             raise ConfigError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 0 (0: FSDP2 default)")
+
+
+def min_micro_batches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches `schedule` runs on `pp` ranks (DualPipeV needs one per stage: 2 x pp)."""
+    return 2 * pp if schedule == "DualPipeV" else pp
+
+
+def _whole_rounds(pp: int, n_micro: int) -> bool:
+    return n_micro % max(1, n_micro // pp) == 0
+
+
+def schedule_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> str:
+    """Why `schedule` cannot run `n_micro` micro-batches on `pp` ranks ("" when it can).
+
+    The same conditions torch's schedule constructors check, so a layout fails before launch, not in N ranks.
+    """
+    need = min_micro_batches(schedule, pp)
+    if n_micro < need:
+        what = "2 x parallel.pp (one per stage of the V)" if schedule == "DualPipeV" else "parallel.pp"
+        return f"{schedule} needs at least {what} = {need} (fewer would idle stages)"
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and not _whole_rounds(pp, n_micro):
+        lower = next(n for n in range(n_micro - 1, 0, -1) if _whole_rounds(pp, n))
+        upper = next(n for n in range(n_micro + 1, 4 * n_micro) if _whole_rounds(pp, n))
+        return (f"{schedule} runs max(1, m // pp) = {n_micro // pp} rounds and needs m to be a multiple of them; "
+                f"the nearest that fit are {lower} and {upper}")
+    return ""

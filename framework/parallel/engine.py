@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
-from framework.parallel.config import V_SCHEDULES, ParallelConfig
+from framework.parallel.config import V_SCHEDULES, ParallelConfig, min_micro_batches, schedule_micro_batch_problem
 from framework.parallel.expert import MoEParallel
 from framework.parallel.memory import model_state_report, unsharded_bytes
 from framework.parallel.mesh import AXES, ParallelDims
@@ -47,18 +47,20 @@ from models.decoder import Decoder
 from models.documents import DocumentMasking, model_kwargs
 
 
-def micro_batches(dims: ParallelDims, train_cfg: TrainConfig) -> int:
+def micro_batches(dims: ParallelDims, train_cfg: TrainConfig, schedule: str = "1F1B") -> int:
     """Micro-batches per step on one data rank (= pipeline micro-batches); ParallelismError when they do not fit."""
     if train_cfg.global_batch_size % (train_cfg.micro_batch_size * dims.dp_size):
         raise ParallelismError(
             f"train.global_batch_size={train_cfg.global_batch_size} must be a multiple of micro_batch_size x "
             f"data-parallel size = {train_cfg.micro_batch_size} x {dims.dp_size}; change one of them")
     n_micro = train_cfg.global_batch_size // (train_cfg.micro_batch_size * dims.dp_size)
-    if dims.pp > 1 and n_micro < dims.pp:
-        raise ParallelismError(
-            f"pipeline micro-batches = global_batch_size / (micro_batch_size x dp) = {n_micro} < "
-            f"parallel.pp={dims.pp}: the pipeline would idle; raise train.global_batch_size or lower "
-            f"train.micro_batch_size")
+    if dims.pp > 1:
+        problem = schedule_micro_batch_problem(schedule, dims.pp, n_micro)
+        if problem:
+            raise ParallelismError(
+                f"pipeline micro-batches = global_batch_size / (micro_batch_size x dp) = "
+                f"{train_cfg.global_batch_size} / ({train_cfg.micro_batch_size} x {dims.dp_size}) = {n_micro}, but "
+                f"{problem}; change train.global_batch_size or train.micro_batch_size")
     return n_micro
 
 
@@ -83,7 +85,7 @@ class ParallelEngine:
         self.dp_rank = coord["dp_replicate"] * dims.dp_shard + coord["dp_shard"]
         self.dp_size = dims.dp_size
         self.pp_rank = coord["pp"]
-        self.n_micro = micro_batches(dims, train_cfg)
+        self.n_micro = micro_batches(dims, train_cfg, pcfg.pp_schedule)
         self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
         self.scaler = LossScaler(train_cfg.precision == "fp16")
         self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
@@ -226,10 +228,11 @@ class ParallelEngine:
 
     def _pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor | None:
         flat = batch.reshape(-1, batch.shape[-1])
-        if batch.shape[0] < self.dims.pp and flat.shape[0] % self.dims.pp == 0:
+        need = min_micro_batches(self.pcfg.pp_schedule, self.dims.pp)
+        if batch.shape[0] < need and flat.shape[0] % need == 0:
             # Evaluation hands over one micro-batch: split its rows so every stage gets work (equal-length
             # sequences, so the mean of the chunk means is the batch mean).
-            batch = flat.reshape(self.dims.pp, -1, flat.shape[-1])
+            batch = flat.reshape(need, -1, flat.shape[-1])
         with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
             losses = run_schedule(self._schedule(batch.shape[0]), self.stage_ids, self.n_stages, flat[:, :-1],
                                   flat[:, 1:], train=train, model_kwargs=model_kwargs(self.documents, flat[:, :-1]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from framework.parallel.config import schedule_micro_batch_problem
 from framework.plan.activations import AttnKernel, Recompute
 from framework.plan.hardware import Hardware
 from models.config import ModelConfig
@@ -123,10 +124,8 @@ def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
         return (f"global batch {work.global_batch} is not a multiple of dp x micro-batch = "
                 f"{lay.dp} x {lay.micro_batch}")
     m = lay.n_micro(work.global_batch)
-    if p > 1 and m < p:
-        return f"{m} micro-batches < pp={p}: the pipeline never fills"
-    if lay.schedule in MULTI_CHUNK and p > 1 and m % p:
-        return f"{lay.schedule} needs micro-batches ({m}) to be a multiple of pp={p}"
+    if p > 1:
+        return schedule_micro_batch_problem(lay.schedule, p, m) or None  # the engine's own pre-launch check
     return None
 
 

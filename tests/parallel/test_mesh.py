@@ -102,6 +102,23 @@ def test_sequence_parallel_needs_seq_len_divisible_by_tp() -> None:
     assert no_sp.data.seq_len == 33
 
 
+def test_micro_batches_fit_the_schedule_before_launch() -> None:
+    from framework.parallel.engine import micro_batches
+    from framework.train.config import TrainConfig
+
+    dims = ParallelDims(pp=4, dp_replicate=1, dp_shard=1, cp=1, tp=1)
+    train = TrainConfig(global_batch_size=9, micro_batch_size=1)
+    with pytest.raises(ParallelismError, match=r"9 / \(1 x 1\) = 9.*nearest that fit are 8 and 10"):
+        micro_batches(dims, train, "Interleaved1F1B")
+    assert micro_batches(dims, train, "1F1B") == 9
+    six = TrainConfig(global_batch_size=6, micro_batch_size=1)
+    assert micro_batches(dims, six, "Interleaved1F1B") == 6  # one round of 6: torch accepts it
+    with pytest.raises(ParallelismError, match=r"DualPipeV needs at least 2 x parallel.pp .* = 8"):
+        micro_batches(dims, six, "DualPipeV")
+    with pytest.raises(ParallelismError, match=r"1F1B needs at least parallel.pp = 4"):
+        micro_batches(dims, TrainConfig(global_batch_size=3, micro_batch_size=1), "1F1B")
+
+
 def test_stage_split_and_placement() -> None:
     assert stage_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert stage_layers(5, 2, [1, 4]) == [[0], [1, 2, 3, 4]]

@@ -117,7 +117,9 @@ def test_layout_problems_and_hardware_overrides() -> None:
     big_node = get_hardware("h200", {"gpus_per_node": "16"})
     assert "does not divide model.n_kv_heads" in str(layout_problem(work, Layout(tp=16), big_node))
     assert "n_layers=32" in str(layout_problem(work, Layout(pp=3), hw))
-    assert "pipeline never fills" in str(layout_problem(work, Layout(pp=4, dp=32, micro_batch=1), hw))
+    assert "1F1B needs at least parallel.pp = 4" in str(layout_problem(work, Layout(pp=4, dp=32, micro_batch=1), hw))
+    dualpipe = Layout(pp=4, dp=16, micro_batch=1, schedule="DualPipeV", virtual=2)  # m = 4 < 2 x pp
+    assert "DualPipeV needs at least 2 x parallel.pp" in str(layout_problem(work, dualpipe, hw))
     assert "virtual=2" in str(layout_problem(work, Layout(pp=2, schedule="ZBVZeroBubble"), hw))
     assert layout_problem(work, Layout(tp=4, pp=2, dp=2, micro_batch=2), hw) is None
     with pytest.raises(ConfigError, match="not in the hardware table"):
