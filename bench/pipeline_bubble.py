@@ -20,6 +20,7 @@ action table simulated with the same costs (`framework.parallel.schedule_sim`). 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -73,12 +74,19 @@ class Costs:
         self.log.append((kind, stage, mb, t0, time.perf_counter()))
 
 
+def micro_batch_index(x: torch.Tensor) -> int:
+    """The micro-batch index column 0 carries; -1 for the uninitialized tensor torch's shape inference feeds a
+    later stage on the first step (it may hold NaN), which the bench discards as warm-up anyway."""
+    value = float(x[0, 0].item())
+    return int(value) if math.isfinite(value) else -1
+
+
 class _InputPath(torch.autograd.Function):
     """Identity that costs `f` forward and `i` backward: the activation-gradient work of a stage."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, stage: int, costs: Costs) -> torch.Tensor:  # type: ignore[override]
-        ctx.stage, ctx.costs, ctx.mb = stage, costs, int(x[0, 0].item())
+        ctx.stage, ctx.costs, ctx.mb = stage, costs, micro_batch_index(x)
         costs.sleep("F", stage, ctx.mb, costs.f)
         return x.clone()
 
@@ -118,7 +126,7 @@ class TimedStage(torch.nn.Module):
         if not x.requires_grad:  # stage 0: a real first stage still back-propagates through its own layers
             x = x.detach().requires_grad_(True)
         h = _InputPath.apply(x, self.stage, self.costs)
-        return h + _WeightPath.apply(self.weight, x.shape[0], int(x[0, 0].item()), self.stage, self.costs)
+        return h + _WeightPath.apply(self.weight, x.shape[0], micro_batch_index(x), self.stage, self.costs)
 
 
 @dataclass(frozen=True)
