@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,14 +32,18 @@ class SmokeSummary:
     ranks: int
 
 
+def _val_losses(record: Mapping[str, Any]) -> dict[str, float]:
+    """The validation losses of an eval record (its perplexities, step and type stay in the metrics)."""
+    return {k: float(v) for k, v in record.items() if k.startswith("val_loss/")}
+
+
 def _single_process(config: str, overrides: Sequence[str]) -> SmokeSummary:
     cfg = load_config(config, overrides)
     half = max(1, cfg.train.steps // 2)
     first = Trainer(cfg).train(stop_at=half)
     second = Trainer(cfg).train()
-    val_loss = {k: v for k, v in second.eval.items() if k.startswith("val_loss/")}  # perplexities stay in metrics
     return SmokeSummary(str(second.run_dir), first.final_step, second.final_step, first.first_loss, second.last_loss,
-                        second.mean_step_time_s, second.tokens_per_s, val_loss, 1)
+                        second.mean_step_time_s, second.tokens_per_s, _val_losses(second.eval), 1)
 
 
 def _launched(config: str, overrides: Sequence[str], nproc: int) -> SmokeSummary:
@@ -60,7 +65,7 @@ def _launched(config: str, overrides: Sequence[str], nproc: int) -> SmokeSummary
     resumed = [r["step_time_s"] for r in train if r["step"] > half + 1]  # the first step pays one-off costs
     step_time = float(np.mean(resumed)) if resumed else float("nan")
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    last_eval = {k: float(v) for k, v in (evals[-1] if evals else {}).items() if k.startswith("val_loss/")}
+    last_eval = _val_losses(evals[-1] if evals else {})
     return SmokeSummary(str(run.path), half, int(train[-1]["step"]), float(train[0]["loss"]),
                         float(train[-1]["loss"]), step_time, tokens / step_time, last_eval, nproc)
 
