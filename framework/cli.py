@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = [
     "data_pipeline.cli",
     "framework.parallel.cli",
     "framework.checkpoint.cli",
+    "framework.infer.cli",
     "framework.observe.cli",
     "framework.plan.cli",
     "launch.cli",

@@ -15,6 +15,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.documents import block_causal_mask
+from models.kv_cache import KVCache, LayerKVCache
 from models.layers import Attention, FeedForward, build_norm, rope_tables
 
 
@@ -35,9 +36,9 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope, attn_mask)
+    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope, attn_mask, kv_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -57,7 +58,7 @@ class Decoder(nn.Module):
         self.register_buffer("rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) -> logits or hidden states.
 
         Args:
@@ -66,13 +67,18 @@ class Decoder(nn.Module):
             doc_ids: (B, T) document index of every token (models/documents.py): attention stays within a
                 document (a block-causal mask, built once here and shared by every layer).
             positions: (B, T) rotary position of every token; None means 0..T-1 in every row.
+            kv_cache: Generation only (framework/infer): the layers' cached keys/values of earlier positions;
+                pass `positions` and an explicit (B, 1, T, S) `attn_mask` over all S cached + new positions.
         """
         if doc_ids is not None:
             attn_mask = block_causal_mask(doc_ids)
         rope = self.rope if positions is None else self.rope[positions]  # (T, E/2, 2) or (B, T, E/2, 2)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            h = layer(h, rope, attn_mask)
+        for key, layer in self.layers.items():
+            if kv_cache is None:
+                h = layer(h, rope, attn_mask)
+            else:
+                h = layer(h, rope, attn_mask, kv_cache.layers[key])
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

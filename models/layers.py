@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.kv_cache import LayerKVCache
 
 
 class RMSNorm(nn.Module):
@@ -71,14 +72,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=bias)
 
-    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+        """`kv_cache` (generation): keys/values of earlier positions are prepended and this call's appended;
+        the caller then passes the (B, 1, T, S) mask, since `is_causal` would align queries to key 0."""
         b, t, _ = x_BTD.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
         q = self.wq(x_BTD).view(b, t, -1, self.head_dim)
         k = self.wk(x_BTD).view(b, t, -1, self.head_dim)
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E)
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
