@@ -84,6 +84,7 @@ def run_smoke(config: str, overrides: Sequence[str], nproc: int | None = None) -
     s = _single_process(config, overrides) if nproc == 1 else _launched(config, overrides, nproc)
     elapsed = time.perf_counter() - t0
     _print_summary(s, elapsed)
+    _print_downstream(s.run_dir)
     ok = s.last_loss <= 0.6 * s.first_loss
     print(f"smoke {'PASSED' if ok else 'FAILED'}: final loss {s.last_loss:.4f} is "
           f"{100 * s.last_loss / s.first_loss:.1f}% of the first ({s.first_loss:.4f}); goal <= 60%")
@@ -100,3 +101,20 @@ def _print_summary(s: SmokeSummary, elapsed: float) -> None:
     if s.eval:
         print("validation loss   : " + ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in s.eval.items()))
     print(f"wall time         : {elapsed:.1f} s (data preparation included)")
+
+
+def _print_downstream(run_dir: str) -> None:
+    """Each downstream task's accuracy at the first and the last eval, and the gain in standard errors."""
+    from pathlib import Path
+
+    from framework.train.run_dir import RunDir
+
+    evals = [r for r in RunDir(Path(run_dir)).read_metrics("eval") if any(k.startswith("downstream/") for k in r)]
+    if not evals:
+        return
+    first, last = evals[0], evals[-1]
+    for key in sorted(k for k in last if k.startswith("downstream/") and k.endswith("/acc")):
+        se = float(np.hypot(first[key + "_stderr"], last[key + "_stderr"])) or float("nan")
+        print(f"downstream        : {key.split('/')[1]} acc {first[key]:.4f} (step {first['step']}) -> "
+              f"{last[key]:.4f} (step {last['step']}): {(last[key] - first[key]) / se:+.1f} standard errors of the "
+              f"difference ({int(last[key.rsplit('/', 1)[0] + '/n'])} items)")

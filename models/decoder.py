@@ -38,7 +38,10 @@ class Block(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 kv_cache: LayerKVCache | None = None) -> torch.Tensor:
-        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope, attn_mask, kv_cache)
+        if kv_cache is None:  # the training call stays (x, rope, mask): TP's PrepareModuleInput counts inputs
+            h = x_BTD + self.attention(self.attention_norm(x_BTD), rope, attn_mask)
+        else:
+            h = x_BTD + self.attention(self.attention_norm(x_BTD), rope, attn_mask, kv_cache=kv_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

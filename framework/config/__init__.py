@@ -26,6 +26,7 @@ from framework.config.core import (
     validate_tree,
 )
 from framework.errors import ConfigError, ParallelismError
+from framework.infer.config import EvalConfig
 from framework.observe.config import ObserveConfig
 from framework.parallel.config import ParallelConfig
 from framework.train.config import TrainConfig
@@ -60,6 +61,8 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Downstream tasks scored in the loop (framework/infer)."""
 
     def validate(self) -> None:
         if self.data.seq_len > self.model.max_seq_len:

@@ -137,6 +137,10 @@ class Trainer:
         self.step = 0
         self.ft = FaultTolerance(cfg.checkpoint, self.run_dir.path, self.device)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        from framework.infer.downstream import DownstreamEval
+
+        self.downstream = DownstreamEval(cfg.eval, self.data, cfg.data.seq_len, cfg.data.val_fraction,
+                                         cfg.model.vocab_size, self.run_dir.path, self.rank)
 
     # --- setup ---------------------------------------------------------------------------------------------
     def _prepare_data(self) -> Any:
@@ -242,6 +246,7 @@ class Trainer:
         if out:
             out["val_loss/mean"] = float(np.mean(list(out.values())))
         out.update(self.observer.eval_metrics(out))
+        out.update(self.downstream.evaluate(self.engine, self.cfg.model, self.step))  # cfg.eval tasks
         return out
 
     def log_record(self, record: dict[str, Any]) -> None:
@@ -301,6 +306,8 @@ class Trainer:
         log.info("training %s from step %d to %d on %d rank(s), %s", self.cfg.run.name, self.step,
                  self.cfg.train.steps, self.world, self.device)
         end = min(self.cfg.train.steps, stop_at) if stop_at is not None else self.cfg.train.steps
+        if self.step == 0 and self.cfg.eval.at_start and self.downstream.tasks:  # the untrained baseline
+            self.log_record({"type": "eval", "step": 0, **self.downstream.evaluate(self.engine, self.cfg.model, 0)})
         with self.ft.running():
             while self.step < end:
                 record = self.train_step()
