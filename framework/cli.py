@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES = [
     "framework.checkpoint.cli",
     "framework.infer.cli",
     "framework.observe.cli",
+    "framework.observe.doctor",
     "framework.plan.cli",
     "launch.cli",
 ]

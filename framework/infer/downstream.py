@@ -10,6 +10,7 @@ should be scored offline from its checkpoint instead.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,16 @@ def one_process_model(parts: list[nn.Module], model_cfg: ModelConfig, device: to
     if len(parts) == 1 and pp_group is None and not any(isinstance(p, DTensor) for p in parts[0].parameters()):
         return parts[0]
     state: dict[str, torch.Tensor] = {}
-    for part in parts:
-        full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
-        state.update({canonical_fqn(k): v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)})
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")  # warns per 2-D-sharded tensor gathered
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        for part in parts:
+            full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+            state.update({canonical_fqn(k): v.detach().cpu() for k, v in full.items()
+                          if isinstance(v, torch.Tensor)})
+    finally:
+        quiet.setLevel(level)
     if pp_group is not None:
         stages: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(stages, state, group=pp_group)
