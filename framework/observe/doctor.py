@@ -185,7 +185,7 @@ def check_loss(records: list[dict[str, Any]]) -> list[Finding]:
                            [f"step {r['step']}: loss {r.get('loss')}, grad_norm {r.get('grad_norm')}"
                             for r in nonfinite[:8]],
                            "lower train.lr or raise warmup, keep train.grad_clip on, use bf16 rather than fp16, and "
-                           "look for a bad sample in the skipped window (tessera data sample)"))
+                           "look for a bad sample in the skipped window"))
     if spikes:
         out.append(Finding("warning", "loss", f"{len(spikes)} loss spike(s) skipped by the guard",
                            [f"step {r['step']}: loss {_num(r['loss']):.4g} (z-score {_num(r.get('guard_zscore')):.1f})"
@@ -196,7 +196,7 @@ def check_loss(records: list[dict[str, Any]]) -> list[Finding]:
         out.append(Finding("warning", "loss", f"the guard rolled back {len(rollbacks)} time(s)",
                            [f"at step {r.get('from_step')}: back to {r.get('checkpoint')}, skipped samples "
                             f"{r.get('skipped_samples')}" for r in rollbacks],
-                           "the skipped samples are the suspects: look at them (tessera data sample); lower train.lr"))
+                           "the skipped samples are the suspects: decode and read them; lower train.lr"))
     steps = [r for r in _train(records) if math.isfinite(_num(r.get("loss"))) and not r.get("skipped")]
     if len(steps) >= PLATEAU_STEPS:
         k = max(5, len(steps) // 10)
