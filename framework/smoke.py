@@ -113,8 +113,11 @@ def _print_downstream(run_dir: str) -> None:
     if not evals:
         return
     first, last = evals[0], evals[-1]
-    for key in sorted(k for k in last if k.startswith("downstream/") and k.endswith("/acc")):
+    for key in sorted(k for k in last if k.startswith("downstream/") and k.split("/")[-1].startswith("acc")
+                      and not k.endswith("_stderr")):
         se = float(np.hypot(first[key + "_stderr"], last[key + "_stderr"])) or float("nan")
-        print(f"downstream        : {key.split('/')[1]} acc {first[key]:.4f} (step {first['step']}) -> "
-              f"{last[key]:.4f} (step {last['step']}): {(last[key] - first[key]) / se:+.1f} standard errors of the "
-              f"difference ({int(last[key.rsplit('/', 1)[0] + '/n'])} items)")
+        task, metric = key.split("/")[1:3]
+        n = int(last[f"downstream/{task}/n"])
+        print(f"downstream        : {task} {metric} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} "
+              f"(step {last['step']}): {(last[key] - first[key]) / se:+.1f} standard errors of the difference "
+              f"({n} items)")

@@ -17,6 +17,10 @@ class EvalConfig:
     """Score the step-0 model too (the baseline the trained model should beat)."""
     batch_size: int = 32
     """Sequences (one per choice) per scoring forward."""
+    mutual_info: bool = False
+    """Also score each choice after the EOS token alone and report acc_mutual_info (context's gain in
+    log-likelihood; twice the scoring cost). Small models' summed scores mostly reflect how likely a line is on
+    its own; this one measures what the context adds."""
     max_items: int = 0
     """Score at most this many items of each file task (0: all)."""
     stdlib_items: int = 400

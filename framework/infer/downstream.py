@@ -66,6 +66,7 @@ class DownstreamEval:
     def __init__(self, cfg: EvalConfig, data: Any, seq_len: int, val_fraction: float, vocab_size: int,
                  run_dir: Path, rank: int) -> None:
         self.cfg, self.seq_len = cfg, seq_len
+        self.unconditional = [int(data.eos_id)] if cfg.mutual_info and data.eos_id >= 0 else None
         encode = None
         if data.tokenizer_path:
             import sentencepiece as spm
@@ -106,10 +107,10 @@ class DownstreamEval:
         try:
             for task in self.tasks:
                 mine = list(range(rank, len(task.items), world))
-                rows = torch.zeros(len(task.items), 3, dtype=torch.float64)
+                rows = torch.zeros(len(task.items), 4, dtype=torch.float64)
                 if mine:
                     rows[mine] = score_items(model, [task.items[i] for i in mine], self.seq_len,
-                                             self.cfg.batch_size, engine.device)
+                                             self.cfg.batch_size, engine.device, self.unconditional)
                 if world > 1:
                     rows = rows.to(engine.device)
                     dist.all_reduce(rows)
@@ -120,7 +121,8 @@ class DownstreamEval:
         out["downstream/time_s"] = time.perf_counter() - t0
         for task in self.tasks:
             key = f"downstream/{task.name}/acc"
-            norm = out.get(f"downstream/{task.name}/acc_norm")
+            extra = "".join(f", {k} {out[f'downstream/{task.name}/{k}']:.4f}" for k in ("acc_norm", "acc_mutual_info")
+                            if f"downstream/{task.name}/{k}" in out)
             log.info("downstream step %d: %s acc %.4f ± %.4f%s (%d items)", step, task.name, out[key],
-                     out[key + "_stderr"], f", acc_norm {norm:.4f}" if norm is not None else "", len(task.items))
+                     out[key + "_stderr"], extra, len(task.items))
         return out

@@ -26,7 +26,7 @@ def _candidates(lines: list[str], min_chars: int) -> list[int]:
 
 def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: int = 400, seed: int = 0,
                         sources: list[str] | None = None, context_lines: int = 6, min_chars: int = 12,
-                        n_choices: int = 4) -> list[dict[str, Any]]:
+                        n_choices: int = 4, distractors: str = "same_file") -> list[dict[str, Any]]:
     """Task items (the JSONL objects of framework/infer/tasks.py) from the held-out documents of `sources`."""
     import sentencepiece as spm
 
@@ -53,11 +53,13 @@ def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: 
     for d, j in targets:
         lines, cand = docs[d]
         real = lines[j]
-        others = list(dict.fromkeys(lines[k] for k in cand if lines[k].strip() != real.strip()))
+        others = [] if distractors == "other_files" else list(
+            dict.fromkeys(lines[k] for k in cand if lines[k].strip() != real.strip()))
         rng.shuffle(others)
         while len(others) < n_choices - 1:
             pick = rng.choice(pool)
-            if pick.strip() != real.strip() and pick not in others:
+            fresh = distractors == "same_file" or pick not in lines
+            if pick.strip() != real.strip() and pick not in others and fresh:
                 others.append(pick)
         choices = [real, *others[:n_choices - 1]]
         rng.shuffle(choices)

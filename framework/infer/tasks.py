@@ -9,11 +9,13 @@ A task is a JSONL file, one item per line (the task's name is the file's stem):
 
 Each choice (or the continuation) is scored by the summed log-probability of its tokens given the context.
 Multiple choice: `acc` picks the choice with the highest sum, `acc_norm` the highest sum per byte of the
-choice's text (per token for pre-tokenized items), as lm-eval's acc_norm. Cloze: `acc` counts items whose
-every continuation token is the model's argmax (lm-eval's `is_greedy`). Both report the standard error of the
-mean, sqrt(p (1 - p) / (n - 1)), and the mean log-likelihood per item. Text is encoded as context + choice in
-one piece and split after the context's tokens (lm-eval's `_encode_pair`: a choice's leading space belongs to
-the choice); contexts are cut from the left to fit the sequence length.
+choice's text (per token for pre-tokenized items), as lm-eval's acc_norm; with an unconditional prefix (the EOS
+token: eval.mutual_info) `acc_mutual_info` picks the highest log p(choice | context) - log p(choice | EOS), as
+lm-eval's acc_mutual_info. Cloze: `acc` counts items whose every continuation token is the model's argmax
+(lm-eval's `is_greedy`). All report the standard error of the mean, sqrt(p (1 - p) / (n - 1)), and the mean
+log-likelihood of the answer per item. Text is encoded as context + choice in one piece and split after the
+context's tokens (lm-eval's `_encode_pair`: a choice's leading space belongs to the choice); contexts are cut
+from the left to fit the sequence length.
 """
 
 from __future__ import annotations
@@ -168,33 +170,46 @@ def score_requests(model: nn.Module, requests: Sequence[tuple[list[int], int]], 
     return out
 
 
-def score_items(model: nn.Module, items: Sequence[Item], seq_len: int, batch_size: int,
-                device: torch.device) -> torch.Tensor:
-    """(N, 3) float64 per item: correct (summed), correct (length-normalised), log-likelihood of the answer."""
+def score_items(model: nn.Module, items: Sequence[Item], seq_len: int, batch_size: int, device: torch.device,
+                unconditional: list[int] | None = None) -> torch.Tensor:
+    """(N, 4) float64 per item: correct (summed), correct (length-normalised), log-likelihood of the answer, and
+    correct by mutual information — log p(choice | context) - log p(choice | `unconditional`), lm-eval's
+    acc_mutual_info, which cancels how likely a choice is on its own (NaN without `unconditional`)."""
     flat = [r for item in items for r in _requests(item, seq_len)]
     scores = score_requests(model, flat, batch_size, device)
-    out = torch.zeros(len(items), 3, dtype=torch.float64)
+    prior = None
+    if unconditional is not None:
+        alone = [(unconditional + c, len(c)) for item in items if not item.cloze for c in item.choices]
+        prior = iter(score_requests(model, alone, batch_size, device))
+    out = torch.full((len(items), 4), float("nan"), dtype=torch.float64)
     i = 0
     for row, item in enumerate(items):
         got = scores[i:i + len(item.choices)]
         i += len(item.choices)
         if item.cloze:
-            out[row] = torch.tensor([float(got[0][1]), float(got[0][1]), got[0][0]])
+            out[row, :3] = torch.tensor([float(got[0][1]), float(got[0][1]), got[0][0]])
             continue
         sums = [s for s, _ in got]
         norm = [s / max(1, n) for s, n in zip(sums, item.lengths, strict=True)]
-        out[row, 0] = float(max(range(len(sums)), key=sums.__getitem__) == item.label)
-        out[row, 1] = float(max(range(len(norm)), key=norm.__getitem__) == item.label)
+        out[row, 0] = float(_argmax(sums) == item.label)
+        out[row, 1] = float(_argmax(norm) == item.label)
         out[row, 2] = sums[item.label]
+        if prior is not None:
+            pmi = [s - next(prior)[0] for s in sums]
+            out[row, 3] = float(_argmax(pmi) == item.label)
     return out
 
 
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
 def metrics(name: str, per_item: torch.Tensor, cloze: bool) -> dict[str, float]:
-    """downstream/<task>/{acc, acc_stderr, acc_norm, acc_norm_stderr, loglik, n} from `score_items` rows."""
+    """downstream/<task>/{acc, acc_norm, acc_mutual_info (each with _stderr), loglik, n} from `score_items` rows."""
     n = per_item.shape[0]
     out: dict[str, float] = {}
-    for col, key in ((0, "acc"), (1, "acc_norm")):
-        if cloze and key == "acc_norm":
+    for col, key in ((0, "acc"), (1, "acc_norm"), (3, "acc_mutual_info")):
+        if (cloze and key != "acc") or bool(per_item[:, col].isnan().any()):
             continue
         p = float(per_item[:, col].mean())
         out[f"downstream/{name}/{key}"] = p

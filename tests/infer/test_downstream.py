@@ -62,9 +62,12 @@ def test_scores_equal_an_unbatched_brute_force(tmp_path: Path) -> None:
     Trainer(load_config(TINY, [f"run.dir={run}", "train.steps=2", "checkpoint.interval=0"])).train()
     model, _ = load_generator(run)
     task = load_task(mc, None, 512)
-    rows = score_items(model, task.items, seq_len=16, batch_size=5, device=torch.device("cpu"))
+    rows = score_items(model, task.items, seq_len=16, batch_size=5, device=torch.device("cpu"), unconditional=[511])
     with torch.no_grad():
         for item, row in zip(task.items, rows, strict=True):
+            alone = [float(F.log_softmax(model(torch.tensor([[511, *c[:-1]]]))[0], -1)[torch.arange(len(c)),
+                                                                                      torch.tensor(c)].sum())
+                     for c in item.choices]
             sums = []
             for ctx, choice in zip(item.contexts, item.choices, strict=True):
                 seq = (ctx + choice)[-17:]  # the context is cut from the left to fit seq_len 16 (+1 target)
@@ -75,6 +78,7 @@ def test_scores_equal_an_unbatched_brute_force(tmp_path: Path) -> None:
             assert row[0] == float(int(np.argmax(sums)) == item.label)
             assert row[1] == float(int(np.argmax(norm)) == item.label)
             assert abs(float(row[2]) - sums[item.label]) < 1e-4
+            assert row[3] == float(int(np.argmax(np.array(sums) - np.array(alone))) == item.label)
     out = metrics("mc", rows, cloze=False)
     p = float(rows[:, 0].mean())
     assert out["downstream/mc/acc"] == p and out["downstream/mc/n"] == 30
@@ -91,13 +95,14 @@ def _train_ranks(rank: int, world: int, overrides: list[str]) -> dict[str, float
 @pytest.mark.skipif(importlib.util.find_spec("framework.parallel.engine") is None, reason="no parallel engine")
 def test_in_loop_figures_are_logged_and_equal_on_tp2_pp2(tmp_path: Path) -> None:
     mc, cloze = _write_tasks(tmp_path)
-    common = ["train.steps=4", "train.eval_interval=2", "checkpoint.interval=0", f"eval.tasks=[{mc}, {cloze}]"]
+    common = ["train.steps=4", "train.eval_interval=2", "checkpoint.interval=0", f"eval.tasks=[{mc}, {cloze}]",
+              "eval.mutual_info=true"]
     one = Trainer(load_config(TINY, [*common, f"run.dir={tmp_path / 'one'}"])).train().eval
     records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["type"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2, 4]
     assert all("downstream/mc/acc" in r and "downstream/cloze/acc" in r for r in evals)
-    assert "downstream/cloze/acc_norm" not in evals[0]
+    assert "downstream/cloze/acc_norm" not in evals[0] and "downstream/mc/acc_mutual_info" in evals[0]
     summary = [r for r in records if r["type"] == "summary"][-1]
     assert summary["downstream/mc/acc"] == one["downstream/mc/acc"]
     assert evals[0]["downstream/mc/loglik"] != evals[-1]["downstream/mc/loglik"]  # the weights did change

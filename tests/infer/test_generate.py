@@ -103,3 +103,25 @@ def test_sampling_is_seeded_and_filters_like_transformers(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="max_seq_len"):
         generate(model, [[1] * 10], SamplingConfig(max_new_tokens=10_000))
     assert main(["generate", str(run), "--prompt", "hello"]) == 2  # synthetic data: no tokenizer
+
+
+def test_cli_streams_text_with_the_runs_tokenizer(stdlib_build: object, tmp_path: Path) -> None:
+    import contextlib
+    import io
+
+    cache = Path(stdlib_build.cfg.cache_dir)  # type: ignore[attr-defined]
+    run = tmp_path / "run"
+    Trainer(load_config(TINY, [f"run.dir={run}", "train.steps=2", "checkpoint.interval=0", "data.kind=stdlib",
+                               f"data.cache_dir={cache}", "data.seq_len=64", "data.vocab_size=4096",
+                               "model.vocab_size=4096"])).train()
+    streamed = io.StringIO()
+    with contextlib.redirect_stdout(streamed):
+        assert main(["generate", str(run), "--prompt", "def main(", "--max-new-tokens", "6"]) == 0
+    assert streamed.getvalue().startswith("def main(") and len(streamed.getvalue()) > len("def main(\n")
+    batched = io.StringIO()
+    with contextlib.redirect_stdout(batched):
+        assert main(["generate", str(run), "--prompt", "def main(", "--prompt", "import os\n", "--json",
+                     "--max-new-tokens", "6"]) == 0
+    rows = [json.loads(line) for line in batched.getvalue().splitlines()]
+    assert [r["prompt"] for r in rows] == ["def main(", "import os\n"]
+    assert streamed.getvalue().rstrip("\n") == "def main(" + rows[0]["completion"]  # batch == alone, greedy
