@@ -87,7 +87,8 @@ class ParallelEngine:
         self.pp_rank = coord["pp"]
         self.n_micro = micro_batches(dims, train_cfg, pcfg.pp_schedule)
         self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
-        self.scaler = LossScaler(train_cfg.precision == "fp16")
+        self.scaler = LossScaler(train_cfg.precision == "fp16", init_scale=train_cfg.loss_scale_init,
+                                 growth_interval=train_cfg.loss_scale_growth_interval)
         self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
         self.moe = MoEParallel(model_cfg, pcfg, dims, mesh)  # MoE (issue 5); every call a no-op for dense models
         self._build_parts()
@@ -100,7 +101,7 @@ class ParallelEngine:
                                                    dims.dp_replicate)
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
-        self._found_inf = False
+        self._found_inf = self._unscaled = False
         self.comm = CommLogger(mesh_axes(mesh, AXES)) if pcfg.comm_log else None
 
     def _comm(self) -> contextlib.AbstractContextManager[Any]:
@@ -276,26 +277,43 @@ class ParallelEngine:
         counted = [p for p in params if p is not self.tied_copy]  # a tied weight counts once (first stage)
         norm = float(global_grad_norm(counted, self.dims.world_size // self.dims.pp, self.groups, self.device))
         self._found_inf = not math.isfinite(norm)
+        self._unscaled = True
         if max_norm > 0 and not self._found_inf:
             scale_grads(params, min(1.0, max_norm / (norm + 1e-6)))
         return norm
 
-    def optimizer_step(self, lr: float) -> bool:
-        with self._comm():
-            return self._optimizer_step(lr)
+    def grads_overflowed(self) -> bool:
+        """fp16: a gradient overflowed somewhere in the layout (the global norm is not finite); see `Engine`."""
+        if self.scaler.enabled and not self._unscaled:
+            self._clip_grad_norm(0.0)  # unscale and check, measuring only
+        return self.scaler.enabled and self._found_inf
 
-    def _optimizer_step(self, lr: float) -> bool:
-        skip = self._found_inf
+    def optimizer_step(self, lr: float, apply: bool = True) -> bool:
+        with self._comm():
+            return self._optimizer_step(lr, apply)
+
+    def _optimizer_step(self, lr: float, apply: bool) -> bool:
+        overflow = self.grads_overflowed()
+        applied = apply and not overflow
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
-            if not skip:
+            if applied:
                 opt.step()
             opt.zero_grad(set_to_none=True)
-        if not skip:
-            self.moe.after_optimizer_step(self.model_parts)  # MoE (issue 5): routing-bias update
-        self.scaler.update(skip)
-        return not skip
+        if applied or overflow:
+            self.scaler.update(overflow)  # a guard skip leaves the scale and its growth tracker alone
+        # MoE (issue 5): routing-bias update from this step's counts, or the counts dropped with the step
+        self.moe.after_optimizer_step(self.model_parts, applied)
+        self._found_inf = self._unscaled = False
+        return applied
+
+    def extra_state(self) -> dict[str, Any]:
+        sd = self.scaler.state_dict()
+        return {"loss_scale": sd} if sd else {}
+
+    def load_extra_state(self, state: dict[str, Any] | None) -> None:
+        self.scaler.load_state_dict((state or {}).get("loss_scale"))
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
