@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -38,9 +37,9 @@ from framework.parallel.precision import (
 )
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
-from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, set_micro_batch_sync
+from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mp_policy, set_micro_batch_sync
 from framework.train.config import TrainConfig
-from framework.train.engine import _DTYPES, autocast, cross_entropy
+from framework.train.engine import autocast, cross_entropy
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import Decoder
@@ -131,13 +130,12 @@ class ParallelEngine:
         part.to_empty(device=self.device)
         part.init_weights(self.train_cfg.seed)  # per-FQN seeds: bitwise the 1-process values, any layout
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)
-        param_dtype = _DTYPES[self.train_cfg.precision] if pcfg.fsdp_mixed_precision else None
+        mp_policy = fsdp_mp_policy(pcfg, self.train_cfg.precision)
         # MoE (issue 5): experts FSDP-sharded over the edp ranks (before FSDP wraps their blocks), or hand-synced
-        self.moe.shard(part, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                            reduce_dtype=torch.float32 if param_dtype else None))
+        self.moe.shard(part, mp_policy=mp_policy)
         if dims.dp_shard > 1:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
-            apply_fsdp(part, dp_mesh, pcfg, param_dtype=param_dtype, pipelined=dims.pp > 1)
+            apply_fsdp(part, dp_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
 
     def _tie_setup(self, parts: list[Decoder]) -> None:
         last = self.n_stages - 1

@@ -201,13 +201,36 @@ def _two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     assert_bitwise(snapshot(skipped), before)
     assert step(skipped, data[2]) and step(never, data[2])
     assert_bitwise(snapshot(skipped), snapshot(never))
+    out["gathered"] = {mp: _gathered_dtypes(mp) for mp in ("null", "false")}
     return out
 
 
+def _gathered_dtypes(fsdp_mixed_precision: str) -> dict[str, Any]:
+    """ZeRO-3 under bf16: the dtypes and bytes of the buffers FSDP's collectives actually moved in one step."""
+    from framework.parallel.engine import build_parallel_engine
+
+    cfg = config("train.precision=bf16", "parallel.dp_shard=2", "parallel.zero_stage=3", "parallel.comm_log=true",
+                 f"parallel.fsdp_mixed_precision={fsdp_mixed_precision}")
+    engine = build_parallel_engine(cfg, torch.device("cpu"))
+    assert engine.comm is not None
+    step(engine, batches(cfg, 1)[0, :2])
+    dtypes = {op: ds for (axis, op), ds in engine.comm.dtypes.items() if axis == "dp_shard"}
+    masters = {p.to_local().dtype for p in engine.parameters()}  # type: ignore[attr-defined]
+    states = {v.dtype for s in engine.optimizers[0].state.values() for k, v in s.items() if k != "step"}
+    return {"dtypes": dtypes, "bytes": engine.comm.payload[("dp_shard", "all_gather")], "masters": masters,
+            "states": states}
+
+
 @pytest.mark.distributed
-def test_fp16_two_rank_resume_is_bitwise_and_skips_change_nothing(tmp_path: Path) -> None:
+def test_two_ranks_fp16_resume_is_bitwise_skips_change_nothing_and_bf16_all_gathers_bf16(tmp_path: Path) -> None:
     results = run_distributed(_two_ranks, 2, timeout_s=600, tmp=tmp_path)
     ref, resumed = results[0]["resume"]
     check_resume(ref, resumed, results[0]["meta"])
     assert results[1]["resume"] == results[0]["resume"]
+    # bf16 by default all-gathers bf16 parameters (half the bytes) and reduces fp32 gradients; fp32 masters.
+    on, off = results[0]["gathered"]["null"], results[0]["gathered"]["false"]
+    assert on["dtypes"]["all_gather"] == {torch.bfloat16} and on["dtypes"]["reduce_scatter"] == {torch.float32}
+    assert off["dtypes"]["all_gather"] == {torch.float32} and off["dtypes"]["reduce_scatter"] == {torch.float32}
+    assert 2 * on["bytes"] == off["bytes"] > 0
+    assert on["masters"] == on["states"] == off["masters"] == {torch.float32}
     shutil.rmtree(tmp_path, ignore_errors=True)
