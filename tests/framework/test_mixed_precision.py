@@ -234,3 +234,32 @@ def test_two_ranks_fp16_resume_is_bitwise_skips_change_nothing_and_bf16_all_gath
     assert 2 * on["bytes"] == off["bytes"] > 0
     assert on["masters"] == on["states"] == off["masters"] == {torch.float32}
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_rollback_restores_the_loss_scale_and_keeps_guard_counters(tmp_path: Path) -> None:
+    """fp16: checkpoint at step 3; a guard skip, an overflow (the scale halves; the guard does not count it), a
+    second guard skip -> rollback to step 3, whose loss scale and growth tracker come back; the guard's counters
+    stay cumulative."""
+    run = tmp_path / "run"
+    trainer = Trainer(config(f"run.dir={run}", "train.steps=8", "checkpoint.interval=3", "train.precision=fp16",
+                             "checkpoint.guard.max_consecutive=2"))
+    engine = trainer.engine
+    real_fb = engine.forward_backward
+    calls = {"n": 0}
+
+    def forward_backward(batch: torch.Tensor) -> float:
+        calls["n"] += 1
+        loss = real_fb(batch)
+        if calls["n"] == 5:
+            next(engine.model.parameters()).grad.fill_(math.inf)  # type: ignore[union-attr]
+        return math.nan if calls["n"] in (4, 6) else loss
+
+    engine.forward_backward = forward_backward  # type: ignore[method-assign]
+    trainer.train()
+    recs = _train_records(run)
+    assert [(r["step"], r.get("overflow", False), r.get("guard"), r["loss_scale"]) for r in recs[3:6]] == [
+        (4, False, "nonfinite_loss", 2.0**16), (5, True, None, 2.0**15), (6, False, "nonfinite_loss", 2.0**15)]
+    # Rolled back to step 3 (scale 2^16 after 3 clean steps), then steps 4-8 clean: 8 — a kept state says 2^15, 5.
+    assert [r["step"] for r in recs[6:]] == [4, 5, 6, 7, 8] and recs[6]["loss_scale"] == 2.0**16
+    assert engine.extra_state() == {"loss_scale": {"scale": 2.0**16, "growth_tracker": 8}}
+    assert trainer.ft.guard.skipped_total == 2 and trainer.ft.guard.rollbacks == 1
