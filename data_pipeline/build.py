@@ -3,12 +3,15 @@
 Stages run in order and each resumes: rerunning an interrupted build skips finished work and never writes a
 finished output twice. The manifest is written last; its presence marks a complete build. Shardable stages
 (minhash, tokenize) take `task`/`tasks` so a SLURM job array can split them across nodes; the others run once.
+Before any stage, every source and the tokenizer file are checked (`check_build`), and a config edited since
+the last run redoes exactly the units of work it affects (`invalidate`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,18 +23,28 @@ from data_pipeline.build_config import BuildConfig
 from data_pipeline.cache import MANIFEST, write_json_atomic
 from data_pipeline.dedup import cluster_signatures, exact_keep
 from data_pipeline.indexed import IndexedTokens, merge_indexed
+from data_pipeline.ingest import (
+    hf_columns,
+    input_files,
+    list_text_files,
+    parquet_columns,
+    resolve_format,
+)
+from data_pipeline.invalidate import describe_changes, invalidate
 from data_pipeline.minhash import shingle_hashes
+from data_pipeline.progress import log
 from data_pipeline.stages import (
     ingest_source,
     list_shards,
     minhash_shards,
     read_shard_texts,
+    read_shard_where,
     save_npy_atomic,
     tokenize_shards,
 )
 from data_pipeline.tokenizer import Tokenizer, sample_lines, train_sentencepiece
 from framework.config.core import to_dict
-from framework.errors import DataError
+from framework.errors import ConfigError, DataError
 
 STAGES = ("ingest", "exact", "minhash", "near", "tokenizer", "tokenize", "manifest")
 
@@ -78,6 +91,17 @@ class _Corpus:
             out.append(self._cache[s][i - int(self.starts[s])])
         return out
 
+    def names(self, ids: np.ndarray) -> list[str]:
+        """`source:where` of documents (where: the file and line it was read from)."""
+        out, wheres = [], {}
+        for i in ids.tolist():
+            s = int(np.searchsorted(self.starts, i, side="right")) - 1
+            if s not in wheres:
+                wheres[s] = read_shard_where(self.shards[s][1].with_name(
+                    self.shards[s][1].name.replace(".hash.npy", ".jsonl")))
+            out.append(f"{self.shards[s][0]}:{wheres[s][i - int(self.starts[s])]}")
+        return out
+
     def split(self, flat: np.ndarray) -> dict[str, list[np.ndarray]]:
         """A flat per-document array cut back into per-source lists of per-shard arrays."""
         out: dict[str, list[np.ndarray]] = {}
@@ -111,7 +135,7 @@ def _near(cfg: BuildConfig, corpus: _Corpus, work: Path, exact: np.ndarray) -> n
 
         result = cluster_signatures(sig, mh, priority=corpus.priority()[ids], shingles_of=shingles_of)
         keep[ids[~result.keep]] = False
-        names = [f"{corpus.shards[int(np.searchsorted(corpus.starts, i, side='right')) - 1][0]}:{i}" for i in ids]
+        names = corpus.names(ids)
         write_json_atomic(work.parent / "cluster_report.json", result.report(names=names))
     save_npy_atomic(path, keep)
     return keep
@@ -122,7 +146,14 @@ def _tokenizer(cfg: BuildConfig, corpus: _Corpus, out: Path, keep: np.ndarray) -
     if model.is_file():
         return model
     if cfg.tokenizer.model:
-        shutil.copyfile(cfg.tokenizer.model, model)
+        tmp = out / f".tokenizer.model.tmp-{os.getpid()}"
+        shutil.copyfile(cfg.tokenizer.model, tmp)
+        try:
+            Tokenizer(tmp)  # a file that does not load never lands where the next run would reuse it
+        except Exception:
+            tmp.unlink(missing_ok=True)
+            raise
+        tmp.replace(model)
         return model
     kept = np.flatnonzero(keep)
     rng = np.random.default_rng(cfg.seed)
@@ -133,19 +164,27 @@ def _tokenizer(cfg: BuildConfig, corpus: _Corpus, out: Path, keep: np.ndarray) -
                                threads=cfg.workers)
 
 
-def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[dict[str, int]]) -> dict[str, Any]:
+def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """A source's accounting: documents and characters each by outcome (the invariant in = kept + filtered +
+    duplicates + malformed, plus for characters what normalization and line rules trimmed, is checked), tokens
+    of the tokenized outcomes, and notes (documents kept with a caveat, e.g. an encoding fallback)."""
     st = np.concatenate(status) if status else np.zeros(0, dtype=np.int8)
+    outcomes = ("kept", "exact_duplicate", "near_duplicate")
     docs = {"in": counts["in"], "kept": int((st == 0).sum()), "filtered": counts["filtered"],
             "exact_duplicate": int((st == 1).sum()), "near_duplicate": int((st == 2).sum()),
             "malformed": counts["malformed"]}
-    total = docs["kept"] + sum(docs["filtered"].values()) + docs["exact_duplicate"] + docs["near_duplicate"] + \
-        sum(docs["malformed"].values())
-    if total != docs["in"]:
-        raise DataError(f"accounting broken: in={docs['in']} but kept + filtered + duplicate + malformed = {total} "
-                        f"({docs}); this is a bug in the build — report it with the config")
-    tokens = {k: sum(s[k] for s in stats) for k in ("kept", "exact_duplicate", "near_duplicate")}
-    return {"documents": docs, "tokens": tokens,
-            "chars": {"in": counts["chars_in"], "after_filters": counts["chars_kept"]}}
+    c = counts["chars"]
+    chars = {"in": c["in"], **{k: sum(s["chars"][k] for s in stats) for k in outcomes}, "filtered": c["filtered"],
+             "malformed": c["malformed"], "trimmed": c["trimmed"]}
+    for what, d, extra in (("documents", docs, 0), ("characters", chars, sum(chars["trimmed"].values()))):
+        total = d["kept"] + sum(d["filtered"].values()) + d["exact_duplicate"] + d["near_duplicate"] + \
+            sum(d["malformed"].values()) + extra
+        if total != d["in"]:
+            raise DataError(f"accounting broken ({what}): in={d['in']} but kept + filtered + duplicate + malformed"
+                            f"{' + trimmed' if extra else ''} = {total} ({d}); this is a bug in the build — report "
+                            f"it with the config")
+    tokens = {k: sum(s[k] for s in stats) for k in outcomes}
+    return {"documents": docs, "tokens": tokens, "chars": chars, "notes": counts.get("notes", {})}
 
 
 def _finish(cfg: BuildConfig, out: Path, work: Path, corpus: _Corpus, status: dict[str, list[np.ndarray]],
@@ -173,6 +212,51 @@ def _finish(cfg: BuildConfig, out: Path, work: Path, corpus: _Corpus, status: di
     return dict(json.loads((out / MANIFEST).read_text()))
 
 
+def check_build(cfg: BuildConfig) -> None:
+    """Check every source and the tokenizer file before the first stage starts (ConfigError naming the source):
+    the path exists, its format can be told, it holds files to read, the text field or column exists, the split
+    exists; a given tokenizer file loads."""
+    for src in cfg.sources:
+        where = f"sources[{src.name}]"
+        try:
+            fmt = resolve_format(src.path, src.format)
+            path = Path(os.path.expanduser(src.path))
+            if src.hf_builder is not None:
+                continue
+            if fmt == "text":
+                if not list_text_files(path, src.glob):
+                    raise ConfigError(f"no file under {src.path!r} matches glob={src.glob!r}; fix the glob")
+            elif fmt == "hf":
+                columns = hf_columns(path, src.split)
+                if src.text_field not in columns:
+                    raise ConfigError(f"{src.path} has no column {src.text_field!r} (columns: {columns}); set "
+                                      f"text_field")
+            else:
+                files = input_files(path, fmt)
+                if not files:
+                    raise ConfigError(f"{src.path!r} holds no {fmt} files; fix the path or format")
+                if fmt == "parquet":
+                    for f in files:
+                        try:
+                            columns = parquet_columns(f)
+                        except Exception:
+                            continue  # an unreadable file is counted as malformed at ingest, not fatal
+                        if src.text_field not in columns:
+                            raise ConfigError(f"{f} has no column {src.text_field!r} (columns: {columns}); set "
+                                              f"the source's text_field to the column holding the text")
+        except (ConfigError, DataError) as err:
+            raise ConfigError(f"{where}: {err}") from err
+    if cfg.tokenizer.model:
+        if not Path(cfg.tokenizer.model).is_file():
+            raise ConfigError(f"tokenizer.model={cfg.tokenizer.model!r} does not exist; fix the path, or leave it "
+                              f"unset to train one")
+        try:
+            Tokenizer(cfg.tokenizer.model)
+        except Exception as err:
+            raise ConfigError(f"tokenizer.model={cfg.tokenizer.model!r} does not load as a tokenizer ({err}); "
+                              f"point it at a sentencepiece .model") from err
+
+
 def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0, tasks: int = 1) -> dict[str, Any]:
     """Run (or resume) a build; returns the manifest (empty when `stages` stops before it).
 
@@ -183,6 +267,10 @@ def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0
         tasks: Number of tasks sharing the shardable stages.
     """
     out = Path(cfg.output_dir)
+    check_build(cfg)
+    changed = invalidate(cfg, out)
+    if changed:
+        log(f"build {out}: config differs from the last run there; redoing {describe_changes(changed)}")
     if (out / MANIFEST).is_file() and "manifest" in stages:
         return dict(json.loads((out / MANIFEST).read_text()))
     work = out / "work"
