@@ -42,22 +42,43 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_stats(manifest: dict[str, Any]) -> str:
-    """A table of a build's per-source accounting (documents and tokens)."""
-    head = ("source", "in", "kept", "filtered", "exact dup", "near dup", "malformed", "tokens kept", "top filter")
-    rows = [head]
-    for name, src in sorted(manifest["sources"].items()):
-        d = src["documents"]
-        filtered = d["filtered"]
-        top = max(filtered, key=filtered.get) if filtered else "-"
-        rows.append((name, str(d["in"]), str(d["kept"]), str(sum(filtered.values())), str(d["exact_duplicate"]),
-                     str(d["near_duplicate"]), str(sum(d["malformed"].values())), f"{src['tokens']['kept']:,}",
-                     f"{top} ({filtered[top]})" if filtered else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i in (0, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                              strict=True)))
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _table(rows: list[tuple[str, ...]], left: int = 1) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
+    """Tables of a build's accounting: per source, documents, characters and tokens by outcome; then per source
+    and filter rule, the documents and characters it removed (and what line rules trimmed from kept ones)."""
+    head = ("source", "in", "kept", "filtered", "exact dup", "near dup", "malformed", "chars in", "chars kept",
+            "kept %", "tokens kept")
+    rows = [head]
+    for name, src in sorted(manifest["sources"].items()):
+        d, c = src["documents"], src.get("chars", {})
+        rows.append((name, str(d["in"]), str(d["kept"]), str(sum(d["filtered"].values())), str(d["exact_duplicate"]),
+                     str(d["near_duplicate"]), str(sum(d["malformed"].values())), f"{c.get('in', 0):,}",
+                     f"{c.get('kept', 0):,}", _pct(c.get("kept", 0), c.get("in", 0)), f"{src['tokens']['kept']:,}"))
+    lines = _table(rows)
+    if by_filter:
+        rows = [("source", "removed by", "documents", "characters", "of source chars")]
+        for name, src in sorted(manifest["sources"].items()):
+            d, c = src["documents"], src.get("chars", {})
+            total = c.get("in", 0)
+            parts = [(f"filter {r}", n, c.get("filtered", {}).get(r, 0)) for r, n in d["filtered"].items()]
+            parts += [(f"trim {r}", 0, v) for r, v in c.get("trimmed", {}).items()]
+            parts += [(f"malformed {r}", n, c.get("malformed", {}).get(r, 0)) for r, n in d["malformed"].items()]
+            parts += [(k, d[k], c.get(k, 0)) for k in ("exact_duplicate", "near_duplicate") if d[k]]
+            for what, n, chars in sorted(parts, key=lambda p: -p[2]):
+                rows.append((name, what, str(n) if n else "-", f"{chars:,}", _pct(chars, total)))
+        if len(rows) > 1:
+            lines += ["", *_table(rows, left=2)]
     tok = manifest["tokenizer"]
     lines.append(f"tokenizer: vocab {tok['vocab_size']}, eos {tok['eos_id']}, sha256 {tok['sha256'][:16]}")
     return "\n".join(lines)
