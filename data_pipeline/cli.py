@@ -59,7 +59,7 @@ def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
     and filter rule, the documents and characters it removed (and what line rules trimmed from kept ones)."""
     head = ("source", "in", "kept", "filtered", "exact dup", "near dup", "malformed", "chars in", "chars kept",
             "kept %", "tokens kept")
-    rows = [head]
+    rows: list[tuple[str, ...]] = [head]
     for name, src in sorted(manifest["sources"].items()):
         d, c = src["documents"], src.get("chars", {})
         rows.append((name, str(d["in"]), str(d["kept"]), str(sum(d["filtered"].values())), str(d["exact_duplicate"]),
