@@ -16,7 +16,6 @@ number of records read in its `raw`). One bad record or file never stops the sou
 from __future__ import annotations
 
 import bz2
-import gzip
 import json
 import lzma
 import os
@@ -95,50 +94,61 @@ def detect_format(path: Path) -> Format:
                       f"jsonl, parquet, hf, text")
 
 
-def _zstd_chunks(path: Path) -> Iterator[bytes]:
-    import zstandard
+def _decompressor(name: str) -> Any:
+    """A factory of streaming decompressors (each with `decompress`, `eof`, `unused_data`) for a file name, or
+    None for an uncompressed file."""
+    if name.endswith(".gz"):
+        return lambda: zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    if name.endswith(".zst"):
+        import zstandard
 
+        return lambda: zstandard.ZstdDecompressor().decompressobj()
+    if name.endswith(".bz2"):
+        return bz2.BZ2Decompressor
+    if name.endswith(".xz"):
+        return lzma.LZMADecompressor
+    return None
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    make = _decompressor(path.name.lower())
     with open(path, "rb") as raw:
-        dobj, fed = zstandard.ZstdDecompressor().decompressobj(), False
+        if make is None:
+            while chunk := raw.read(_READ):
+                yield chunk
+            return
+        # Stream by hand (not gzip.open & co): everything up to a break is yielded, so a truncated file keeps the
+        # records before it, and a stream that stops mid-frame is noticed (zstd's reader would end silently).
+        d, fed = make(), False
         while data := raw.read(_READ):
             while data:
-                out = dobj.decompress(data)
+                try:
+                    out = d.decompress(data)
+                except (OSError, ValueError) as err:  # bz2/lzma report bad data as OSError
+                    raise zlib.error(str(err)) from err
                 fed = True
                 if out:
                     yield out
-                if not dobj.eof:
+                if not d.eof:
                     break
-                data = dobj.unused_data  # the next frame of a multi-frame file
-                dobj, fed = zstandard.ZstdDecompressor().decompressobj(), False
-        if fed and not dobj.eof:
-            raise EOFError("zstd frame ends early")
-
-
-def _plain_chunks(path: Path) -> Iterator[bytes]:
-    name = path.name.lower()
-    opener: Any = gzip.open if name.endswith(".gz") else bz2.open if name.endswith(".bz2") else \
-        lzma.open if name.endswith(".xz") else open
-    with opener(path, "rb") as f:
-        while chunk := f.read(_READ):
-            yield chunk
+                data = d.unused_data  # the next member or frame of a concatenated file
+                d, fed = make(), False
+        if fed and not d.eof:
+            raise EOFError("the compressed stream ends before its end marker")
 
 
 def read_chunks(path: Path) -> Iterator[bytes]:
     """The (decompressed) bytes of a file in chunks; raises FileError when the file cannot be read to its end."""
     import zstandard
 
-    started = False
     try:
-        for chunk in (_zstd_chunks(path) if path.name.lower().endswith(".zst") else _plain_chunks(path)):
-            started = True
-            yield chunk
+        yield from _chunks(path)
     except EOFError as err:
-        raise FileError("truncated_file", f"{path}: the compressed stream ends early ({err})") from err
-    except (gzip.BadGzipFile, zlib.error, lzma.LZMAError, zstandard.ZstdError) as err:
+        raise FileError("truncated_file", f"{path}: {err}") from err
+    except (zlib.error, lzma.LZMAError, zstandard.ZstdError) as err:
         raise FileError("corrupt_file", f"{path}: corrupt compressed data ({err})") from err
     except OSError as err:
-        raise FileError("corrupt_file" if started and path.name.lower().endswith(COMPRESSED) else
-                        "unreadable_file", f"{path}: {err}") from err
+        raise FileError("unreadable_file", f"{path}: {err}") from err
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
