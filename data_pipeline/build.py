@@ -42,7 +42,15 @@ from data_pipeline.stages import (
     save_npy_atomic,
     tokenize_shards,
 )
-from data_pipeline.tokenizer import Tokenizer, sample_lines, train_sentencepiece
+from data_pipeline.tokenizer import (
+    CL100K_PATTERN,
+    Tokenizer,
+    sample_lines,
+    tiktoken_to_hf,
+    tokenizer_kind,
+    train_hf_bpe,
+    train_sentencepiece,
+)
 from framework.config.core import to_dict
 from framework.errors import ConfigError, DataError
 
@@ -141,27 +149,85 @@ def _near(cfg: BuildConfig, corpus: _Corpus, work: Path, exact: np.ndarray) -> n
     return keep
 
 
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+
+
 def _tokenizer(cfg: BuildConfig, corpus: _Corpus, out: Path, keep: np.ndarray) -> Path:
-    model = out / "tokenizer.model"
-    if model.is_file():
-        return model
-    if cfg.tokenizer.model:
-        tmp = out / f".tokenizer.model.tmp-{os.getpid()}"
-        shutil.copyfile(cfg.tokenizer.model, tmp)
-        try:
-            Tokenizer(tmp)  # a file that does not load never lands where the next run would reuse it
-        except Exception:
-            tmp.unlink(missing_ok=True)
-            raise
-        tmp.replace(model)
-        return model
-    kept = np.flatnonzero(keep)
-    rng = np.random.default_rng(cfg.seed)
-    order = kept[rng.permutation(len(kept))]  # a uniform sample over sources, in proportion to their documents
-    texts = (t for start in range(0, len(order), 512) for t in corpus.texts(np.sort(order[start:start + 512])))
-    lines = sample_lines(texts, cfg.tokenizer.sample_chars, seed=cfg.seed)
-    return train_sentencepiece(lines, model, vocab_size=cfg.tokenizer.vocab_size, model_type=cfg.tokenizer.type,
-                               threads=cfg.workers)
+    """The build's tokenizer file (out/tokenizer.model or out/tokenizer.json): reused, copied, converted or
+    trained. Made in a temporary folder and moved in only once it loads, so a failed step leaves nothing that a
+    later run would take for a finished tokenizer."""
+    for name in TOKENIZER_FILES:
+        if (out / name).is_file():
+            return out / name
+    tc = cfg.tokenizer
+    tmp = out / f".tokenizer.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if tc.model:
+            made = _given_tokenizer(cfg, tmp)
+        else:
+            kept = np.flatnonzero(keep)
+            rng = np.random.default_rng(cfg.seed)
+            order = kept[rng.permutation(len(kept))]  # a uniform sample over sources, in proportion to documents
+            texts = (t for start in range(0, len(order), 512)
+                     for t in corpus.texts(np.sort(order[start:start + 512])))
+            lines = sample_lines(texts, tc.sample_chars, seed=cfg.seed)
+            if tc.type == "hf_bpe":
+                made = train_hf_bpe(lines, tmp / "tokenizer.json", vocab_size=tc.vocab_size,
+                                    special_tokens=tc.special_tokens)
+                _name_specials(tmp, tc)
+            else:
+                made = train_sentencepiece(lines, tmp / "tokenizer.model", vocab_size=tc.vocab_size,
+                                           model_type=tc.type, threads=cfg.workers)
+        Tokenizer(made)
+        for f in sorted(tmp.iterdir(), key=lambda p: p.name in TOKENIZER_FILES):  # the tokenizer file last
+            f.replace(out / f.name)
+        return out / made.name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _name_specials(folder: Path, tc: Any) -> None:
+    conf_path = folder / "tokenizer_config.json"
+    conf = json.loads(conf_path.read_text())
+    conf["eos_token"] = tc.eos_token or (tc.special_tokens[0] if tc.special_tokens else None)
+    conf["bos_token"] = tc.bos_token
+    conf_path.write_text(json.dumps(conf))
+
+
+def _given_tokenizer(cfg: BuildConfig, folder: Path) -> Path:
+    """cfg.tokenizer.model copied (or, for a tiktoken file, converted) into `folder`."""
+    tc = cfg.tokenizer
+    src = Path(str(tc.model))
+    kind = tokenizer_kind(src)
+    if kind == "tiktoken":
+        return tiktoken_to_hf(src, folder, pattern=tc.pattern or CL100K_PATTERN, special_tokens=tc.special_tokens,
+                              eos_token=tc.eos_token, bos_token=tc.bos_token)
+    if kind == "hf":
+        shutil.copyfile(src, folder / "tokenizer.json")
+        if (src.parent / "tokenizer_config.json").is_file():
+            shutil.copyfile(src.parent / "tokenizer_config.json", folder / "tokenizer_config.json")
+        return folder / "tokenizer.json"
+    shutil.copyfile(src, folder / "tokenizer.model")
+    return folder / "tokenizer.model"
+
+
+def check_tokenizer(cfg: BuildConfig) -> None:
+    """A given tokenizer file exists and loads (a tiktoken file: parses, and converts in a scratch folder)."""
+    path = cfg.tokenizer.model
+    if not path:
+        return
+    if not Path(path).is_file():
+        raise ConfigError(f"tokenizer.model={path!r} does not exist; fix the path, or leave it unset to train one")
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            Tokenizer(_given_tokenizer(cfg, Path(tmp)))
+    except Exception as err:
+        raise ConfigError(f"tokenizer.model={path!r} does not load as a tokenizer ({err}); point it at a "
+                          f"sentencepiece .model, a tokenizer.json or a tiktoken-format BPE file") from err
 
 
 def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -207,7 +273,7 @@ def _finish(cfg: BuildConfig, out: Path, work: Path, corpus: _Corpus, status: di
         sources[src.name] = _source_entry(all_counts[src.name], status.get(src.name, []), stats)
         digest.update(f"{src.name}:{sources[src.name]['tokens']['kept']}:".encode() + all_hashes.tobytes())
     manifest = {"version": 1, "kind": "build", "config": to_dict(cfg), "sources": sources,
-                "tokenizer": {**info.__dict__, "path": "tokenizer.model"}, "fingerprint": digest.hexdigest()}
+                "tokenizer": {**info.__dict__, "path": model.name, "kind": tok.kind}, "fingerprint": digest.hexdigest()}
     write_json_atomic(out / MANIFEST, manifest)
     return dict(json.loads((out / MANIFEST).read_text()))
 
@@ -246,15 +312,7 @@ def check_build(cfg: BuildConfig) -> None:
                                               f"the source's text_field to the column holding the text")
         except (ConfigError, DataError) as err:
             raise ConfigError(f"{where}: {err}") from err
-    if cfg.tokenizer.model:
-        if not Path(cfg.tokenizer.model).is_file():
-            raise ConfigError(f"tokenizer.model={cfg.tokenizer.model!r} does not exist; fix the path, or leave it "
-                              f"unset to train one")
-        try:
-            Tokenizer(cfg.tokenizer.model)
-        except Exception as err:
-            raise ConfigError(f"tokenizer.model={cfg.tokenizer.model!r} does not load as a tokenizer ({err}); "
-                              f"point it at a sentencepiece .model") from err
+    check_tokenizer(cfg)
 
 
 def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0, tasks: int = 1) -> dict[str, Any]:

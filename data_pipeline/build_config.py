@@ -52,11 +52,26 @@ class SourceConfig:
 @dataclass(kw_only=True, frozen=True)
 class TokenizerConfig:
     model: str | None = None
-    """An existing sentencepiece .model to use instead of training one."""
+    """An existing tokenizer instead of training one: a sentencepiece .model, a Hugging Face tokenizer.json
+    (its tokenizer_config.json beside it names EOS/BOS/pad), or a tiktoken-format BPE file (converted)."""
     vocab_size: int = 4096
-    type: Literal["bpe", "unigram"] = "bpe"
+    type: Literal["bpe", "unigram", "hf_bpe"] = "bpe"
+    """Training: sentencepiece bpe or unigram, or hf_bpe (a byte-level BPE trained with HF tokenizers)."""
     sample_chars: int = 3_000_000
     """Characters sampled across sources (in proportion to their kept text) to train on."""
+    pattern: str | None = None
+    """tiktoken files: the pre-tokenizer regex (None: cl100k_base's, which Llama 3 uses too)."""
+    special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
+    """tiktoken files and hf_bpe: special tokens, given the ids after the vocabulary's."""
+    eos_token: str | None = None
+    """tiktoken files and hf_bpe: the end-of-document token (None: the first special token)."""
+    bos_token: str | None = None
+
+    def validate(self) -> None:
+        for name in (self.eos_token, self.bos_token):
+            if name is not None and name not in self.special_tokens:
+                raise ConfigError(f"tokenizer eos_token/bos_token {name!r} is not in tokenizer.special_tokens "
+                                  f"{self.special_tokens}; add it there")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -57,7 +57,9 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
                                to_dict(cfg.dedup)])
     tok = to_dict(cfg.tokenizer)
     if tok.get("model"):
-        keys["tokenizer"] = config_key({"file": file_sha256(tok["model"]), **tok, "model": None})
+        side = Path(tok["model"]).with_name("tokenizer_config.json")
+        keys["tokenizer"] = config_key({"file": file_sha256(tok["model"]), **tok, "model": None,
+                                        "config": file_sha256(side) if side.is_file() else None})
     else:
         keys["tokenizer"] = config_key([keys["near"], tok, cfg.seed])
     for src in cfg.sources:
