@@ -1,4 +1,5 @@
-"""CLI: `tessera data build CONFIG`, `tessera data stats BUILD`, `tessera tokenizer train`.
+"""CLI: `tessera data build CONFIG`, `tessera data stats BUILD`, `tessera data sample BUILD --source S`,
+`tessera tokenizer train`.
 
 Registered by framework/cli.py through `register(subparsers)`; argparse only here, heavy imports in handlers.
 """
@@ -92,6 +93,40 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Decode a source's training documents (as tokenized in the build) or show the documents a filter removed."""
+    from pathlib import Path
+
+    from data_pipeline.indexed import IndexedTokens
+    from data_pipeline.prepare import read_manifest
+    from data_pipeline.tokenizer import Tokenizer
+    from framework.errors import ConfigError
+
+    build = Path(args.build)
+    manifest = read_manifest(build)
+    if args.source not in manifest["sources"]:
+        raise ConfigError(f"--source {args.source!r} is not in {build} (sources: {sorted(manifest['sources'])})")
+    if args.filtered:
+        path = build / "work" / "ingest" / args.source / "filtered.jsonl"
+        if not path.is_file():
+            raise ConfigError(f"{path} is gone (work/ was deleted); rebuild to see what the filters removed")
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for r in rows if args.reason is None else [r for r in rows if r["reason"] == args.reason]:
+            print(f"{r['reason']}: {r['where']} ({r['chars']:,} characters)")
+        return 0
+    tok = Tokenizer(build / Path(manifest["tokenizer"]["path"]).name)
+    docs = IndexedTokens(build / args.source)
+    import numpy as np
+
+    picks = np.random.default_rng(args.seed).choice(len(docs), size=min(args.n, len(docs)), replace=False)
+    for i in sorted(picks.tolist()):
+        ids = docs[i].tolist()
+        text = tok.decode(ids[:-1] if ids and ids[-1] == tok.eos_id else ids)
+        cut = "" if len(text) <= args.chars else f"\n[... {len(text) - args.chars:,} more characters]"
+        print(f"=== {args.source} document {i} ({len(ids):,} tokens) ===\n{text[:args.chars]}{cut}")
+    return 0
+
+
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from data_pipeline.ingest import read_records
     from data_pipeline.tokenizer import Tokenizer, sample_lines, train_sentencepiece
@@ -126,6 +161,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("build", help="the build's output directory")
     p.add_argument("--json", action="store_true", help="print the manifest's per-source JSON instead")
     p.set_defaults(func=cmd_stats)
+    p = dsub.add_parser("sample", help="decode documents of a source, or list what its filters removed")
+    p.add_argument("build", help="the build's output directory")
+    p.add_argument("--source", required=True)
+    p.add_argument("-n", type=int, default=3, help="documents to show (random, by --seed)")
+    p.add_argument("--chars", type=int, default=2000, help="characters shown per document")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filtered", action="store_true", help="list the documents each filter rule removed (where "
+                                                            "they came from), kept in work/ingest/SOURCE")
+    p.add_argument("--reason", help="with --filtered: only this rule, e.g. c4.too_few_sentences")
+    p.set_defaults(func=cmd_sample)
 
     tok = subparsers.add_parser("tokenizer", help="tokenizer tools")
     tsub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
