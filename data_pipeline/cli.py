@@ -138,8 +138,13 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
                     yield rec.text
 
     lines = sample_lines(texts(), args.sample_chars, seed=args.seed)
-    out = train_sentencepiece(lines, args.out, vocab_size=args.vocab_size, model_type=args.type,
-                              threads=args.threads)
+    if args.type == "hf_bpe":
+        from data_pipeline.tokenizer import train_hf_bpe
+
+        out = train_hf_bpe(lines, args.out, vocab_size=args.vocab_size)
+    else:
+        out = train_sentencepiece(lines, args.out, vocab_size=args.vocab_size, model_type=args.type,
+                                  threads=args.threads)
     info = Tokenizer(out).info()
     print(f"tokenizer {out}: vocab {info.vocab_size}, eos {info.eos_id}, bos {info.bos_id}, unk {info.unk_id}, "
           f"user symbols {list(info.user_symbols)!r}, trained on {sum(map(len, lines)):,} characters")
@@ -174,11 +179,13 @@ def register(subparsers: Any) -> None:
 
     tok = subparsers.add_parser("tokenizer", help="tokenizer tools")
     tsub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
-    p = tsub.add_parser("train", help="train a sentencepiece tokenizer on text sources")
+    p = tsub.add_parser("train", help="train a tokenizer (sentencepiece, or HF byte-level BPE) on text sources")
     p.add_argument("inputs", nargs="+", help="files or directories (jsonl[.gz|.zst], parquet, HF dataset, text tree)")
-    p.add_argument("--out", required=True, help="output .model path")
+    p.add_argument("--out", required=True, help="output .model path (hf_bpe: tokenizer.json and "
+                                                "tokenizer_config.json are written into this path's folder)")
     p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--type", choices=("bpe", "unigram"), default="bpe")
+    p.add_argument("--type", choices=("bpe", "unigram", "hf_bpe"), default="bpe",
+                   help="sentencepiece bpe/unigram, or a byte-level BPE trained with HF tokenizers")
     p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet", "hf", "text"))
     p.add_argument("--text-field", default="text")
     p.add_argument("--glob", default="*", help="text trees: which files are documents")

@@ -53,3 +53,7 @@ def test_data_build_stats_and_tokenizer_train(tmp_path: Path, capsys: pytest.Cap
     model = tmp_path / "tok.model"
     assert main(["tokenizer", "train", str(src), "--out", str(model), "--vocab-size", "300"]) == 0
     assert Tokenizer(model).vocab_size == 300 and "vocab 300" in capsys.readouterr().out
+    assert main(["tokenizer", "train", str(src), "--out", str(tmp_path / "bpe/tokenizer.json"), "--vocab-size",
+                 "300", "--type", "hf_bpe"]) == 0
+    hf = Tokenizer(tmp_path / "bpe/tokenizer.json")
+    assert hf.kind == "hf" and hf.vocab_size == 300 and hf.decode(hf.encode("river stone")) == "river stone"
