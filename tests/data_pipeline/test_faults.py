@@ -17,7 +17,7 @@ from data_pipeline.build import run_build
 from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.dedup import DedupConfig
 from data_pipeline.ingest import read_records
-from data_pipeline.stages import read_shard_where
+from data_pipeline.stages import read_shard_texts, read_shard_where
 
 N = 3000
 
@@ -48,11 +48,13 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     tree = root / "tree"
     tree.mkdir()
     (tree / "a.txt").write_text("a plain document")
+    (tree / "c.txt").write_bytes("café in latin-1".encode("latin-1"))
     tree_gz = gzip.compress(_lines("tree", N))
     (tree / "b.txt.gz").write_bytes(tree_gz[:len(tree_gz) // 2])
     cfg = BuildConfig(output_dir=str(root / "out"), workers=2, shard_docs=1000, dedup=DedupConfig(near=False),
                       sources=[SourceConfig(name="jsonl", path=str(d), profile="minimal"),
-                               SourceConfig(name="tree", path=str(tree), profile="minimal")],
+                               SourceConfig(name="tree", path=str(tree), profile="minimal",
+                                            encoding_fallback="latin-1")],
                       tokenizer=TokenizerConfig(vocab_size=300, sample_chars=20_000))
     return root, run_build(cfg)
 
@@ -76,7 +78,10 @@ def test_every_bad_record_and_file_is_counted_and_the_build_goes_on(faulty) -> N
         read = int(re.search(r"(\d+) records read", rej["raw"]).group(1))
         assert 0 < read < 8 * N and kept_from[name] == read, (name, read, kept_from.get(name))
     t = manifest["sources"]["tree"]["documents"]
-    assert t["in"] == 2 and t["kept"] == 1 and t["malformed"] == {"truncated_file": 1}
+    assert t["in"] == 3 and t["kept"] == 2 and t["malformed"] == {"truncated_file": 1}
+    assert manifest["sources"]["tree"]["notes"] == {"encoding_fallback.latin-1": 1}
+    texts = [x for shard in (root / "out/work/ingest/tree").glob("shard-*.jsonl") for x in read_shard_texts(shard)]
+    assert "café in latin-1" in texts
 
 
 def test_a_bom_is_stripped_from_the_first_record() -> None:
