@@ -35,7 +35,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
-    p.add_argument("--tokenizer", type=Path, default=None, help="sentencepiece .model (default: the run's)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="sentencepiece .model or tokenizer.json (default: the run's)")
     p.add_argument("--ids", action="store_true", help="prompts and output are token ids")
     p.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--no-cache", action="store_true", help="recompute every position (reference; slow)")
@@ -76,9 +77,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok_path = args.tokenizer or (None if args.ids else find_tokenizer(meta))
     sp = None
     if tok_path is not None:
-        import sentencepiece as spm
+        from data_pipeline.tokenizer import Tokenizer
 
-        sp = spm.SentencePieceProcessor(model_file=str(tok_path))
+        sp = Tokenizer(tok_path)  # sentencepiece .model or tokenizer.json, as the run's data build
     elif not args.ids:
         raise ConfigError(f"no tokenizer for {args.checkpoint}: the run trained on synthetic data or its data "
                           f"build is gone; pass --tokenizer tokenizer.model, or --ids with token-id prompts")
@@ -91,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"a prompt token id is outside [0, model.vocab_size={vocab})")
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop_at_eos=not args.no_eos, use_cache=not args.no_cache)
-    eos = int(sp.eos_id()) if sp is not None else None
+    eos = int(sp.eos_id) if sp is not None else None
     stream = len(prompts) == 1 and not args.json
     shown: list[int] = []
 

@@ -69,10 +69,9 @@ class DownstreamEval:
         self.unconditional = [int(data.eos_id)] if cfg.mutual_info and data.eos_id >= 0 else None
         encode = None
         if data.tokenizer_path:
-            import sentencepiece as spm
+            from data_pipeline.tokenizer import Tokenizer
 
-            sp = spm.SentencePieceProcessor(model_file=str(data.tokenizer_path))
-            encode = sp.encode
+            encode = Tokenizer(data.tokenizer_path).encode
         self.tasks: list[Task] = []
         for spec in cfg.tasks:
             if spec == stdlib_task.NAME:

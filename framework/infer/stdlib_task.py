@@ -28,16 +28,15 @@ def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: 
                         sources: list[str] | None = None, context_lines: int = 6, min_chars: int = 12,
                         n_choices: int = 4, distractors: str = "same_file") -> list[dict[str, Any]]:
     """Task items (the JSONL objects of framework/infer/tasks.py) from the held-out documents of `sources`."""
-    import sentencepiece as spm
-
     from data_pipeline.indexed import IndexedTokens
     from data_pipeline.prepare import read_manifest, val_mask
+    from data_pipeline.tokenizer import Tokenizer
 
     build_dir = Path(build_dir)
     manifest = read_manifest(build_dir)
     names = sources or sorted(manifest["sources"])
-    sp = spm.SentencePieceProcessor(model_file=str(build_dir / Path(manifest["tokenizer"]["path"]).name))
-    eos = sp.eos_id()
+    sp = Tokenizer(build_dir / Path(manifest["tokenizer"]["path"]).name)
+    eos = sp.eos_id
     docs, where = [], []
     for name in names:
         tokens = IndexedTokens(build_dir / name)
