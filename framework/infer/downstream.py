@@ -68,7 +68,7 @@ class DownstreamEval:
         self.cfg, self.seq_len = cfg, seq_len
         self.unconditional = [int(data.eos_id)] if cfg.mutual_info and data.eos_id >= 0 else None
         encode = None
-        if data.tokenizer_path:
+        if data.tokenizer_path and cfg.tasks:  # a run without tasks never opens the tokenizer
             from data_pipeline.tokenizer import Tokenizer
 
             encode = Tokenizer(data.tokenizer_path).encode
