@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from framework.errors import ConfigError
+from framework.parallel.offload import NVMeOffloadConfig
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """The seven schedules of torch.distributed.pipelining, by the names its `get_schedule_class` accepts."""
@@ -56,6 +57,8 @@ class ParallelConfig:
     """Recompute on every k-th block (layer index % k == 0)."""
     comm_log: bool = False
     """Count bytes per collective per mesh axis per step (reported in extra_metrics and by the logger)."""
+    nvme_offload: NVMeOffloadConfig = field(default_factory=NVMeOffloadConfig)
+    """ZeRO-Infinity: AdamW states in files on local NVMe (framework/parallel/offload.py); off while path is ""."""
 
     @property
     def virtual_stages(self) -> int:
@@ -92,6 +95,7 @@ class ParallelConfig:
                 f"set parallel.pp_virtual_stages=2 or 0")
         if self.fsdp_prefetch < 0:
             raise ConfigError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 0 (0: FSDP2 default)")
+        self.nvme_offload.validate()
 
 
 def min_micro_batches(schedule: str, pp: int) -> int:

@@ -28,6 +28,7 @@ from framework.parallel.config import V_SCHEDULES, ParallelConfig, min_micro_bat
 from framework.parallel.expert import MoEParallel
 from framework.parallel.memory import model_state_report, unsharded_bytes
 from framework.parallel.mesh import AXES, ParallelDims
+from framework.parallel.offload import io_metrics, offload_optimizers
 from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
 from framework.parallel.precision import (
     LossScaler,
@@ -94,6 +95,8 @@ class ParallelEngine:
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
                                                         for p in self.model_parts]
         self._fix_tied_decay()
+        self.optimizers = offload_optimizers(  # ZeRO-Infinity (issue 19): AdamW states on local NVMe
+            self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self.replica_sync: ReplicatedGradSync | None = None
         if dims.dp_shard == 1 and dims.dp_replicate > 1:
             self.replica_sync = ReplicatedGradSync(list(self.parameters()), mesh["dp_replicate"].get_group(),
@@ -313,6 +316,7 @@ class ParallelEngine:
     def extra_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
         out.update(self.moe.metrics(self.model_parts))  # MoE (issue 5): load, drops, aux/z losses per layer
+        out.update(io_metrics(self.optimizers))  # NVMe offload (issue 19): cumulative bytes read / written
         if self.comm is not None:
             out.update(self.comm.summary())
             self.comm.reset()
