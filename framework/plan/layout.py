@@ -72,6 +72,10 @@ class Layout:
     schedule: str = "1F1B"
     virtual: int = 1
     """Chunks (virtual stages) per pipeline rank."""
+    prefetch: int = 1
+    """FSDP units all-gathered ahead (parallel.fsdp_prefetch); 0: every ZeRO-3 gather waits in front of compute."""
+    nvme_offload: bool = False
+    """AdamW states on local NVMe (parallel.nvme_offload): off the GPU, streamed through host buffers each step."""
 
     @property
     def sp(self) -> bool:
@@ -94,7 +98,9 @@ class Layout:
         """'TP8 PP6 DP48 ZeRO-1 rc=none mbs=1 Interleaved1F1B v2'."""
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
         return (f"TP{self.tp} PP{self.pp} DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
-                + f" ZeRO-{self.zero_stage} rc={self.recompute} mbs={self.micro_batch}{sched}")
+                + f" ZeRO-{self.zero_stage}" + (" nvme" if self.nvme_offload else "")
+                + (f" prefetch{self.prefetch}" if self.prefetch != 1 else "")
+                + f" rc={self.recompute} mbs={self.micro_batch}{sched}")
 
 
 def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:

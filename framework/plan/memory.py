@@ -116,6 +116,8 @@ def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[
         out["grads"] += psi * prec.grad / (n if z >= 2 else 1)
         out["master"] += psi * prec.master / n
         out["optimizer"] += psi * prec.optimizer / n
+    if lay.nvme_offload:
+        out["optimizer"] = 0.0  # in files on NVMe; one 64 MiB group at a time passes through the device
     return out
 
 
@@ -181,7 +183,8 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     # Transients: the rematerialized layer during its backward; ZeRO gather/reduce buffers of one layer.
     out["recompute_buffer"] = float(full_layer - per_layer if lay.recompute != "none" else 0)
     z = lay.zero_stage
-    out["comm_buffers"] = params.largest_layer * (prec.grad + (2 * prec.param if z == 3 else 0))
+    # ZeRO-3 holds the unit being computed plus `prefetch` units gathered ahead
+    out["comm_buffers"] = params.largest_layer * (prec.grad + ((1 + lay.prefetch) * prec.param if z == 3 else 0))
     return out
 
 

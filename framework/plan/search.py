@@ -34,6 +34,10 @@ class SearchSpace:
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    nvme_offload: tuple[bool, ...] = (False,)
+    """(False, True) also tries every sharded layout with its AdamW states on NVMe."""
+    prefetch: int = 1
+    """FSDP units gathered ahead under ZeRO-3 (parallel.fsdp_prefetch)."""
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     max_virtual: int = 8
     memory_margin: float = 0.1
@@ -115,8 +119,10 @@ def candidates(work: Workload, gpus: int, hw: Hardware, space: SearchSpace) -> I
             for schedule, v in _schedules(base, work, space):
                 for zero in space.zero_stages:
                     for rc in space.recompute:
-                        yield dataclasses.replace(base, schedule=schedule, virtual=v, zero_stage=zero,
-                                                  recompute=rc)  # type: ignore[arg-type]
+                        for nvme in space.nvme_offload if zero > 0 else (False,):
+                            yield dataclasses.replace(base, schedule=schedule, virtual=v, zero_stage=zero,
+                                                      recompute=rc, nvme_offload=nvme,  # type: ignore[arg-type]
+                                                      prefetch=space.prefetch)
 
 
 def _reason_key(problem: str) -> str:
