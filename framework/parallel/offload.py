@@ -2,9 +2,10 @@
 
     opt = NVMeAdamW.wrap(build_optimizer(...), cfg.parallel.nvme_offload, device, tag="rank3")
 
-Each rank keeps only the `step` counters in memory. Its local shard of every parameter owns one slot of a per-rank
-file, [exp_avg | exp_avg_sq]; consecutive parameters form groups of about `group_mb` of state, so one group is one
-contiguous read and one contiguous write. `buffer_count` staging buffers bound the memory: while group i updates,
+Each rank keeps only the `step` counters in memory. Its local shards, laid end to end, are mirrored by a per-rank
+file [exp_avg of every element | exp_avg_sq of every element]; a group is a range of about `group_mb` of state
+over that concatenation (a large parameter spans several groups: AdamW is elementwise), read and written as two
+contiguous pieces. `buffer_count` staging buffers bound the memory: while group i updates,
 a reader thread fills the next free buffer with group i+1 (read-ahead) and a writer thread stores group i-1 and
 then frees its buffer (write-behind); os.preadv/pwritev release the GIL, so the I/O runs beside the update.
 Every group is updated by the same per-tensor, non-foreach AdamW kernel as `torch.optim.AdamW(foreach=False)`,
@@ -133,10 +134,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Group:
-    params: list[torch.Tensor]
-    offsets: list[int]  # element offset of each parameter's slot inside the group
-    start: int  # element offset of the group in the file
-    numel: int  # elements of state (2 x parameter elements)
+    start: int  # first element of the group in the concatenated local shards
+    numel: int  # parameter elements in the group (its state is twice that)
+    pieces: list[tuple[torch.Tensor, int, int]]  # (parameter, first, last + 1 of its local elements here)
 
 
 class NVMeAdamW(torch.optim.Optimizer):
@@ -157,12 +157,18 @@ class NVMeAdamW(torch.optim.Optimizer):
             f.truncate(self.numel * STATE_BYTES)
         self._fd = os.open(self.file, os.O_RDWR)
         weakref.finalize(self, _remove, self._fd, self.dir)
-        self.groups = self._plan_groups(params, int(cfg.group_mb * 2**20) // 4)
-        self._slot = {id(p): (g.start + off, _local(p).numel()) for g in self.groups
-                      for p, off in zip(g.params, g.offsets, strict=True)}
+        self._slot: dict[int, tuple[int, int]] = {}  # id(param) -> (first element, elements)
+        start = 0
+        for p in params:
+            n = _local(p).numel()
+            if n and not _local(p).is_contiguous():
+                raise ConfigError("parallel.nvme_offload needs contiguous local parameter shards")
+            self._slot[id(p)] = (start, n)
+            start += n
+        self.groups = self._plan_groups(params, max(1, int(cfg.group_mb * 2**20) // STATE_BYTES))
         for p in params:  # eager: DCP's state-dict helpers never see an empty state (no zero-lr warm-up step)
             self.state[p]["step"] = torch.tensor(0.0)
-        biggest = max((g.numel for g in self.groups), default=0)
+        biggest = 2 * max((g.numel for g in self.groups), default=0)
         pin = cfg.pin_memory and device.type != "cpu"
         self._buffers = [torch.empty(biggest, dtype=torch.float32, pin_memory=pin) for _ in range(cfg.buffer_count)]
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="nvme-offload") if cfg.overlap else None
@@ -183,64 +189,67 @@ class NVMeAdamW(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    @staticmethod
-    def _plan_groups(params: list[torch.Tensor], group_numel: int) -> list[_Group]:
-        groups: list[_Group] = []
-        start = 0
+    def _plan_groups(self, params: list[torch.Tensor], group_numel: int) -> list[_Group]:
+        """Cut the concatenated shards into ranges of `group_numel` elements, recording each parameter's pieces."""
+        groups = [_Group(a, min(group_numel, self.numel - a), []) for a in range(0, self.numel, group_numel)]
         for p in params:
-            n = 2 * _local(p).numel()
-            if not groups or (groups[-1].numel + n > group_numel and groups[-1].params):
-                groups.append(_Group([], [], start, 0))
-            g = groups[-1]
-            g.params.append(p)
-            g.offsets.append(g.numel)
-            g.numel += n
-            start += n
-        return [g for g in groups if g.numel]
+            first, n = self._slot[id(p)]
+            for g in groups[first // group_numel:(first + n - 1) // group_numel + 1] if n else []:
+                lo, hi = max(first, g.start) - first, min(first + n, g.start + g.numel) - first
+                g.pieces.append((p, lo, hi))
+        return groups
 
     # --- I/O ----------------------------------------------------------------------------------------------------
     def _read(self, g: _Group, buf: torch.Tensor) -> torch.Tensor:
-        view = buf[:g.numel]
-        got = os.preadv(self._fd, [_bytes(view)], g.start * 4)
-        assert got == g.numel * 4, f"short read of {self.file}: {got} of {g.numel * 4} bytes"
+        for k in range(2):  # exp_avg, then exp_avg_sq
+            got = os.preadv(self._fd, [_bytes(buf[k * g.numel:(k + 1) * g.numel])], (k * self.numel + g.start) * 4)
+            assert got == g.numel * 4, f"short read of {self.file}: {got} of {g.numel * 4} bytes"
         with self._lock:
-            self.bytes_read += got
+            self.bytes_read += 2 * g.numel * 4
         return buf
 
     def _write(self, g: _Group, buf: torch.Tensor, free: deque[torch.Tensor] | None = None,
                freed: threading.Condition | None = None) -> None:
-        view = buf[:g.numel]
-        done = os.pwritev(self._fd, [_bytes(view)], g.start * 4)
-        assert done == g.numel * 4, f"short write to {self.file}: {done} of {g.numel * 4} bytes"
+        for k in range(2):
+            done = os.pwritev(self._fd, [_bytes(buf[k * g.numel:(k + 1) * g.numel])], (k * self.numel + g.start) * 4)
+            assert done == g.numel * 4, f"short write to {self.file}: {done} of {g.numel * 4} bytes"
         with self._lock:
-            self.bytes_written += done
+            self.bytes_written += 2 * g.numel * 4
         if free is not None and freed is not None:
             with freed:
                 free.append(buf)
                 freed.notify()
 
     # --- the update ---------------------------------------------------------------------------------------------
-    def _update(self, g: _Group, buf: torch.Tensor, hyper: dict[int, dict[str, Any]]) -> bool:
-        """AdamW on the group's parameters with states in `buf`; False when no parameter had a gradient."""
+    def _update(self, g: _Group, buf: torch.Tensor, hyper: dict[int, dict[str, Any]],
+                steps: dict[int, torch.Tensor]) -> bool:
+        """AdamW on the group's pieces with states in `buf`; False when no piece had a gradient.
+
+        `steps` holds each parameter's step count before this step: every piece of a parameter is updated with
+        that count + 1, which is stored once its last piece is done (AdamW counts steps per tensor).
+        """
         stepped = False
-        for p, off in zip(g.params, g.offsets, strict=True):
+        for p, lo, hi in g.pieces:
             if p.grad is None:
                 continue
-            local, grad = _local(p), _local(p.grad)
-            n = local.numel()
-            m = buf[off:off + n].view(local.shape)
-            v = buf[off + n:off + 2 * n].view(local.shape)
+            local, grad = _local(p).view(-1)[lo:hi], _local(p.grad).reshape(-1)[lo:hi]
+            first = self._slot[id(p)][0] + lo - g.start
+            m = buf[first:first + hi - lo]
+            v = buf[g.numel + first:g.numel + first + hi - lo]
             on_host = m.device == local.device
             to = local.device
             m_d, v_d = (m, v) if on_host else (m.to(to, non_blocking=True), v.to(to, non_blocking=True))
             h = hyper[id(p)]
-            adamw([local], [grad], [m_d], [v_d], [], [self.state[p]["step"]], foreach=False, capturable=False,
+            step = steps[id(p)].clone()
+            adamw([local], [grad], [m_d], [v_d], [], [step], foreach=False, capturable=False,
                   differentiable=False, fused=False, grad_scale=None, found_inf=None, has_complex=False,
                   amsgrad=False, beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"],
                   weight_decay=h["weight_decay"], eps=h["eps"], maximize=False)
             if not on_host:
                 m.copy_(m_d)
                 v.copy_(v_d)
+            if hi == self._slot[id(p)][1]:
+                self.state[p]["step"].copy_(step)
             stepped = True
         return stepped
 
@@ -248,15 +257,16 @@ class NVMeAdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         assert closure is None, "NVMeAdamW takes no closure"
         hyper = {id(p): g for g in self.param_groups for p in g["params"]}
+        steps = {id(p): self.state[p]["step"].clone() for p in self._params()}
         if self._pool is None:
             for g in self.groups:
                 buf = self._read(g, self._buffers[0])
-                if self._update(g, buf, hyper):
+                if self._update(g, buf, hyper, steps):
                     self._write(g, buf)
             return
-        self._pipelined(hyper)
+        self._pipelined(hyper, steps)
 
-    def _pipelined(self, hyper: dict[int, dict[str, Any]]) -> None:
+    def _pipelined(self, hyper: dict[int, dict[str, Any]], steps: dict[int, torch.Tensor]) -> None:
         assert self._pool is not None
         free: deque[torch.Tensor] = deque(self._buffers)
         freed = threading.Condition()
@@ -279,7 +289,7 @@ class NVMeAdamW(torch.optim.Optimizer):
             t0 = time.perf_counter()
             buf = reads.pop(i).result()
             self.io_wait_s += time.perf_counter() - t0
-            if self._update(g, buf, hyper):
+            if self._update(g, buf, hyper, steps):
                 writes.append(self._pool.submit(self._write, g, buf, free, freed))
             else:
                 with freed:
@@ -317,7 +327,7 @@ class NVMeAdamW(torch.optim.Optimizer):
             shape = _local(p).shape
             entry = dict(sd["state"][idx])
             entry["exp_avg"] = self._as_state(p, mapped[start:start + n].view(shape))
-            entry["exp_avg_sq"] = self._as_state(p, mapped[start + n:start + 2 * n].view(shape))
+            entry["exp_avg_sq"] = self._as_state(p, mapped[self.numel + start:self.numel + start + n].view(shape))
             sd["state"][idx] = entry
         return sd
 
@@ -333,7 +343,7 @@ class NVMeAdamW(torch.optim.Optimizer):
             entry = dict(entry)
             p = by_key[idx]
             start, n = self._slot[id(p)]
-            for k, off in (("exp_avg", start), ("exp_avg_sq", start + n)):
+            for k, off in (("exp_avg", start), ("exp_avg_sq", self.numel + start)):
                 value = entry.pop(k, None)
                 if value is None or mapped is None:
                     continue

@@ -75,7 +75,8 @@ def _worker(rank: int, world: int, root: str, one_rank_ckpt: str = "") -> dict[s
     out["ckpt"] = str(saved)
     out["offload"] += _steps(off, cfg, data, SAVE_AT, STEPS)
     opt = off.optimizers[0]
-    out["io"] = (opt.bytes_read, opt.bytes_written, opt.numel, len(opt.groups))
+    spans = max(sum(any(q is p for q, _, _ in g.pieces) for g in opt.groups) for p in opt._params())
+    out["io"] = (opt.bytes_read, opt.bytes_written, opt.numel, len(opt.groups), spans)
 
     inline, cfg = engine(_overrides(world, nvme, overlap=False, buffer_count=1))
     out["inline"] = _steps(inline, cfg, data, 0, STEPS)
@@ -106,8 +107,9 @@ def _check(results: list[dict[str, Any]], world: int) -> None:
         assert r["offload"] == r["ref"], f"rank {rank}: offloaded run differs from in-memory AdamW"
         assert r["inline"] == r["ref"], f"rank {rank}: overlap off differs"
         assert r["resumed"] == r["ref"][SAVE_AT:], f"rank {rank}: resume from the offloaded checkpoint differs"
-        read, written, numel, n_groups = r["io"]
+        read, written, numel, n_groups, spans = r["io"]
         assert n_groups > 3, "the test must exercise several groups (read-ahead and write-behind)"
+        assert spans > 1, "some parameter must span groups (updated in pieces)"
         assert read == written == 8 * numel * STEPS, "each step reads and writes exp_avg + exp_avg_sq once"
         assert "nvme_offload.path" in r["missing"] and "missing" in r["missing"] and "mkdir -p" in r["missing"]
 
