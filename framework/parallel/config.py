@@ -6,13 +6,37 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from framework.errors import ConfigError
-from framework.parallel.offload import NVMeOffloadConfig
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """The seven schedules of torch.distributed.pipelining, by the names its `get_schedule_class` accepts."""
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """V-shaped schedules: exactly two stages per rank, rank r holding stages r and 2*pp-1-r."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class NVMeOffloadConfig:
+    path: str = ""
+    """Local directory for the optimizer-state files (a local NVMe mount); "" keeps the states in memory."""
+    buffer_count: int = 4
+    """Staging buffers of one group each: 1 serializes read, update and write; >= 2 overlaps them."""
+    group_mb: float = 64.0
+    """State bytes (exp_avg + exp_avg_sq) per group, in MiB: the unit of one read and one write."""
+    overlap: bool = True
+    """Read ahead and write behind on background threads; false does each group's I/O inline (for measuring)."""
+    pin_memory: bool = True
+    """Pin the staging buffers when parameters live on an accelerator (faster, asynchronous copies)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+    def validate(self) -> None:
+        if self.buffer_count < 1:
+            raise ConfigError(f"parallel.nvme_offload.buffer_count={self.buffer_count} must be >= 1 (2+ overlaps "
+                              f"I/O with the update)")
+        if not self.group_mb > 0:
+            raise ConfigError(f"parallel.nvme_offload.group_mb={self.group_mb} must be > 0 (MiB of state per read)")
 
 
 @dataclass(kw_only=True, frozen=True)

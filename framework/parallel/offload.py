@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from framework.errors import ConfigError
+from framework.parallel.config import NVMeOffloadConfig
 
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "glusterfs",
                        "fuse.glusterfs", "ceph", "fuse.ceph", "cephfs", "afs", "panfs", "wekafs", "9p",
@@ -50,31 +51,6 @@ NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs",
 
 STATE_BYTES = 8
 """exp_avg + exp_avg_sq in fp32 per parameter element."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class NVMeOffloadConfig:
-    path: str = ""
-    """Local directory for the optimizer-state files (a local NVMe mount); "" keeps the states in memory."""
-    buffer_count: int = 4
-    """Staging buffers of one group each: 1 serializes read, update and write; >= 2 overlaps them."""
-    group_mb: float = 64.0
-    """State bytes (exp_avg + exp_avg_sq) per group, in MiB: the unit of one read and one write."""
-    overlap: bool = True
-    """Read ahead and write behind on background threads; false does each group's I/O inline (for measuring)."""
-    pin_memory: bool = True
-    """Pin the staging buffers when parameters live on an accelerator (faster, asynchronous copies)."""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.path)
-
-    def validate(self) -> None:
-        if self.buffer_count < 1:
-            raise ConfigError(f"parallel.nvme_offload.buffer_count={self.buffer_count} must be >= 1 (2+ overlaps "
-                              f"I/O with the update)")
-        if not self.group_mb > 0:
-            raise ConfigError(f"parallel.nvme_offload.group_mb={self.group_mb} must be > 0 (MiB of state per read)")
 
 
 def mount_of(path: Path, mounts_text: str | None = None) -> tuple[str, str]:

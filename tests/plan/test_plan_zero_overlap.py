@@ -9,9 +9,12 @@ gather outlasts its neighbour's compute shows the excess.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+from framework.errors import ConfigError
+from framework.parallel.offload import check_offload_path
 from framework.plan.estimate import _zero3_exposed, estimate
 from framework.plan.hardware import get_hardware
 from framework.plan.layout import Layout, Workload
@@ -72,3 +75,15 @@ def test_nvme_offload_frees_the_optimizer_states_and_costs_their_io() -> None:
     assert offloaded.time["nvme_io"] == pytest.approx(2 * states / (hw.nvme_gbps * 1e9))
     assert offloaded.step_s > plain.step_s + offloaded.time["nvme_io"] * 0.99
     assert "nvme" in dataclasses.replace(lay, nvme_offload=True).describe()
+
+
+def test_an_offloaded_layout_exports_a_config_that_names_the_directory_to_set(tmp_path: Path) -> None:
+    from framework.config import load_config
+    from framework.plan.export import write_config
+
+    hw = get_hardware("h100-80g")
+    lay = Layout(tp=8, pp=1, dp=16, zero_stage=3, recompute="full", micro_batch=1, nvme_offload=True, prefetch=2)
+    cfg = load_config(write_config(tmp_path / "p.yaml", dataclasses.replace(WORK, global_batch=16), lay, hw))
+    assert cfg.parallel.fsdp_prefetch == 2 and cfg.parallel.nvme_offload.enabled
+    with pytest.raises(ConfigError, match="SET_ME' does not exist"):  # refused before step 1 until it is set
+        check_offload_path(cfg.parallel.nvme_offload.path, 1)
