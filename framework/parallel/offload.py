@@ -176,25 +176,34 @@ class NVMeAdamW(torch.optim.Optimizer):
         return groups
 
     # --- I/O ----------------------------------------------------------------------------------------------------
-    def _read(self, g: _Group, buf: torch.Tensor) -> torch.Tensor:
+    def _io(self, op: Any, g: _Group, buf: torch.Tensor) -> None:
+        """`op` (os.preadv / os.pwritev) over the group's exp_avg and exp_avg_sq ranges, resuming short transfers
+        (Linux moves at most ~2 GiB per call)."""
         for k in range(2):  # exp_avg, then exp_avg_sq
-            got = os.preadv(self._fd, [_bytes(buf[k * g.numel:(k + 1) * g.numel])], (k * self.numel + g.start) * 4)
-            assert got == g.numel * 4, f"short read of {self.file}: {got} of {g.numel * 4} bytes"
+            view, offset, done = _bytes(buf[k * g.numel:(k + 1) * g.numel]), (k * self.numel + g.start) * 4, 0
+            while done < len(view):
+                n = op(self._fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise OSError(f"{op.__name__} on {self.file} moved {done} of {len(view)} bytes at {offset}")
+                done += n
+
+    def _read(self, g: _Group, buf: torch.Tensor) -> torch.Tensor:
+        self._io(os.preadv, g, buf)
         with self._lock:
             self.bytes_read += 2 * g.numel * 4
         return buf
 
     def _write(self, g: _Group, buf: torch.Tensor, free: deque[torch.Tensor] | None = None,
                freed: threading.Condition | None = None) -> None:
-        for k in range(2):
-            done = os.pwritev(self._fd, [_bytes(buf[k * g.numel:(k + 1) * g.numel])], (k * self.numel + g.start) * 4)
-            assert done == g.numel * 4, f"short write to {self.file}: {done} of {g.numel * 4} bytes"
-        with self._lock:
-            self.bytes_written += 2 * g.numel * 4
-        if free is not None and freed is not None:
-            with freed:
-                free.append(buf)
-                freed.notify()
+        try:
+            self._io(os.pwritev, g, buf)
+            with self._lock:
+                self.bytes_written += 2 * g.numel * 4
+        finally:  # a failed write (ENOSPC) still frees its buffer; step() re-raises it from the future
+            if free is not None and freed is not None:
+                with freed:
+                    free.append(buf)
+                    freed.notify()
 
     # --- the update ---------------------------------------------------------------------------------------------
     def _update(self, g: _Group, buf: torch.Tensor, hyper: dict[int, dict[str, Any]],
