@@ -108,6 +108,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t  # FSDP2 updates the local shard in place too
 
 
+def _grad_like_param(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient as the flat local piece matching p's local shard.
+
+    A gradient may be placed unlike its parameter (TP's vocab-parallel embedding: a Shard(0) weight with a
+    Replicate gradient); DTensor AdamW redistributes implicitly, so this does the same (Replicate -> Shard is a
+    local slice, no communication).
+    """
+    g = p.grad
+    assert g is not None
+    if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g).reshape(-1)
+
+
 @dataclass
 class _Group:
     start: int  # first element of the group in the concatenated local shards
@@ -207,7 +221,7 @@ class NVMeAdamW(torch.optim.Optimizer):
 
     # --- the update ---------------------------------------------------------------------------------------------
     def _update(self, g: _Group, buf: torch.Tensor, hyper: dict[int, dict[str, Any]],
-                steps: dict[int, torch.Tensor]) -> bool:
+                steps: dict[int, torch.Tensor], grads: dict[int, torch.Tensor]) -> bool:
         """AdamW on the group's pieces with states in `buf`; False when no piece had a gradient.
 
         `steps` holds each parameter's step count before this step: every piece of a parameter is updated with
@@ -215,9 +229,9 @@ class NVMeAdamW(torch.optim.Optimizer):
         """
         stepped = False
         for p, lo, hi in g.pieces:
-            if p.grad is None:
+            if id(p) not in grads:
                 continue
-            local, grad = _local(p).view(-1)[lo:hi], _local(p.grad).reshape(-1)[lo:hi]
+            local, grad = _local(p).view(-1)[lo:hi], grads[id(p)][lo:hi]
             first = self._slot[id(p)][0] + lo - g.start
             m = buf[first:first + hi - lo]
             v = buf[g.numel + first:g.numel + first + hi - lo]
@@ -243,15 +257,17 @@ class NVMeAdamW(torch.optim.Optimizer):
         assert closure is None, "NVMeAdamW takes no closure"
         hyper = {id(p): g for g in self.param_groups for p in g["params"]}
         steps = {id(p): self.state[p]["step"].clone() for p in self._params()}
+        grads = {id(p): _grad_like_param(p) for p in self._params() if p.grad is not None}
         if self._pool is None:
             for g in self.groups:
                 buf = self._read(g, self._buffers[0])
-                if self._update(g, buf, hyper, steps):
+                if self._update(g, buf, hyper, steps, grads):
                     self._write(g, buf)
             return
-        self._pipelined(hyper, steps)
+        self._pipelined(hyper, steps, grads)
 
-    def _pipelined(self, hyper: dict[int, dict[str, Any]], steps: dict[int, torch.Tensor]) -> None:
+    def _pipelined(self, hyper: dict[int, dict[str, Any]], steps: dict[int, torch.Tensor],
+                   grads: dict[int, torch.Tensor]) -> None:
         assert self._pool is not None
         free: deque[torch.Tensor] = deque(self._buffers)
         freed = threading.Condition()
@@ -274,7 +290,7 @@ class NVMeAdamW(torch.optim.Optimizer):
             t0 = time.perf_counter()
             buf = reads.pop(i).result()
             self.io_wait_s += time.perf_counter() - t0
-            if self._update(g, buf, hyper, steps):
+            if self._update(g, buf, hyper, steps, grads):
                 writes.append(self._pool.submit(self._write, g, buf, free, freed))
             else:
                 with freed:

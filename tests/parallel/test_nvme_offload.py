@@ -4,7 +4,8 @@ The reference is the same engine with the in-memory `torch.optim.AdamW(foreach=F
 for_loop): the offloaded optimizer runs that kernel per tensor, so losses and grad norms must be *equal*.
 Two spawns: one rank (the parallel engine on a world of 1) and DP2 ZeRO-3; each runs the reference, the
 offloaded run with read-ahead/write-behind (small groups, 2 buffers), the same inline (overlap off), and a resume
-from the offloaded run's step-10 checkpoint; the DP2 spawn also loads the 1-rank checkpoint (reshard on load).
+from the offloaded run's step-10 checkpoint; the DP2 spawn also loads the 1-rank checkpoint (reshard on load)
+and runs DP2 ZeRO-1 and TP2 both ways for 10 steps.
 """
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ def _worker(rank: int, world: int, root: str, one_rank_ckpt: str = "") -> dict[s
         state = optimizer_state(loaded.model_parts, loaded.optimizers)
         out["resharded"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).numpy().copy()  # by value
                             for k, v in state.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+    if world == 2:  # the other stages and TP's DTensor shards (Shard(0) and Shard(1)): 10 steps each way
+        for layout in ({"dp_shard": 2, "zero_stage": 1}, {"tp": 2, "dp_shard": 1}):
+            runs = []
+            for path in (None, nvme):  # TP's embedding: a Shard(0) weight with a Replicate gradient
+                extra = tuple(f"parallel.nvme_offload.{k}={v}" for k, v in
+                              {"path": path, "group_mb": 0.05}.items()) if path else ()
+                e, c = engine((*layout_overrides(layout), "train.optimizer_impl=for_loop", *extra))
+                runs.append(_steps(e, c, data, 0, 10))
+            out[str(layout)] = runs
     try:
         engine(_overrides(world, nvme / "missing"))
     except ConfigError as err:
@@ -130,6 +140,9 @@ def test_offloaded_adamw_is_bitwise_in_memory_adamw_and_resumes_exactly(tmp_path
     two = run_distributed(_worker, 2, timeout_s=300, root=str(tmp_path / "w2"),
                           one_rank_ckpt=one[0]["ckpt"])
     _check(two, 2)
+    for layout in ("{'dp_shard': 2, 'zero_stage': 1}", "{'tp': 2, 'dp_shard': 1}"):
+        ref, off = two[0][layout]
+        assert off == ref, f"{layout}: offloaded run differs from in-memory AdamW"
     for k in states:  # the optimizer-state key is optim.state.<fqn>.<name>
         key = k.removeprefix("optim.")
         assert torch.equal(torch.from_numpy(two[0]["resharded"][key]), saved_off[k]), k
