@@ -5,11 +5,13 @@ measured in the same run.
     PYTHONPATH=. nice -n 19 python bench/nvme_offload.py [--world 1] [--steps 3] [--nvme /tmp] \
         [--write docs/BENCHMARKS.md]
 
-Model: ~304M parameters (hidden 2048, 2 blocks, a 98,304-token tied vocabulary), so its fp32 AdamW states
-(exp_avg + exp_avg_sq, 8 bytes per parameter) are 2.4 GB; 8 tokens per step keep forward/backward short on a
-CPU. Each arm runs in its own spawn (peak RSS is per process): in-memory AdamW (train.optimizer_impl=for_loop,
-the kernel the offloaded optimizer runs per tensor), offload with overlap (4 buffers of 64 MiB), offload inline
-(overlap off). One warm-up step, then `--steps` timed steps; RSS is the process's ru_maxrss.
+Model: hidden 2048, 2 blocks, a 98,304-token vocabulary configured tied (304M parameters) — but the parallel
+engine unties it at pp=1 (`to_empty` after building on the meta device gives the head its own copy), so it
+trains 505M parameter elements and its fp32 AdamW states (exp_avg + exp_avg_sq, 8 bytes each) are 4.0 GB; Ψ
+below is what the engine trains. 8 tokens per step keep forward/backward short on a CPU. Each arm runs in its
+own spawn (peak RSS is per process): in-memory AdamW (train.optimizer_impl=for_loop, the kernel the offloaded
+optimizer runs per tensor), offload with overlap (4 buffers of 64 MiB), offload inline (overlap off). One
+warm-up step, then `--steps` timed steps; RSS is the process's ru_maxrss.
 """
 
 from __future__ import annotations
@@ -94,10 +96,11 @@ def main() -> None:
                                     steps=args.steps)[0]
         print(f"{name}: {time.perf_counter() - t0:.0f} s, {res[name]}", flush=True)
     ref = res["in-memory"]
-    psi, n = ref["psi"], args.world
+    n = args.world
+    psi = ref["local_numel"] * n if n == 1 else ref["psi"]  # what the engine trains (see the module docstring)
     lines = [
         f"`PYTHONPATH=. nice -n 19 python bench/nvme_offload.py --world {n} --steps {args.steps}` — "
-        f"Ψ = {psi / 1e6:.1f}M parameters (every element of the model, tied embedding once), fp32 AdamW "
+        f"Ψ = {psi / 1e6:.1f}M parameter elements (every element the engine trains), fp32 AdamW "
         f"states {8 * psi / 1e9:.2f} GB, N = {n} rank(s) (dp_shard{', ZeRO-3' if n > 1 else ''}); rank 0's "
         f"figures, median of {args.steps} steps after a warm-up; each arm a fresh process. Machine: 2 shared "
         f"CPU cores under load (load average ~20-30 from six other sessions): times are noisy (±30% seen "
