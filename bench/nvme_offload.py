@@ -72,7 +72,9 @@ def _arm(rank: int, world: int, overrides: list[str], steps: int) -> dict[str, A
 
 
 def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+    import statistics
+
+    return statistics.median(xs)
 
 
 def main() -> None:
@@ -95,14 +97,21 @@ def main() -> None:
         res[name] = run_distributed(_arm, args.world, timeout_s=1800, overrides=base + nvme + extra,
                                     steps=args.steps)[0]
         print(f"{name}: {time.perf_counter() - t0:.0f} s, {res[name]}", flush=True)
+    text = format_section(res, args.world, args.steps)
+    print(text)
+    if args.write:
+        replace_section(args.write, SECTION, text)
+
+
+def format_section(res: dict[str, dict[str, Any]], n: int, steps: int) -> str:
+    """The docs/BENCHMARKS.md section from each arm's result (also from the `name: s, {...}` lines printed)."""
     ref = res["in-memory"]
-    n = args.world
     psi = ref["local_numel"] * n if n == 1 else ref["psi"]  # what the engine trains (see the module docstring)
     lines = [
-        f"`PYTHONPATH=. nice -n 19 python bench/nvme_offload.py --world {n} --steps {args.steps}` — "
+        f"`PYTHONPATH=. nice -n 19 python bench/nvme_offload.py --world {n} --steps {steps}` — "
         f"Ψ = {psi / 1e6:.1f}M parameter elements (every element the engine trains), fp32 AdamW "
         f"states {8 * psi / 1e9:.2f} GB, N = {n} rank(s) (dp_shard{', ZeRO-3' if n > 1 else ''}); rank 0's "
-        f"figures, median of {args.steps} steps after a warm-up; each arm a fresh process. Machine: 2 shared "
+        f"figures, median of {steps} steps after a warm-up; each arm a fresh process. Machine: 2 shared "
         f"CPU cores under load (load average ~20-30 from six other sessions): times are noisy (±30% seen "
         f"between repeats), ratios in one run are what to read. The state file sits on the local disk, mostly "
         f"in the page cache (23 GiB RAM): the bytes are exact, the I/O times are those of a fast drive.",
@@ -128,10 +137,7 @@ def main() -> None:
         "the 8Ψ/N column; 0.667 of 12Ψ/N). RSS saved ≈ the state bytes minus the staging buffers "
         "(4 x 64 MiB here).",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        replace_section(args.write, SECTION, text)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
