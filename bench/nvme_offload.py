@@ -112,9 +112,9 @@ def format_section(res: dict[str, dict[str, Any]], n: int, steps: int) -> str:
         f"Ψ = {psi / 1e6:.1f}M parameter elements (every element the engine trains), fp32 AdamW "
         f"states {8 * psi / 1e9:.2f} GB, N = {n} rank(s) (dp_shard{', ZeRO-3' if n > 1 else ''}); rank 0's "
         f"figures, median of {steps} steps after a warm-up; each arm a fresh process. Machine: 2 shared "
-        f"CPU cores under load (load average ~20-30 from six other sessions): times are noisy (±30% seen "
-        f"between repeats), ratios in one run are what to read. The state file sits on the local disk, mostly "
-        f"in the page cache (23 GiB RAM): the bytes are exact, the I/O times are those of a fast drive.",
+        f"CPU cores under load (load average ~15-30 from six other sessions): times are noisy; compare them "
+        f"with the spread between an arm's own steps before reading a ratio. The state file sits on the local "
+        f"disk, mostly in the page cache (23 GiB RAM): the bytes are exact, the I/O times are those of a fast drive.",
         "",
         "| arm | peak RSS / rank (GB) | read / step (GB) | written / step (GB) | vs 8Ψ/N | vs 12Ψ/N "
         "| step (s) | optimizer step (s) | step vs in-memory | I/O wait / step (s) |",
