@@ -6,6 +6,8 @@ Shape legend: B batch, T sequence, D hidden, H query heads, K key/value heads, E
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +72,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=bias)
+        # Set from outside by context parallelism (framework/parallel/context.py): (B, L, K, E) local K and V
+        # -> the whole sequence's, with `attn_mask` given against those keys. None: single-device attention.
+        self.kv_exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -79,6 +84,8 @@ class Attention(nn.Module):
         k = self.wk(x_BTD).view(b, t, -1, self.head_dim)
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.kv_exchange is not None:
+            k, v = self.kv_exchange(k, v)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E)
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
