@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
+from models.rope import attention_factor, inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -35,13 +36,16 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
-                ) -> torch.Tensor:
-    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None,
+                scaling: RopeScaling | None = None) -> torch.Tensor:
+    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32.
+
+    `scaling`: context extension (models/rope.py); yarn also scales cos/sin by its attention factor.
+    """
+    inv = inv_freq(head_dim, theta, scaling, device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     ang = torch.outer(t, inv)
-    return torch.stack([ang.cos(), ang.sin()], dim=-1).float()
+    return (torch.stack([ang.cos(), ang.sin()], dim=-1) * attention_factor(scaling)).float()
 
 
 def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
