@@ -40,7 +40,8 @@ def test_export_logits_match_transformers_and_import_round_trips(tmp_path: Path,
     torch.set_num_threads(1)
     run, hf_dir, imported = tmp_path / "run", tmp_path / "hf", tmp_path / "imported"
     overrides = ["model.rope_theta=50000.0", *SCALINGS[kind]]
-    Trainer(load_config(TINY, [f"run.dir={run}", "train.steps=1", "train.warmup_steps=0", "checkpoint.interval=0", *overrides])).train()
+    Trainer(load_config(TINY, [f"run.dir={run}", "train.steps=1", "train.warmup_steps=0", "checkpoint.interval=0",
+                               *overrides])).train()
     assert main(["ckpt", "export-hf", str(run), str(hf_dir), "--step", "1"]) == 0
     written = json.loads((hf_dir / "config.json").read_text())
     assert written["rope_parameters"]["rope_type"] == kind and written["rope_parameters"]["rope_theta"] == 50000.0
