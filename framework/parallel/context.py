@@ -11,8 +11,11 @@ gather overlaps poorly but costs (cp-1)/cp x 2 x T x n_kv_heads x head_dim eleme
 it handles any mask (document masks) with one SDPA call. A ring with an online-softmax merge would keep K/V
 memory at T/cp instead of T; docs/PARALLELISM.md says when that pays.
 
-Queries attend through an explicit (B, 1, T/cp, T) boolean mask built from global token indices (causal) and
+Queries attend through an explicit (B, 1, T/cp, T) additive mask built from global token indices (causal) and
 document ids: keys arrive in gathered (rank-major) order, which the mask accounts for, so nothing is permuted.
+The mask is dense, b x T^2/cp elements per forward (shared by all layers): at 128k tokens and cp=16 that is
+2 GiB in bf16 per sequence, so very long contexts want a lower-right causal kernel per chunk or flex attention
+instead (docs/PARALLELISM.md).
 The loss is each rank's mean over its own tokens; FSDP averages gradients over dp_shard x cp (cp is folded into
 the sharding group, torchtitan's dp_shard_cp), which with equal token counts per rank is the full-sequence mean.
 Shape legend: B batch, T sequence (full), L local tokens (T / cp), K key/value heads, E head dim.
@@ -89,10 +92,14 @@ class ContextParallel:
 
     Args:
         group: The cp process group (mesh["cp"]); sequences must have a multiple of 2 x cp tokens.
+        mask_dtype: The attention dtype (train.precision). The mask goes to SDPA additive (0 / -inf) in it:
+            SDPA would otherwise convert a bool mask into a float copy in every layer and keep each for backward
+            (measured, bench/context_parallel.py); one shared copy per forward costs b x s/cp x s elements.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, mask_dtype: torch.dtype = torch.float32) -> None:
         self.group = group
+        self.mask_dtype = mask_dtype
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
@@ -112,8 +119,8 @@ class ContextParallel:
         """(local inputs (B, L), local labels (B, L), Decoder keyword arguments) of full rows (B, T+1).
 
         The keyword arguments are the rotary `positions` (B, L) of the local tokens (global, or restarting per
-        document with `documents.reset_positions`) and the (B, 1, L, T) `attn_mask` against the gathered keys:
-        causal in global indices, and within one document with `documents.mask`. Both derive from the full
+        document with `documents.reset_positions`) and the (B, 1, L, T) additive `attn_mask` against the gathered
+        keys: causal in global indices, and within one document with `documents.mask`. Both derive from the full
         row every cp rank holds, so they cost no communication.
         """
         inputs, labels = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
@@ -132,7 +139,8 @@ class ContextParallel:
                 mask = mask & (doc[:, q_idx, None] == doc[:, None, k_idx])
             if documents.reset_positions:
                 positions = document_positions(doc)[:, q_idx]
-        kwargs = {"attn_mask": mask[:, None].contiguous(), "positions": positions.contiguous()}
+        additive = torch.zeros(mask.shape, dtype=self.mask_dtype, device=device).masked_fill_(~mask, float("-inf"))
+        kwargs = {"attn_mask": additive[:, None], "positions": positions.contiguous()}
         return inputs[:, q_idx].contiguous(), labels[:, q_idx].contiguous(), kwargs
 
 

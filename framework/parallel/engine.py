@@ -92,7 +92,7 @@ class ParallelEngine:
         self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
         self.moe = MoEParallel(model_cfg, pcfg, dims, mesh)  # MoE (issue 5); every call a no-op for dense models
         # Context parallelism (issue 16): each rank keeps its 2 load-balanced chunks of every sequence
-        self.context = ContextParallel(mesh["cp"].get_group()) if dims.cp > 1 else None
+        self.context = ContextParallel(mesh["cp"].get_group(), _DTYPES[train_cfg.precision]) if dims.cp > 1 else None
         self._build_parts()
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
                                                         for p in self.model_parts]

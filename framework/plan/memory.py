@@ -157,6 +157,11 @@ def cp_kv_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, cp: int, 
     return 2 * act * micro_batch * (seq - seq // cp) * (cfg.n_heads // tp) * cfg.head_dim
 
 
+def cp_mask_bytes(seq: int, micro_batch: int, cp: int, act: int) -> int:
+    """The (b, 1, s/cp, s) additive attention mask of a cp rank, one per forward, shared by every layer."""
+    return 0 if cp == 1 else act * micro_batch * (seq // cp) * seq
+
+
 @functools.lru_cache(maxsize=4096)
 def _layer_bytes(work: Workload, tp: int, micro_batch: int, recompute: Recompute, cp: int = 1) -> float:
     """One layer on s/cp local tokens, plus the gathered K/V SDPA saves when it is not recomputed."""
@@ -188,6 +193,8 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     else:
         in_flight = max(1.0, float(lay.pp - rank)) if m >= lay.pp else 1.0
     out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
+    if lay.cp > 1:
+        out["cp_mask"] = cp_mask_bytes(work.seq_len, b, lay.cp, act) * in_flight
     if last:
         out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act)
         out["logits"] = s * b * (cfg.vocab_size // lay.tp) * (act + FP32)
@@ -211,6 +218,8 @@ def peak_memory(work: Workload, lay: Layout) -> tuple[float, int, dict[str, floa
 
 __all__ = [
     "RankParams",
+    "cp_kv_bytes",
+    "cp_mask_bytes",
     "layer_bytes",
     "layer_params",
     "model_state_bytes",
