@@ -3,7 +3,7 @@
     engine = build_parallel_engine(cfg, device)   # every rank; the default process group is initialized
 
 The loop hands each rank its data-parallel replica's micro-batches (n_micro, B, T+1); ranks of one replica
-(its tp and pp ranks) get the same batch. The returned loss is the global mean over every data rank, on
+(its tp, cp and pp ranks) get the same batch; cp ranks then keep their own load-balanced chunks of it. The returned loss is the global mean over every data rank, on
 every rank. Parity with the single-process `LocalEngine` is the contract (tests/parallel/test_parity.py).
 """
 
