@@ -3,8 +3,9 @@
     engine = build_parallel_engine(cfg, device)   # every rank; the default process group is initialized
 
 The loop hands each rank its data-parallel replica's micro-batches (n_micro, B, T+1); ranks of one replica
-(its tp, cp and pp ranks) get the same batch; cp ranks then keep their own load-balanced chunks of it. The returned loss is the global mean over every data rank, on
-every rank. Parity with the single-process `LocalEngine` is the contract (tests/parallel/test_parity.py).
+(its tp, cp and pp ranks) get the same batch, and cp ranks keep their own load-balanced chunks of it
+(framework/parallel/context.py). The returned loss is the global mean over every data rank, on every rank.
+Parity with the single-process `LocalEngine` is the contract (tests/parallel/test_parity.py).
 """
 
 from __future__ import annotations
