@@ -108,6 +108,8 @@ def format_section(res: dict[str, dict[str, Any]], n: int, steps: int) -> str:
     ref = res["in-memory"]
     psi = ref["local_numel"] * n if n == 1 else ref["psi"]  # what the engine trains (see the module docstring)
     lines = [
+        SECTION,
+        "",
         f"`PYTHONPATH=. nice -n 19 python bench/nvme_offload.py --world {n} --steps {steps}` — "
         f"Ψ = {psi / 1e6:.1f}M parameter elements (every element the engine trains), fp32 AdamW "
         f"states {8 * psi / 1e9:.2f} GB, N = {n} rank(s) (dp_shard{', ZeRO-3' if n > 1 else ''}); rank 0's "

@@ -50,7 +50,8 @@ class ParallelConfig:
     dp_replicate: int = 1
     """Replicated data-parallel degree (DDP, or HSDP with dp_shard > 1)."""
     cp: int = 1
-    """Context parallelism, reserved: must be 1."""
+    """Context parallelism: each sequence split over cp ranks (2 x cp load-balanced chunks, K/V all-gathered);
+    cp is folded into the FSDP sharding group (dp_shard x cp), so it needs zero_stage >= 1."""
     ep: int = 1
     """Expert parallelism, carved out of dp_shard x tp."""
     zero_stage: Literal[0, 1, 2, 3] = 1
@@ -98,8 +99,6 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to infer from the world size")
-        if self.cp != 1:
-            raise ConfigError(f"parallel.cp={self.cp}: context parallelism is reserved; set parallel.cp=1")
         if self.pp_schedule not in SCHEDULES:
             import difflib
 

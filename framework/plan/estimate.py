@@ -27,7 +27,14 @@ import functools
 from dataclasses import dataclass, field
 
 from framework.plan.bubble import bubble_fraction
-from framework.plan.comm import AxisComm, dp_comm_per_step, ep_comm_per_micro, pp_comm_per_step, tp_comm_per_micro
+from framework.plan.comm import (
+    AxisComm,
+    cp_comm_per_micro,
+    dp_comm_per_step,
+    ep_comm_per_micro,
+    pp_comm_per_step,
+    tp_comm_per_micro,
+)
 from framework.plan.hardware import Hardware
 from framework.plan.layout import Layout, Workload
 from framework.plan.memory import (
@@ -114,9 +121,9 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
     m = lay.n_micro(work.global_batch)
     full_rc = lay.recompute == "full"
     layer_f, head_f = _layer_and_head_flops(cfg, s, full_rc)
-    tokens_micro = s * lay.micro_batch
+    tokens_micro = s * lay.micro_batch // lay.cp  # load-balanced chunks: equal causal work per cp rank
     rate = hw.peak_flops * hw.mm_efficiency
-    worst: tuple[float, float, AxisComm, AxisComm, RankParams] | None = None
+    worst: tuple[float, float, AxisComm, AxisComm, AxisComm, RankParams] | None = None
     for rank in sorted({0, lay.pp - 1}):
         params = rank_params(cfg, lay, rank)
         n_layers = len(params.layers)
@@ -128,14 +135,15 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
             compute += n_layers * 2 * max(0.0, redo) / (hw.hbm_gbps * 1e9)
         tp = tp_comm_per_micro(work, lay, hw, n_layers)
         ep = ep_comm_per_micro(work, lay, hw, params.n_moe)
+        cp = cp_comm_per_micro(work, lay, hw, n_layers)  # K/V all-gathers: on the critical path
         # DualPipeV runs a forward and a backward chunk together, hiding the expert all-to-alls behind compute
         # (DeepSeek-V3 report); elsewhere they sit on the critical path.
         overlapped_ep = lay.schedule == "DualPipeV" and lay.pp > 1
-        t = tp.seconds + (max(compute, ep.seconds) if overlapped_ep else compute + ep.seconds)
+        t = tp.seconds + cp.seconds + (max(compute, ep.seconds) if overlapped_ep else compute + ep.seconds)
         if worst is None or t > worst[0]:
-            worst = (t, compute, tp, ep, params)
+            worst = (t, compute, tp, ep, cp, params)
     assert worst is not None
-    t_micro, compute, tp_c, ep_c, params = worst
+    t_micro, compute, tp_c, ep_c, cp_c, params = worst
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual)
     pipeline = m * t_micro / (1 - bubble)
     bubble_s = pipeline - m * t_micro
@@ -155,10 +163,11 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
     model_flops = _flops(cfg, s, False) * tokens
     hw_flops = _flops(cfg, s, full_rc) * tokens
     denom = step * lay.world * hw.peak_flops
-    comm = {"tp": _scaled(tp_c, m), "ep": _scaled(ep_c, m), "pp": pp, "dp_reduce": dp["reduce"],
-            "dp_gather": dp["gather"]}
-    time = {"compute": m * compute, "tp": m * tp_c.seconds, "ep": m * ep_c.seconds, "bubble": bubble_s,
-            "pp_p2p": pp.seconds, "dp_exposed": dp_exposed, "optimizer": optimizer_s, "nvme_io": nvme_s}
+    comm = {"tp": _scaled(tp_c, m), "cp": _scaled(cp_c, m), "ep": _scaled(ep_c, m), "pp": pp,
+            "dp_reduce": dp["reduce"], "dp_gather": dp["gather"]}
+    time = {"compute": m * compute, "tp": m * tp_c.seconds, "cp": m * cp_c.seconds, "ep": m * ep_c.seconds,
+            "bubble": bubble_s, "pp_p2p": pp.seconds, "dp_exposed": dp_exposed, "optimizer": optimizer_s,
+            "nvme_io": nvme_s}
     return Estimate(lay, mem, mem_rank, parts, step, model_flops / denom, hw_flops / denom, tokens / step, bubble,
                     (model_flops, hw_flops), comm, time)
 
