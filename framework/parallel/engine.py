@@ -138,6 +138,9 @@ class ParallelEngine:
         if self.context is not None:
             self.context.install(part)
         part.to_empty(device=self.device)
+        if self.model_cfg.tied_embeddings and part.tok_embeddings is not None and part.output is not None:
+            # to_empty gives each module its own storage: without this a pp=1 run of a tied model trains untied.
+            part.output.weight = part.tok_embeddings.weight
         part.init_weights(self.train_cfg.seed)  # per-FQN seeds: bitwise the 1-process values, any layout
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)
         mp_policy = fsdp_mp_policy(pcfg, self.train_cfg.precision)
