@@ -35,7 +35,11 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
                 ) -> torch.Tensor:
-    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32."""
+    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32.
+
+    The last axis is (cos, sin) = (real, imag): `torch.view_as_complex` reads the table as the unit complex
+    numbers e^{i t f} without a copy, which is how `apply_rope` uses it.
+    """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
     t = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     ang = torch.outer(t, inv)
@@ -45,17 +49,16 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels (interleaved, as Llama's complex formulation) by position-dependent angles.
 
-    `rope_TE2` is the (max_seq_len, E/2, 2) table (positions 0..T-1) or a per-row gather of it, (B, T, E/2, 2),
-    for positions that restart at document boundaries.
+    `rope_TE2` is the (max_seq_len, E/2, 2) fp32 table (positions 0..T-1) or a per-row gather of it,
+    (B, T, E/2, 2), for positions that restart at document boundaries. One complex multiply in fp32 (as
+    Meta's Llama and torchtitan): channel pairs (x0, x1) become x0 + i x1 times cos + i sin, both read as complex
+    views without a copy; the result equals the real-valued rotation bit for bit, at a fraction of its kernels.
     """
     b, t, h, e = x_BTHE.shape
-    xf = x_BTHE.float().reshape(b, t, h, e // 2, 2)
     table = rope_TE2[:t] if rope_TE2.dim() == 3 else rope_TE2
-    cos = table[..., None, :, 0]
-    sin = table[..., None, :, 1]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.reshape(b, t, h, e).type_as(x_BTHE)
+    rot = torch.view_as_complex(table.float()).unsqueeze(-2)  # (T, 1, E/2) or (B, T, 1, E/2)
+    x = torch.view_as_complex(x_BTHE.float().reshape(b, t, h, e // 2, 2))
+    return torch.view_as_real(x * rot).flatten(3).type_as(x_BTHE)
 
 
 class Attention(nn.Module):
@@ -64,7 +67,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.n_rep = cfg.n_heads // cfg.kv_heads
+        self.gqa = cfg.kv_heads != cfg.n_heads
         bias = cfg.mlp == "gelu"
         self.wq = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
@@ -79,14 +82,13 @@ class Attention(nn.Module):
         k = self.wk(x_BTD).view(b, t, -1, self.head_dim)
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E)
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E); k, v (B, K, T, E)
+        # GQA inside SDPA (torch >= 2.5): each group of H/K query heads reads its key/value head where it
+        # lies; no repeat_interleave copy of k and v (and of their gradients) per layer.
         if attn_mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.gqa)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 
