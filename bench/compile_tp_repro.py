@@ -8,6 +8,12 @@ inductor = + generated kernels) and each region (the whole block, attention only
     PYTHONPATH=. python bench/compile_tp_repro.py [--backends eager aot_eager inductor] [--json out.json]
 
 Prints one line per case: max |compiled - eager| over the output and over the gradients, and OK/WRONG (1e-5).
+
+`--cache-hazard` reproduces the silent failure instead: the TP2 engine with train.compile (inductor) trains 5
+steps in a fresh inductor cache directory, then again in a second program that created 3 extra process groups
+first (so its groups are numbered differently) and finds the first run's graphs in the on-disk cache. With
+`--keep-caches` (Tessera's guard, which turns those caches off under TP, disabled) the second run reduces over the
+wrong group; each run's largest (loss, grad norm) difference from the 1-process eager run is printed.
 """
 
 from __future__ import annotations
@@ -86,13 +92,71 @@ def _rank(rank: int, world: int, backends: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def _engine_run(rank: int, world: int, extra_groups: int, keep_caches: bool) -> list[tuple[float, float]]:
+    import torch.distributed as dist
+
+    import framework.train.compile as compile_mod
+    from framework.config import load_config
+    from framework.parallel.engine import build_parallel_engine
+
+    if keep_caches:
+        compile_mod._no_cross_process_caches = lambda: None  # the guard off: show what it prevents
+    for _ in range(extra_groups):
+        dist.new_group(list(range(world)))
+    cfg = load_config("configs/smoke/tiny.yaml", [*_TINY, "parallel.tp=2", "parallel.dp_shard=1",
+                                                  "train.compile=true", "train.compile_backend=inductor"])
+    return _train(build_parallel_engine(cfg, torch.device("cpu")), cfg)
+
+
+_TINY = ["train.grad_clip=0.5", "train.warmup_steps=1", "train.lr=3.0e-3"]
+
+
+def _train(engine: Any, cfg: Any, steps: int = 5) -> list[tuple[float, float]]:
+    from framework.train.schedule import lr_at
+
+    gen = torch.Generator().manual_seed(7)
+    data = torch.randint(0, cfg.model.vocab_size, (steps, cfg.train.global_batch_size, cfg.data.seq_len + 1),
+                         generator=gen)
+    out = []
+    for step in range(steps):
+        loss = engine.forward_backward(data[step].reshape(-1, cfg.train.micro_batch_size, data.shape[-1]))
+        out.append((loss, engine.clip_grad_norm(cfg.train.grad_clip)))
+        engine.optimizer_step(lr_at(cfg.train, step))
+    return out
+
+
+def cache_hazard(keep_caches: bool) -> None:
+    import tempfile
+
+    from framework.config import load_config
+    from framework.testing import run_distributed
+    from framework.train.engine import LocalEngine
+
+    cfg = load_config("configs/smoke/tiny.yaml", _TINY)
+    ref = _train(LocalEngine(cfg.model, cfg.train, torch.device("cpu")), cfg)
+    with tempfile.TemporaryDirectory() as cache:
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+        for extra in (0, 3):
+            got = run_distributed(_engine_run, 2, timeout_s=1800, env=env, extra_groups=extra,
+                                  keep_caches=keep_caches)[0]
+            diff = max(max(abs(a[0] - b[0]), abs(a[1] - b[1])) for a, b in zip(got, ref, strict=True))
+            print(f"torch {torch.__version__} TP2 inductor, {extra} extra groups, caches "
+                  f"{'kept' if keep_caches else 'off (Tessera)'}: max |compiled - eager| {diff:.2e} "
+                  f"{'OK' if diff <= 1e-5 else 'WRONG'}", flush=True)
+
+
 def main() -> None:
     from framework.testing import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", nargs="+", default=["eager", "aot_eager", "inductor"])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cache-hazard", action="store_true")
+    ap.add_argument("--keep-caches", action="store_true")
     args = ap.parse_args()
+    if args.cache_hazard:
+        cache_hazard(args.keep_caches)
+        return
     rows = run_distributed(_rank, 2, timeout_s=1200, backends=args.backends)[0]
     print(f"torch {torch.__version__}")
     for row in rows:

@@ -53,12 +53,19 @@ def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
     (B, T, E/2, 2), for positions that restart at document boundaries. One complex multiply in fp32 (as
     Meta's Llama and torchtitan): channel pairs (x0, x1) become x0 + i x1 times cos + i sin, both read as complex
     views without a copy; the result equals the real-valued rotation bit for bit, at a fraction of its kernels.
+    Under torch.compile the real-valued form is traced instead (one fused kernel).
     """
     b, t, h, e = x_BTHE.shape
-    table = rope_TE2[:t] if rope_TE2.dim() == 3 else rope_TE2
-    rot = torch.view_as_complex(table.float()).unsqueeze(-2)  # (T, 1, E/2) or (B, T, 1, E/2)
-    x = torch.view_as_complex(x_BTHE.float().reshape(b, t, h, e // 2, 2))
-    return torch.view_as_real(x * rot).flatten(3).type_as(x_BTHE)
+    table = (rope_TE2[:t] if rope_TE2.dim() == 3 else rope_TE2).float().unsqueeze(-3)  # (T|B,T, 1, E/2, 2)
+    x = x_BTHE.float().reshape(b, t, h, e // 2, 2)
+    if torch.compiler.is_compiling():
+        # Inductor generates no code for complex ops (it calls the eager kernels); the same product written
+        # out in real arithmetic fuses into the surrounding kernel.
+        cos, sin = table.unbind(-1)
+        x0, x1 = x.unbind(-1)
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(3).type_as(x_BTHE)
+    rot = torch.view_as_complex(table)
+    return torch.view_as_real(torch.view_as_complex(x) * rot).flatten(3).type_as(x_BTHE)
 
 
 class Attention(nn.Module):

@@ -62,6 +62,8 @@ def compile_blocks(layers: nn.ModuleDict, backend: str, *, tensor_parallel: bool
 
     if backend not in BACKENDS:
         raise ValueError(f"compile backend {backend!r} is not one of {BACKENDS}")
+    if tensor_parallel and backend == "inductor":
+        _no_cross_process_caches()
     regions = 0
     for key in list(layers.keys()):
         outer = layers[key]
@@ -79,6 +81,24 @@ def compile_blocks(layers: nn.ModuleDict, backend: str, *, tensor_parallel: bool
     _raise_recompile_limit(regions)
     _log_recompiles()
     return regions
+
+
+def _no_cross_process_caches() -> None:
+    """Turn off inductor's FX-graph and AOT-autograd caches (on disk, shared by every process of the machine).
+
+    A TP region's graph calls its collectives by process-group *name*, and names are handed out in creation
+    order, so they differ between layouts and programs; torch 2.13's cache keys leave them out. Measured
+    (bench/compile_tp_repro.py --cache-hazard): a TP2 run that hit the cache of an earlier run whose groups were
+    numbered differently reduced over the wrong group and trained silently wrong (loss off by 0.57 at step 5).
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    if inductor_config.fx_graph_cache or functorch_config.enable_autograd_cache:
+        log.info("train.compile with tensor parallelism: inductor's on-disk graph caches are off (their keys "
+                 "omit process-group names, so a cached TP graph can reduce over another run's group)")
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
 
 
 def _log_recompiles() -> None:
