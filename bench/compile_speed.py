@@ -27,6 +27,8 @@ from framework.train.compile import compiled_frames
 from framework.train.engine import LocalEngine
 from framework.train.schedule import lr_at
 
+HEADING = "## torch.compile vs eager on the smoke model (issue 20)"
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,7 +98,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        replace_section(args.write, "torch.compile vs eager on the smoke model (issue 20)", text)
+        replace_section(args.write, HEADING, f"{HEADING}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,9 @@ def _components(cfg: ModelConfig, x_shape: tuple[int, int], iters: int) -> dict[
     return {name: {"ms": _fwd_bwd_ms(fn, q, iters)} for name, fn in fns.items()}
 
 
+HEADING = "## Model hot paths vs torchtitan and OLMo-core (issue 20)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="smoke-3m")
@@ -160,7 +163,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        replace_section(args.write, "Model hot paths vs torchtitan and OLMo-core (issue 20)", text)
+        replace_section(args.write, HEADING, f"{HEADING}\n\n{text}\n")
 
 
 if __name__ == "__main__":

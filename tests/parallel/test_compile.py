@@ -1,8 +1,9 @@
 """`train.compile` against eager: loss and grad norm within 1e-5 at each of 5 steps, 1 process and parallel layouts.
 
 Inductor (the backend that generates kernels) runs the 1-process engine and one 2-rank layout (DP2 ZeRO-3:
-under TP each layer's regions compile separately, too slow for inductor on CI's 2 cores); `aot_eager` (AOT autograd without codegen: the layer where the TP trouble
-lives, and cheap to compile on 2 cores) runs the others. The eager reference is parallel_parity's cached
+under TP each layer's regions compile separately, too slow for inductor on CI's 2 cores; TP2 with inductor was
+measured by hand, bench/compile_tp_repro.py). `aot_eager` (AOT autograd without codegen: the layer where the TP
+trouble lives, and cheap to compile) runs the others. The eager reference is parallel_parity's cached
 1-process run of the same config without compile. Refused combinations raise at config load with the reason.
 """
 
