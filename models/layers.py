@@ -52,7 +52,7 @@ def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
     `rope_TE2` is the (max_seq_len, E/2, 2) fp32 table (positions 0..T-1) or a per-row gather of it,
     (B, T, E/2, 2), for positions that restart at document boundaries. One complex multiply in fp32 (as
     Meta's Llama and torchtitan): channel pairs (x0, x1) become x0 + i x1 times cos + i sin, both read as complex
-    views without a copy; the result equals the real-valued rotation bit for bit, at a fraction of its kernels.
+    views without a copy; the result equals the real-valued rotation to fp32 rounding, in a fraction of its kernels.
     Under torch.compile the real-valued form is traced instead (one fused kernel).
     """
     b, t, h, e = x_BTHE.shape
@@ -74,7 +74,6 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.gqa = cfg.kv_heads != cfg.n_heads
         bias = cfg.mlp == "gelu"
         self.wq = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
@@ -90,12 +89,14 @@ class Attention(nn.Module):
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E); k, v (B, K, T, E)
-        # GQA inside SDPA (torch >= 2.5): each group of H/K query heads reads its key/value head where it
-        # lies; no repeat_interleave copy of k and v (and of their gradients) per layer.
+        # GQA inside SDPA (torch >= 2.5): each group of H/K query heads reads its key/value head where it lies; no
+        # repeat_interleave copy of k and v (and of their gradients) per layer. Local head counts: under
+        # tp > n_kv_heads a rank holds one replicated KV head for its H/tp query heads.
+        gqa = q.shape[1] != k.shape[1]
         if attn_mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.gqa)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 
