@@ -41,6 +41,8 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
     """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32.
 
     `scaling`: context extension (models/rope.py); yarn also scales cos/sin by its attention factor.
+    The last axis is (cos, sin) = (real, imag): `torch.view_as_complex` reads the table as the unit complex
+    numbers e^{i t f} (times yarn's factor) without a copy, which is how `apply_rope` uses it.
     """
     inv = inv_freq(head_dim, theta, scaling, device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float64)
@@ -51,17 +53,23 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels (interleaved, as Llama's complex formulation) by position-dependent angles.
 
-    `rope_TE2` is the (max_seq_len, E/2, 2) table (positions 0..T-1) or a per-row gather of it, (B, T, E/2, 2),
-    for positions that restart at document boundaries.
+    `rope_TE2` is the (max_seq_len, E/2, 2) fp32 table (positions 0..T-1) or a per-row gather of it,
+    (B, T, E/2, 2), for positions that restart at document boundaries. One complex multiply in fp32 (as
+    Meta's Llama and torchtitan): channel pairs (x0, x1) become x0 + i x1 times cos + i sin, both read as complex
+    views without a copy; the result equals the real-valued rotation to fp32 rounding, in a fraction of its kernels.
+    Under torch.compile the real-valued form is traced instead (one fused kernel).
     """
     b, t, h, e = x_BTHE.shape
-    xf = x_BTHE.float().reshape(b, t, h, e // 2, 2)
-    table = rope_TE2[:t] if rope_TE2.dim() == 3 else rope_TE2
-    cos = table[..., None, :, 0]
-    sin = table[..., None, :, 1]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.reshape(b, t, h, e).type_as(x_BTHE)
+    table = (rope_TE2[:t] if rope_TE2.dim() == 3 else rope_TE2).float().unsqueeze(-3)  # (T|B,T, 1, E/2, 2)
+    x = x_BTHE.float().reshape(b, t, h, e // 2, 2)
+    if torch.compiler.is_compiling():
+        # Inductor generates no code for complex ops (it calls the eager kernels); the same product written
+        # out in real arithmetic fuses into the surrounding kernel.
+        cos, sin = table.unbind(-1)
+        x0, x1 = x.unbind(-1)
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(3).type_as(x_BTHE)
+    rot = torch.view_as_complex(table)
+    return torch.view_as_real(torch.view_as_complex(x) * rot).flatten(3).type_as(x_BTHE)
 
 
 class Attention(nn.Module):
@@ -70,7 +78,6 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.n_rep = cfg.n_heads // cfg.kv_heads
         bias = cfg.mlp == "gelu"
         self.wq = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
@@ -90,15 +97,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.kv_exchange is not None:
             k, v = self.kv_exchange(k, v)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E)
-        n_rep = q.shape[1] // k.shape[1]  # local heads: under tp > n_kv_heads a rank holds one replicated KV head
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E); k, v (B, K, T, E)
+        # GQA inside SDPA (torch >= 2.5): each group of H/K query heads reads its key/value head where it lies; no
+        # repeat_interleave copy of k and v (and of their gradients) per layer. Local head counts: under
+        # tp > n_kv_heads a rank holds one replicated KV head for its H/tp query heads.
+        gqa = q.shape[1] != k.shape[1]
         if attn_mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 

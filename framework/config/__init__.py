@@ -81,6 +81,12 @@ class Config:
                 f"data.seq_len={self.data.seq_len} must be divisible by parallel.tp={tp}: sequence parallelism cuts "
                 f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
                 f"parallel.sequence_parallel=false")
+        if self.train.compile:  # issue 20: only layouts whose compiled run matched eager (tests/train/test_compile.py)
+            from framework.train.compile import refusal
+
+            why = refusal(self.train.compile_backend, self.parallel, self.model)
+            if why is not None:
+                raise ParallelismError(why)
 
 
 def _resolve_model_preset(data: dict[str, Any]) -> dict[str, Any]:

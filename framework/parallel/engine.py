@@ -41,6 +41,7 @@ from framework.parallel.precision import (
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
 from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mesh, fsdp_mp_policy, set_micro_batch_sync
+from framework.train.compile import compile_blocks
 from framework.train.config import TrainConfig
 from framework.train.engine import _DTYPES, autocast, cross_entropy
 from framework.train.optim import build_optimizer
@@ -143,6 +144,8 @@ class ParallelEngine:
             part.output.weight = part.tok_embeddings.weight
         part.init_weights(self.train_cfg.seed)  # per-FQN seeds: bitwise the 1-process values, any layout
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)
+        if self.train_cfg.compile:  # after TP and recompute, before FSDP (whose hooks stay outside the graphs)
+            compile_blocks(part.layers, self.train_cfg.compile_backend, tensor_parallel=dims.tp > 1)
         mp_policy = fsdp_mp_policy(pcfg, self.train_cfg.precision)
         # MoE (issue 5): experts FSDP-sharded over the edp ranks (before FSDP wraps their blocks), or hand-synced
         self.moe.shard(part, mp_policy=mp_policy)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from framework.errors import ConfigError
 from framework.plan.estimate import Estimate
-from framework.plan.hardware import GIB, HARDWARE, Hardware, get_hardware, parse_overrides
+from framework.plan.hardware import GIB, HARDWARE, Hardware, get_hardware, load_calibration, parse_overrides
 from framework.plan.layout import SCHEDULES, Precision, Workload
 from framework.plan.search import (
     DEFAULT_SCHEDULES,
@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="h100-80g", choices=sorted(HARDWARE))
     p.add_argument("--hw", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a hardware-table field, e.g. ib_gbps=25 or mm_efficiency=0.5")
+    p.add_argument("--calibration", metavar="JSON",
+                   help="a GPU check's calibration (bench/gpu_check.sh: gpu_calibration.json): its measured "
+                        "mm_efficiency replaces the table's; explicit --hw still wins")
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
@@ -158,7 +161,10 @@ def report(work: Workload, result: PlanResult, hw: Hardware, space: SearchSpace,
 def run(args: argparse.Namespace) -> int:
     """Handler of `tessera plan`: search, print the report, optionally check parameters and write a config."""
     cfg = model_from_args(args)
-    hw = get_hardware(args.gpu, parse_overrides(args.hw))
+    overrides = parse_overrides(args.hw)
+    if args.calibration:
+        overrides = {**load_calibration(args.calibration, args.gpu), **overrides}
+    hw = get_hardware(args.gpu, overrides)
     space = space_from_args(args)
     work = Workload(cfg, args.seq, args.global_batch, Precision.named(args.precision), args.kernel,
                     args.activations)

@@ -47,6 +47,12 @@ class TrainConfig:
     eval_batches: int = 4
     deterministic: bool = True
     """Deterministic algorithms (bitwise-reproducible runs on CPU)."""
+    compile: bool = False
+    """torch.compile each transformer block (framework/train/compile.py); layouts it is not proved for are
+    refused at config load."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """inductor: generated kernels (the speed-up); aot_eager: AOT autograd without codegen (cheap to compile,
+    for checks); eager: dynamo only."""
 
     def validate(self) -> None:
         if self.steps < 1:
