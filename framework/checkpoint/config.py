@@ -52,6 +52,9 @@ class CheckpointConfig:
     """Write checkpoints from a background thread (training continues; at most one save in flight)."""
     verify: Literal["checksum", "size", "none"] = "checksum"
     """What a load checks against the manifest: sizes and xxh3 checksums, sizes only, or nothing."""
+    start_over: bool = False
+    """When the run directory holds checkpoints and none verifies, move them aside (checkpoints/invalid-<time>/)
+    and start at step 0 instead of refusing to start. A valid checkpoint is always resumed."""
     allow_model_change: bool = False
     """Resume even though model.* differs from the checkpoint's (e.g. after a deliberate fine-tune change)."""
     allow_data_change: bool = False

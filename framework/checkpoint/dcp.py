@@ -17,9 +17,11 @@ an allow-listed unpickler (framework/checkpoint/storage.py), everything else is 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -148,12 +150,14 @@ def commit(root: Path, step: int, meta: dict[str, Any], pg: ProcessGroup = None,
         # meta may name another world size (an offline conversion keeps the saving layout's)
         (tmp / "meta.json").write_text(json.dumps({"world_size": world, **meta, "step": step}, indent=1))
         write_manifest(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # an earlier save of this step (before a rollback or a fallback): kept, not deleted
+            moved = move_aside(root, [final], "replaced")
+            logging.getLogger("tessera.checkpoint").warning(
+                "checkpoint %s existed and was moved to %s before this save replaced it", final, moved)
         os.replace(tmp, final)
         write_latest(root, final.name)
         if keep_last:
-            prune_checkpoints(root, keep_last, keep_every)
+            prune_checkpoints(root, keep_last, keep_every, newest=step)
     barrier(pg)
     return final
 
@@ -181,9 +185,13 @@ def remove_partial_saves(root: Path) -> list[Path]:
     return stale
 
 
-def prune_checkpoints(root: Path, keep_last: int, keep_every: int) -> list[Path]:
-    """Delete committed checkpoints beyond the newest `keep_last`, keeping every `keep_every`-th step."""
+def prune_checkpoints(root: Path, keep_last: int, keep_every: int, newest: int | None = None) -> list[Path]:
+    """Delete committed checkpoints older than `newest` (the one just committed) beyond the newest `keep_last`,
+    keeping every `keep_every`-th step. Checkpoints with later steps (an earlier run's, kept after a fallback)
+    are never pruned: only a checkpoint that was just superseded can go."""
     steps = sorted(s for p in root.glob("step_*") if (s := step_of(p)) is not None)
+    if newest is not None:
+        steps = [s for s in steps if s <= newest]
     doomed = [s for s in steps[:-keep_last] if not (keep_every and s % keep_every == 0)]
     removed = []
     for s in doomed:
@@ -191,6 +199,16 @@ def prune_checkpoints(root: Path, keep_last: int, keep_every: int) -> list[Path]
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
+
+
+def move_aside(root: Path, paths: Sequence[Path], why: str, with_latest: bool = False) -> Path:
+    """Move checkpoint directories (and `latest`) into `root/<why>-<time>/` instead of deleting them."""
+    dest = root / f"{why}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    dest.mkdir(parents=True)
+    for p in [*paths, *([root / LATEST] if with_latest else [])]:
+        if p.exists():
+            os.replace(p, dest / p.name)
+    return dest
 
 
 # --- load ----------------------------------------------------------------------------------------------------
@@ -259,5 +277,5 @@ def candidates(root: Path) -> list[Path]:
 
 
 __all__ = ["LATEST", "VerifyMode", "barrier", "begin_save", "candidates", "commit", "latest_checkpoint",
-           "load_checkpoint", "load_state", "prune_checkpoints", "read_meta", "remove_partial_saves",
+           "load_checkpoint", "load_state", "move_aside", "prune_checkpoints", "read_meta", "remove_partial_saves",
            "save_checkpoint", "set_rng_state", "step_dir_name", "training_state", "write_shards"]

@@ -38,15 +38,41 @@ def verify_checkpoint(path: Path, mode: VerifyMode = "checksum") -> None:
     verify_manifest(path, mode)
 
 
-def find_valid_checkpoint(root: Path, mode: VerifyMode = "checksum") -> Path | None:
-    """The newest checkpoint under `root` that verifies, warning about each one skipped (this process only)."""
+def find_valid_checkpoint(root: Path, mode: VerifyMode = "checksum",
+                          failures: list[tuple[Path, str]] | None = None) -> Path | None:
+    """The newest checkpoint under `root` that verifies, warning about each one skipped (this process only).
+
+    `failures`, when given, collects (checkpoint, why) for every checkpoint that did not verify.
+    """
     for path in ckpt.candidates(root):
         try:
             verify_checkpoint(path, mode)
             return path
         except CheckpointError as err:
             log.warning("skipping checkpoint %s: %s; falling back to the previous one", path.name, err)
+            if failures is not None:
+                failures.append((path, str(err)))
     return None
+
+
+def refuse_or_move_aside(root: Path, failures: list[tuple[Path, str]], start_over: bool) -> None:
+    """Checkpoints exist but none verifies: never train over them silently.
+
+    Raises:
+        CheckpointError: naming each checkpoint and why it failed, unless `start_over` (then they are moved aside).
+    """
+    existing = [p for p, _ in failures if p.is_dir()]
+    if start_over:
+        dest = ckpt.move_aside(root, existing, "invalid", with_latest=True)
+        log.warning("checkpoint.start_over=true: no checkpoint verified; moved %s to %s and starting at step 0",
+                    ", ".join(p.name for p in existing) or "`latest`", dest)
+        return
+    named = "\n".join(f"  {p.name}: {why}" for p, why in failures)
+    raise CheckpointError(
+        f"{root} holds {len(failures)} checkpoint(s) and none verifies:\n{named}\nnothing was deleted. Restore "
+        f"the files (a shared filesystem may still be syncing), or check with checkpoint.verify=size; to start "
+        f"over on purpose set checkpoint.start_over=true (they are moved aside to {root}/invalid-<time>/, not "
+        f"deleted)")
 
 
 def _diff(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
@@ -108,16 +134,31 @@ class CheckpointManager:
         ckpt.barrier()
 
     def resume_point(self) -> Path | None:
-        """The newest valid checkpoint (rank 0 verifies; every rank gets its choice), or None."""
+        """The newest valid checkpoint (rank 0 verifies; every rank gets its choice), or None.
+
+        Raises:
+            CheckpointError: checkpoints exist but none verifies (see `refuse_or_move_aside`).
+        """
         self.wait()  # a rollback may come while a save is in flight: let it commit (or fail) first
-        step = -1
+        step, refusal = -1, None
         if self.rank == 0:
-            path = find_valid_checkpoint(self.root, self.cfg.verify)
+            failures: list[tuple[Path, str]] = []
+            path = find_valid_checkpoint(self.root, self.cfg.verify, failures)
             step = -1 if path is None else int(ckpt.step_of(path) or 0)
+            if path is None and failures:
+                try:
+                    refuse_or_move_aside(self.root, failures, self.cfg.start_over)
+                except CheckpointError as err:
+                    refusal, step = err, -2
         if dist.is_available() and dist.is_initialized():
             t = torch.tensor([step], dtype=torch.int64)
             dist.broadcast(t, src=0)
             step = int(t.item())
+        if refusal is not None:
+            raise refusal
+        if step == -2:
+            raise CheckpointError(f"rank 0 found no valid checkpoint in {self.root} and refused to start; its "
+                                  f"log names each checkpoint and why")
         return None if step < 0 else self.root / ckpt.step_dir_name(step)
 
     def load(self, path: Path, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] | None,

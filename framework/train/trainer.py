@@ -62,7 +62,8 @@ class TrainResult:
     mean_step_time_s: float = 0.0
     eval: dict[str, float] = field(default_factory=dict)
     exit_code: int = 0
-    """checkpoint.requeue_exit_code after a SIGTERM/SIGUSR1 stop (the checkpoint has committed), else 0."""
+    """checkpoint.requeue_exit_code after a SIGTERM/SIGUSR1 stop, 130 after SIGINT (the checkpoint has committed
+    either way), else 0."""
 
     @property
     def first_loss(self) -> float:
@@ -280,14 +281,15 @@ class Trainer:
         return t_save
 
     def _stop_for_requeue(self, result: TrainResult) -> float:
-        """A stop signal reached some rank: make sure this step is committed, then report the requeue code."""
+        """A stop signal reached some rank: make sure this step is committed, then report the exit code."""
         t_save = 0.0
         if self.ft.manager.last_saved_step != self.step:
             t_save = self._timed_save(blocking=True)
         self.ft.manager.wait()
         result.exit_code = self.ft.exit_code
-        log.warning("stopping at step %d on %s: checkpoint committed; exit code %d (requeue)", self.step,
-                    self.ft.stop_reason, result.exit_code)
+        why = "requeue" if result.exit_code == self.cfg.checkpoint.requeue_exit_code else "interrupted: not requeued"
+        log.warning("stopping at step %d on %s: checkpoint committed; exit code %d (%s); run the same command "
+                    "again to resume", self.step, self.ft.stop_reason, result.exit_code, why)
         return t_save
 
     def train(self, stop_at: int | None = None) -> TrainResult:
@@ -301,6 +303,11 @@ class Trainer:
         log.info("training %s from step %d to %d on %d rank(s), %s", self.cfg.run.name, self.step,
                  self.cfg.train.steps, self.world, self.device)
         end = min(self.cfg.train.steps, stop_at) if stop_at is not None else self.cfg.train.steps
+        if self.step >= end:
+            log.info("%s is already at step %d (target %d): nothing to train", self.cfg.run.name, self.step, end)
+            for sink in self.sinks:
+                sink.close()
+            return result
         with self.ft.running():
             while self.step < end:
                 record = self.train_step()
