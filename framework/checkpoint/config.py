@@ -25,6 +25,9 @@ class GuardConfig:
     """Spikes are only judged once the window holds this many losses (early training moves fast)."""
     max_consecutive: int = 3
     """After this many skipped steps in a row, roll back to the last checkpoint and skip that data window."""
+    max_rollbacks: int = 3
+    """Stop the run with an error (not the requeue code) after this many rollbacks, or at the second rollback to
+    the same checkpoint: a divergence that survives skipping its data needs a person (lower the LR, fix data)."""
 
     def validate(self) -> None:
         if self.zscore < 0:
@@ -35,6 +38,9 @@ class GuardConfig:
                 f"2 <= min_history <= window; e.g. window=50, min_history=10")
         if self.max_consecutive < 1:
             raise ConfigError(f"checkpoint.guard.max_consecutive={self.max_consecutive} must be >= 1")
+        if self.max_rollbacks < 0:
+            raise ConfigError(f"checkpoint.guard.max_rollbacks={self.max_rollbacks} must be >= 0 (0: stop at the "
+                              f"first rollback)")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -155,9 +155,10 @@ def commit(root: Path, step: int, meta: dict[str, Any], pg: ProcessGroup = None,
             logging.getLogger("tessera.checkpoint").warning(
                 "checkpoint %s existed and was moved to %s before this save replaced it", final, moved)
         os.replace(tmp, final)
-        write_latest(root, final.name)
-        if keep_last:
-            prune_checkpoints(root, keep_last, keep_every, newest=step)
+        if not meta.get("guard_suspect"):  # taken while the loss guard was skipping: kept, never `latest`
+            write_latest(root, final.name)
+            if keep_last:
+                prune_checkpoints(root, keep_last, keep_every, newest=step)
     barrier(pg)
     return final
 

@@ -47,6 +47,9 @@ def find_valid_checkpoint(root: Path, mode: VerifyMode = "checksum",
     for path in ckpt.candidates(root):
         try:
             verify_checkpoint(path, mode)
+            if ckpt.read_meta(path).get("guard_suspect"):
+                log.info("passing over %s: it was taken while the loss guard was skipping steps", path.name)
+                continue
             return path
         except CheckpointError as err:
             log.warning("skipping checkpoint %s: %s; falling back to the previous one", path.name, err)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
-from framework.errors import ConfigError
+from framework.errors import ConfigError, DivergenceError
 from framework.train.documents import resolve_documents
 from framework.train.engine import Engine, LocalEngine, resolve_device
 from framework.train.run_dir import RunDir, get_logger, setup_logging
@@ -175,15 +175,29 @@ class Trainer:
         return meta
 
     def rollback(self) -> None:
-        """After `guard.max_consecutive` skipped steps: reload the last checkpoint, skip the bad data window."""
+        """After `guard.max_consecutive` skipped steps: reload the last checkpoint, skip the bad data window.
+
+        Raises:
+            DivergenceError: past checkpoint.guard.max_rollbacks, or at a second rollback to the same checkpoint.
+        """
         bad_step, consumed = self.step, self.loader.consumed_samples
         path = self.ft.manager.resume_point()
         guard = self.ft.guard
-        counters = guard.skipped_total, guard.rollbacks
+        target = path.name if path else ""
+        refusal = guard.rollback_refusal(target)
+        if refusal is not None:
+            self.log_record({"type": "guard_stop", "step": self.step, "rollbacks": guard.rollbacks,
+                             "skipped_total": guard.skipped_total, "reason": refusal})
+            raise DivergenceError(
+                f"the loss guard skipped {guard.cfg.max_consecutive} steps in a row up to step {bad_step} again and "
+                f"stops the run: {refusal}. Training diverges whatever data it skips: lower train.lr (now "
+                f"{self.cfg.train.lr:g}) or raise train.warmup_steps, check the data, then resume (the checkpoints "
+                f"are intact); metrics.jsonl has a guard_stop record")
+        counters = guard.skipped_total, guard.rollbacks, dict(guard.rollback_targets)
         if path is not None:
             self._load(path)
-        guard.skipped_total, guard.rollbacks = counters  # cumulative over the run, not restored
-        guard.rolled_back()
+        guard.skipped_total, guard.rollbacks, guard.rollback_targets = counters  # cumulative over the run
+        guard.rolled_back(target)
         window = [self.loader.consumed_samples, consumed]
         self.loader.load_state_dict({"consumed_samples": consumed})  # continue after the offending samples
         log.warning("guard: %d bad steps in a row up to step %d; rolled back to %s and skipped samples [%d, %d)",
@@ -261,10 +275,16 @@ class Trainer:
         """Checkpoint this step (in the background with checkpoint.async_save unless `blocking`)."""
         meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
                 "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict()}
+        if self.ft.guard.skipping:  # taken right after a skipped step: never `latest`, never a rollback target
+            meta["guard_suspect"] = True
+            log.warning("checkpoint of step %d is taken while the loss guard is skipping steps: it is kept but "
+                        "marked suspect and will not be resumed from or rolled back to", self.step)
         self.ft.manager.save(self.step, self.engine.model_parts, self.engine.optimizers, meta, blocking=blocking)
 
     def _should_save(self) -> bool:
         interval = self.cfg.checkpoint.interval
+        if self.ft.guard.skipping and self.step != self.cfg.train.steps:
+            return False  # the weights may be diverging: the next accepted step's interval save will do
         return (interval > 0 and self.step % interval == 0) or (
             self.step == self.cfg.train.steps and self.cfg.checkpoint.save_final)
 

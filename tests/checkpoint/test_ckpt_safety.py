@@ -3,6 +3,7 @@ the newest commit superseded, verify by size when xxhash is missing (one process
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,46 @@ def test_a_commit_over_an_existing_step_moves_it_aside(tmp_path: Path) -> None:
     assert dcp.read_meta(tmp_path / "step_3")["value"] == 2.0
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("replaced-")]
     assert len(aside) == 1 and dcp.read_meta(aside[0] / "step_3")["value"] == 1.0
+
+
+def test_guard_stops_a_persistent_divergence(tmp_path: Path) -> None:
+    """train.lr=1000: the guard rolls back, the divergence returns, the run stops with DivergenceError (exit 2,
+    not the requeue code) within a bounded number of steps, and metrics.jsonl says why."""
+    from framework.cli import main
+
+    run = tmp_path / "run"
+    code = main(["train", str(TINY), f"run.dir={run}", "train.lr=1000", "train.steps=200", "checkpoint.interval=2",
+                 "train.eval_interval=0", "checkpoint.guard.max_rollbacks=2"])
+    assert code == 2
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    stops = [r for r in records if r["type"] == "guard_stop"]
+    assert len(stops) == 1 and stops[0]["reason"] and len([r for r in records if r["type"] == "rollback"]) <= 2
+    assert len([r for r in records if r["type"] == "train"]) < 30  # bounded: never the 200 steps
+    latest = (run / "checkpoints/latest").read_text().strip()
+    assert not dcp.read_meta(run / "checkpoints" / latest).get("guard_suspect")
+
+
+def test_rollback_refusals_and_suspect_checkpoints(tmp_path: Path) -> None:
+    import torch
+
+    from framework.checkpoint.config import GuardConfig
+    from framework.checkpoint.guard import LossGuard
+    from framework.checkpoint.manager import find_valid_checkpoint
+
+    guard = LossGuard(GuardConfig(max_rollbacks=2))
+    assert guard.rollback_refusal("step_4") is None
+    guard.rolled_back("step_4")
+    assert "already happened" in (guard.rollback_refusal("step_4") or "")
+    assert guard.rollback_refusal("step_6") is None
+    guard.rolled_back("step_6")
+    assert "max_rollbacks=2" in (guard.rollback_refusal("step_8") or "")
+    clone = LossGuard(guard.cfg)
+    clone.load_state_dict(guard.state_dict())
+    assert clone.rollback_targets == {"step_4": 1, "step_6": 1}
+
+    for step, suspect in ((2, False), (4, True)):
+        tmp = dcp.begin_save(tmp_path, step)
+        dcp.write_shards({"model": {"w": torch.ones(2)}}, tmp)
+        dcp.commit(tmp_path, step, {"guard_suspect": suspect}, keep_last=1)
+    assert (tmp_path / "latest").read_text().strip() == "step_2"  # not pruned, not replaced by the suspect one
+    assert (tmp_path / "step_4").is_dir() and find_valid_checkpoint(tmp_path) == tmp_path / "step_2"
