@@ -32,6 +32,7 @@ from data_pipeline.stages import (
 from data_pipeline.tokenizer import Tokenizer, sample_lines, train_sentencepiece
 from framework.config.core import to_dict
 from framework.errors import DataError
+from framework.locks import build_locks
 
 STAGES = ("ingest", "exact", "minhash", "near", "tokenizer", "tokenize", "manifest")
 
@@ -187,6 +188,7 @@ def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0
         return dict(json.loads((out / MANIFEST).read_text()))
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    _locks = build_locks(work, stages, task)  # held until this function returns (framework/locks.py)
     all_counts = {}
     for i, src in enumerate(cfg.sources):
         if "ingest" in stages and i % tasks == task:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
 from framework.errors import ConfigError, DivergenceError
+from framework.locks import DirLock
 from framework.train.documents import resolve_documents
 from framework.train.engine import Engine, LocalEngine, resolve_device
 from framework.train.run_dir import RunDir, get_logger, setup_logging
@@ -313,7 +314,20 @@ class Trainer:
         return t_save
 
     def train(self, stop_at: int | None = None) -> TrainResult:
-        """Run (or resume) to `train.steps` — or stop early after step `stop_at`; returns a summary."""
+        """Run (or resume) to `train.steps` — or stop early after step `stop_at`; returns a summary.
+
+        Raises:
+            ConfigError: another job is training in this run directory (its lock names the holder).
+        """
+        lock = DirLock(self.run_dir.path / ".lock", what="training job", error=ConfigError)
+        if self.rank == 0:  # one lock per job: rank 0 holds it for all ranks
+            lock.acquire()
+        try:
+            return self._train(stop_at)
+        finally:
+            lock.release()
+
+    def _train(self, stop_at: int | None) -> TrainResult:
         if self.rank == 0:
             self.run_dir.write_config(dump_config(self.cfg))
         self.ft.manager.remove_partial_saves()
