@@ -120,9 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TesseraError as err:
         print(f"tessera: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-    except stop_signals.StopSignal as stop:
-        print(f"tessera: stopped by {stop} before anything needed saving; exit code {stop.exit_code}",
-              file=sys.stderr)
+    except stop_signals.RunStopped as stop:
+        print(f"tessera: {stop}", file=sys.stderr)
         return stop.exit_code
     finally:
         handlers.restore()

@@ -38,14 +38,31 @@ def stop_kind(signum: int) -> int:
     return INTERRUPT if signum == signal.SIGINT else REQUEUE
 
 
-class StopSignal(BaseException):
-    """A stop signal arrived outside the training loop (nothing to save). A BaseException, like
-    KeyboardInterrupt, so that `except Exception` in library code does not swallow it."""
+class RunStopped(BaseException):
+    """A command stops early on purpose with `exit_code` (requeue or 130), e.g. a driver whose run was signalled:
+    it must not go on to its next run. A BaseException, like KeyboardInterrupt, so that `except Exception` in
+    library code does not swallow it; `tessera` prints the message as one line and exits with the code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopSignal(RunStopped):
+    """A stop signal arrived outside the training loop (nothing to save)."""
 
     def __init__(self, signum: int, requeue_exit_code: int) -> None:
-        super().__init__(signal.Signals(signum).name)
+        code = INTERRUPT_EXIT_CODE if stop_kind(signum) == INTERRUPT else requeue_exit_code
+        super().__init__(f"stopped by {signal.Signals(signum).name} before anything needed saving; exit code "
+                         f"{code}", code)
         self.signum = signum
-        self.exit_code = INTERRUPT_EXIT_CODE if stop_kind(signum) == INTERRUPT else requeue_exit_code
+
+
+def check_stopped(exit_code: int, what: str) -> None:
+    """A driver's guard after each run: raise RunStopped when the run ended on a stop signal (nonzero code)."""
+    if exit_code:
+        raise RunStopped(f"{what} stopped on a signal (its checkpoint is committed); exit code {exit_code}; run "
+                         f"the same command again to continue where it stopped", exit_code)
 
 
 _ACTIVE: list[StopSignals] = []
