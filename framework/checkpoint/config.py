@@ -61,6 +61,12 @@ class CheckpointConfig:
     start_over: bool = False
     """When the run directory holds checkpoints and none verifies, move them aside (checkpoints/invalid-<time>/)
     and start at step 0 instead of refusing to start. A valid checkpoint is always resumed."""
+    steps_change: Literal["refuse", "reshape"] = "refuse"
+    """Resuming with a different train.steps: refuse (the LR schedule depends on the total), or reshape: recompute
+    the schedule for the new total from the resumed step on (the LR jump is logged). A constant schedule needs
+    neither."""
+    allow_batch_size_change: bool = False
+    """Resume even though train.global_batch_size differs (training continues from the same sample)."""
     allow_model_change: bool = False
     """Resume even though model.* differs from the checkpoint's (e.g. after a deliberate fine-tune change)."""
     allow_data_change: bool = False

@@ -8,6 +8,7 @@ after the resumed step are dropped so the file always reads as one run.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -154,6 +155,14 @@ class Trainer:
                 f"({data.vocab_size}); set model.vocab_size={data.vocab_size} or larger")
         return data
 
+    def _data_build(self) -> str | None:
+        """The fingerprint of the data build's manifest (None for synthetic data): resume rules compare it."""
+        build_dir = getattr(self.data, "build_dir", None)
+        manifest = Path(build_dir) / "manifest.json" if build_dir else None
+        if manifest is None or not manifest.is_file():
+            return None
+        return str(json.loads(manifest.read_text()).get("fingerprint"))
+
     def resume(self) -> bool:
         """Load the newest valid checkpoint (and checkpoint.resume); truncate metrics after it. True if resumed."""
         if not self.cfg.checkpoint.resume:
@@ -169,7 +178,7 @@ class Trainer:
 
     def _load(self, path: Path) -> dict[str, Any]:
         meta = self.ft.manager.load(path, self.engine.model_parts, self.engine.optimizers, to_dict(self.cfg),
-                                    self.data.fingerprint)
+                                    self.data.fingerprint, data_build=self._data_build())
         self.step = int(meta["step"])
         self.loader.load_state_dict(meta["loader"])
         self.ft.guard.load_state_dict(meta.get("guard"))
@@ -275,7 +284,8 @@ class Trainer:
     def save(self, blocking: bool = False) -> None:
         """Checkpoint this step (in the background with checkpoint.async_save unless `blocking`)."""
         meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
-                "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict()}
+                "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict(),
+                "data_build": self._data_build()}
         if self.ft.guard.skipping:  # taken right after a skipped step: never `latest`, never a rollback target
             meta["guard_suspect"] = True
             log.warning("checkpoint of step %d is taken while the loss guard is skipping steps: it is kept but "
