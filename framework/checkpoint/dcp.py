@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import time
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -131,11 +133,34 @@ def begin_save(root: Path, step: int, pg: ProcessGroup = None) -> Path:
     return tmp
 
 
+def dcp_cause(err: BaseException) -> str:
+    """One line for a DCP failure: torch's CheckpointException carries each rank's exception and traceback."""
+    prefix = ""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (exc, _) = next(iter(err.failures.items()))
+        prefix, err = f"rank {rank}: ", exc
+    text = str(err)
+    if isinstance(err, pickle.UnpicklingError):  # torch's message advises an unsafe retry: never do that
+        detail = (text.partition("WeightsUnpickler error:")[2].strip().splitlines() or ["unpickling failed"])[0]
+        return (f"{prefix}the tensor data is corrupt or not plain tensors ({detail}); Tessera only loads tensors "
+                f"safely: restore the file or resume from another checkpoint")
+    return f"{prefix}{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def write_shards(state: dict[str, Any], tmp: Path, pg: ProcessGroup = None) -> None:
-    """Every rank writes its shards of `state` into `tmp` (DCP plans which rank writes replicated tensors)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
-        dcp.save(state, checkpoint_id=str(tmp), process_group=pg, no_dist=not dist.is_initialized())
+    """Every rank writes its shards of `state` into `tmp` (DCP plans which rank writes replicated tensors).
+
+    Raises:
+        CheckpointError: naming `tmp` and the cause (a full disk, a permission), for every DCP failure — torch's
+            CheckpointException derives from BaseException and would escape `except Exception`.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
+            dcp.save(state, checkpoint_id=str(tmp), process_group=pg, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(f"could not save checkpoint {tmp}: {dcp_cause(err)}; check free space and "
+                              f"permissions under {tmp.parent}; the previous checkpoint stays `latest`") from err
 
 
 def commit(root: Path, step: int, meta: dict[str, Any], pg: ProcessGroup = None, keep_last: int = 0,
@@ -231,9 +256,9 @@ def load_state(path: Path, state: dict[str, Any]) -> None:
                      no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
-    except Exception as err:
-        raise CheckpointError(f"could not load checkpoint {path}: {err}; check the directory is complete and the "
-                              f"model matches the checkpoint (tessera ckpt inspect {path})") from err
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(f"could not load checkpoint {path}: {dcp_cause(err)}; check the directory is complete "
+                              f"and the model matches the checkpoint (tessera ckpt inspect {path})") from err
 
 
 def load_checkpoint(path: Path, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] | None,
