@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from framework.checkpoint import signals as stop_signals
 
@@ -49,11 +50,27 @@ def init_distributed(timeout_s: float | None = None) -> None:
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
 
 
+def check_launched(cfg: Any, config: str, overrides: Sequence[str]) -> None:
+    """A layout of several ranks started as one process: say which command runs it (before any setup)."""
+    from framework.errors import ParallelismError
+    from launch.env import dist_env
+    from launch.local import ranks_needed
+
+    p = cfg.parallel
+    needed = ranks_needed(p)
+    if needed > 1 and not dist_env().is_distributed:
+        raise ParallelismError(
+            f"parallel layout tp={p.tp} pp={p.pp} cp={p.cp} dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
+            f"needs {needed} ranks but `tessera train` runs as one process here; run it with: tessera launch local "
+            f"--nproc {needed} {' '.join([config, *overrides])} (or under SLURM: tessera launch slurm)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from framework.config import load_config
     from framework.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    check_launched(cfg, args.config, args.overrides)
     handlers = stop_signals.active()
     if handlers is not None:
         handlers.requeue_exit_code = cfg.checkpoint.requeue_exit_code

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from framework.config import Config
@@ -24,8 +24,12 @@ def layout_world(config: str, overrides: Sequence[str]) -> int:
     """The smallest world size the config's layout needs (dp_shard=-1 counts as 1)."""
     from framework.config import load_config
 
-    p = load_config(config, overrides).parallel
-    return p.tp * p.pp * p.cp * p.dp_replicate * max(p.dp_shard, 1)
+    return ranks_needed(load_config(config, overrides).parallel)
+
+
+def ranks_needed(p: Any) -> int:
+    """The smallest world size of a ParallelConfig (dp_shard=-1 counts as 1)."""
+    return int(p.tp * p.pp * p.cp * p.dp_replicate * max(p.dp_shard, 1))
 
 
 def validate(config: str, overrides: Sequence[str], nproc: int) -> Config:
@@ -39,6 +43,10 @@ def validate(config: str, overrides: Sequence[str], nproc: int) -> Config:
         raise ParallelismError(f"--nproc {nproc} must be >= 1 (the number of ranks on this node); for this config "
                                f"use --nproc {layout_world(config, overrides)}")
     cfg = load_config(config, overrides)
+    if cfg.data.kind == "build" and cfg.data.build_dir:
+        from data_pipeline.prepare import read_manifest
+
+        read_manifest(cfg.data.build_dir)  # DataError now, not in every rank after launch
     micro_batches(ParallelDims.from_config(cfg.parallel, nproc, cfg.model), cfg.train, cfg.parallel.pp_schedule)
     return cfg
 

@@ -50,3 +50,19 @@ def test_dcp_failures_are_checkpoint_errors_with_path_and_cause(tmp_path: Path) 
     blocked.write_text("a file where the checkpoint directory should be")
     with pytest.raises(CheckpointError, match=rf"could not save checkpoint {blocked / 'x'}: .+"):
         dcp.write_shards({"model": {"w": torch.ones(4)}}, blocked / "x")
+
+
+def test_multi_rank_layout_as_one_process_names_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from framework.cli import main
+
+    assert main(["train", str(TINY), "parallel.tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "ParallelismError" in err and f"tessera launch local --nproc 2 {TINY} parallel.tp=2" in err
+
+
+def test_launch_local_finds_a_missing_build_before_launch(tmp_path: Path) -> None:
+    from framework.errors import DataError
+    from launch.local import validate
+
+    with pytest.raises(DataError, match="is not a finished data build"):
+        validate(str(TINY), ["data.kind=build", f"data.build_dir={tmp_path / 'nope'}"], 1)
