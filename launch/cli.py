@@ -65,7 +65,11 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     if gpus and procs % degrees["tp"]:
         print(f"tessera: warning: parallel.tp={degrees['tp']} does not divide {procs} ranks per node, so tensor-"
               f"parallel groups span nodes and every layer's collectives cross the network", file=sys.stderr)
-    script = render_sbatch(cfg, spec, args.config, list(args.overrides), python=sys.executable, degrees=degrees)
+    program = None
+    if args.stop_at is not None:
+        program = ["-m", "framework.cli", "train", args.config, *args.overrides, "--stop-at", str(args.stop_at)]
+    script = render_sbatch(cfg, spec, args.config, list(args.overrides), python=sys.executable, degrees=degrees,
+                           program=program)
     if args.dry_run:
         sys.stdout.write(script)
         return 0
@@ -96,6 +100,7 @@ def _register_slurm(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="seconds before the time limit at which SIGUSR1 asks the trainer to save and requeue")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="OPT",
                    help="extra #SBATCH option, verbatim (repeatable), e.g. --sbatch-arg=--qos=high")
+    p.add_argument("--stop-at", type=int, default=None, help="the job stops (and checkpoints) after this step")
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
     p.set_defaults(func=cmd_slurm)
 

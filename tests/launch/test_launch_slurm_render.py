@@ -138,7 +138,8 @@ def test_cpus_per_rank_defaults_to_the_nodes_cores(capsys: pytest.CaptureFixture
 
     monkeypatch.setattr(launch.slurm, "node_cpus", lambda partition: 32)
     assert main(["launch", "slurm", "configs/smoke/tiny.yaml", "--nodes", "2", "--procs-per-node", "4",
-                 "--time", "30", "--dry-run", "run.dir=/tmp/x"]) == 0
+                 "--time", "30", "--dry-run", "run.dir=/tmp/x", "--stop-at", "5"]) == 0
     out = capsys.readouterr()
+    assert "train configs/smoke/tiny.yaml run.dir=/tmp/x --stop-at 5" in out.out
     assert "--cpus-per-task=8" in out.out and "OMP_NUM_THREADS=8" in out.out
     assert "run.dir=/tmp/x looks node-local" in out.err
