@@ -2,12 +2,17 @@
 ZeRO paper (Rajbhandari et al. 2020), at 1 and 4 micro-batches.
 
     PYTHONPATH=. python bench/zero_comm_memory.py [--ranks 4] [--layers 16] [--write docs/BENCHMARKS.md]
+    PYTHONPATH=. python bench/zero_comm_memory.py --bf16-only [--write docs/BENCHMARKS.md]   # issue 21 only
 
 All ranks run in one process group; each case builds the engine of `parallel.zero_stage` on the same ranks
 (stage 0: dp_replicate = N; stages 1-3: dp_shard = N), runs one warm-up step (creates the AdamW states and
 FSDP's buffers) and measures the second. Model: test-tiny widened to `--layers` blocks with a 128-token
 vocabulary, so that the root FSDP unit (embedding + final norm + head) is a few percent of the parameters, as
 in a real model, instead of a third. fp32 parameters, gradients and AdamW states (no mixed precision).
+
+bf16 all-gathers (issue 21, its own section): ZeRO-3 at m = 1 under train.precision=bf16, with the default
+FSDP2 MixedPrecisionPolicy (bf16 parameter all-gathers, fp32 gradient reduce-scatters) and with
+parallel.fsdp_mixed_precision=false (fp32 all-gathers): the bytes and the dtypes of the buffers actually moved.
 
 Communication: `framework.parallel.comm.CommLogger` counts every collective on the data-parallel axes (ring
 wire bytes per rank). Memory: `framework.parallel.memory` is sampled before and after every module's forward,
@@ -33,6 +38,10 @@ from bench.sections import replace_section
 from framework.parallel.memory import fsdp_units, model_state_report, working_copy_bytes
 
 SECTION = "## ZeRO communication and memory (issue 3)"
+BF16_SECTION = "## bf16 ZeRO-3 parameter all-gathers (issue 21)"
+BF16_CASES = {"bf16 all-gather (default)": ("train.precision=bf16",),
+              "fp32 all-gather (fsdp_mixed_precision=false)": ("train.precision=bf16",
+                                                               "parallel.fsdp_mixed_precision=false")}
 DP_AXES = ("dp_shard", "dp_replicate")
 STAGES = (0, 1, 2, 3)
 MICRO = (1, 4)
@@ -101,7 +110,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _case(world: int, stage: int, n_micro: int, layers: int) -> dict[str, Any]:
+def _case(world: int, stage: int, n_micro: int, layers: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from framework.config import load_config
     from framework.parallel.engine import build_parallel_engine
 
@@ -109,7 +118,7 @@ def _case(world: int, stage: int, n_micro: int, layers: int) -> dict[str, Any]:
     cfg = load_config("configs/smoke/tiny.yaml", [
         *layout, f"parallel.zero_stage={stage}", "parallel.comm_log=true", f"model.n_layers={layers}",
         "model.vocab_size=128", "data.vocab_size=128", "train.micro_batch_size=2",
-        f"train.global_batch_size={2 * n_micro * world}"])
+        f"train.global_batch_size={2 * n_micro * world}", *extra])
     engine = build_parallel_engine(cfg, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.model.vocab_size, (n_micro, 2, cfg.data.seq_len + 1), generator=gen)
@@ -128,8 +137,40 @@ def _case(world: int, stage: int, n_micro: int, layers: int) -> dict[str, Any]:
     comm = engine.comm
     return {"wire": {op: w for (axis, op), w in comm.wire.items() if axis in DP_AXES},
             "calls": {op: c for (axis, op), c in comm.calls.items() if axis in DP_AXES},
+            "dtypes": {op: sorted(str(d).removeprefix("torch.") for d in ds)
+                       for (axis, op), ds in comm.dtypes.items() if axis in DP_AXES},
             "persistent": sampler.persistent, "total": sampler.total, "paper": sampler.paper,
             "at_peak": sampler.at_peak}
+
+
+def _bf16_cases(rank: int, world: int, layers: int) -> dict[str, dict[str, Any]]:
+    return {name: _case(world, 3, 1, layers, extra) for name, extra in BF16_CASES.items()}
+
+
+def bf16_section(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds: float) -> str:
+    rows = ["| ZeRO-3, m = 1, bf16 | all-gather bytes | dtype gathered | reduce-scatter bytes | dtype reduced |",
+            "|---|---:|---|---:|---|"]
+    for name, r in results.items():
+        w, d = r["wire"], r["dtypes"]
+        rows.append(f"| {name} | {w.get('all_gather', 0):,.0f} | {', '.join(d.get('all_gather', []))} | "
+                    f"{w.get('reduce_scatter', 0):,.0f} | {', '.join(d.get('reduce_scatter', []))} |")
+    on, off = (r["wire"] for r in results.values())
+    ratio = on["all_gather"] / off["all_gather"]
+    flag = " --bf16-only" if args.bf16_only else ""
+    return "\n".join([
+        BF16_SECTION, "",
+        f"Command: `PYTHONPATH=. python bench/zero_comm_memory.py{flag} --ranks {args.ranks} --layers {args.layers} "
+        f"--write docs/BENCHMARKS.md` ({seconds:.0f} s on the shared 2-core machine, loaded; byte counts do not "
+        "depend on load). Same model, ranks and counter as the ZeRO section; the second step of ZeRO-3 with one "
+        "micro-batch under `train.precision=bf16`. Default: FSDP2 `MixedPrecisionPolicy(param_dtype=bf16, "
+        "reduce_dtype=fp32)` with fp32 master shards and AdamW states "
+        "(`framework/parallel/zero.py` `fsdp_mp_policy`); `parallel.fsdp_mixed_precision=false` all-gathers the "
+        "fp32 shards. Dtypes are those of the buffers the collectives moved (`CommLogger.dtypes`).", "",
+        *rows, "",
+        f"bf16 all-gather bytes per step / fp32 = **{ratio:.3f}** (exact by construction: every parameter moves in "
+        "2 bytes instead of 4); gradients are reduce-scattered in fp32 either way, so the step's data-parallel "
+        f"traffic falls to {(sum(on.values())) / sum(off.values()):.3f} of the fp32-all-gather configuration.",
+    ]) + "\n"
 
 
 def _all_cases(rank: int, world: int, layers: int) -> dict[tuple[int, int], dict[str, Any]]:
@@ -331,7 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--write", type=Path, help="replace this bench's section of this markdown file")
+    ap.add_argument("--bf16-only", action="store_true", help="only the bf16 all-gather section (issue 21)")
     args = ap.parse_args(argv)
+    t0 = time.time()
+    bf16 = run_distributed(_bf16_cases, args.ranks, timeout_s=1200, layers=args.layers)[0]
+    bf16_text = bf16_section(bf16, args, time.time() - t0)
+    print(bf16_text)
+    if args.write:
+        replace_section(args.write, BF16_SECTION, bf16_text)
+    if args.bf16_only:
+        return 0
     t0 = time.time()
     per_rank = run_distributed(_all_cases, args.ranks, timeout_s=1200, layers=args.layers)
     results = per_rank[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -18,18 +18,30 @@ class SourceConfig:
     name: str
     """Source name: names the output `<name>.bin/.idx` and the mixture weight key."""
     path: str
-    """A file or directory (relative paths are relative to the config file)."""
+    """A file or directory (relative paths are relative to the working directory of the build)."""
     format: Literal["auto", "jsonl", "parquet", "hf", "text"] = "auto"
+    """auto: from what is there — a file by its extension, a directory by its files' (see ingest.detect_format)."""
     text_field: str = "text"
     glob: str = "*"
-    """Text trees: which files are documents."""
+    """Text trees: which files are documents (`*.py` also matches `x.py.gz`)."""
     hf_builder: str | None = None
     """Read the files through `datasets.load_dataset(hf_builder, data_files=path)` (e.g. json, parquet)."""
-    profile: Literal["web", "code", "minimal"] = "web"
-    """Which filters run when `filters` is not given: web (Gopher, C4, FineWeb), code, minimal (length)."""
+    split: str = "train"
+    """Hugging Face datasets: the split to read (a saved DatasetDict's other splits are never mixed in)."""
+    encoding_fallback: str | None = None
+    """Text trees: the codec for files that are not UTF-8 (e.g. latin-1), counted per source; None: malformed."""
+    profile: Literal["web", "docs", "code", "minimal"] = "web"
+    """Which filters run when `filters` is not given: web (Gopher, C4, FineWeb: web pages), docs (hard-wrapped
+    or technical prose: READMEs, man pages, RST, changelogs), code, minimal (length only)."""
     filters: list[str] | None = None
+    normalize: NormalizeConfig | None = None
+    """This source's normalization; None: the build's `normalize`, whose boilerplate removal applies only to
+    web-profile sources (never to code, docs or minimal unless the source's own `normalize` asks for it)."""
     priority: int = 0
     """Duplicates across sources keep the copy in the highest-priority source."""
+
+    def is_web(self) -> bool:
+        return self.profile == "web" and (self.filters is None or "code" not in self.filters)
 
     def validate(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -40,11 +52,26 @@ class SourceConfig:
 @dataclass(kw_only=True, frozen=True)
 class TokenizerConfig:
     model: str | None = None
-    """An existing sentencepiece .model to use instead of training one."""
+    """An existing tokenizer instead of training one: a sentencepiece .model, a Hugging Face tokenizer.json
+    (its tokenizer_config.json beside it names EOS/BOS/pad), or a tiktoken-format BPE file (converted)."""
     vocab_size: int = 4096
-    type: Literal["bpe", "unigram"] = "bpe"
+    type: Literal["bpe", "unigram", "hf_bpe"] = "bpe"
+    """Training: sentencepiece bpe or unigram, or hf_bpe (a byte-level BPE trained with HF tokenizers)."""
     sample_chars: int = 3_000_000
     """Characters sampled across sources (in proportion to their kept text) to train on."""
+    pattern: str | None = None
+    """tiktoken files: the pre-tokenizer regex (None: cl100k_base's, which Llama 3 uses too)."""
+    special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
+    """tiktoken files and hf_bpe: special tokens, given the ids after the vocabulary's."""
+    eos_token: str | None = None
+    """tiktoken files and hf_bpe: the end-of-document token (None: the first special token)."""
+    bos_token: str | None = None
+
+    def validate(self) -> None:
+        for name in (self.eos_token, self.bos_token):
+            if name is not None and name not in self.special_tokens:
+                raise ConfigError(f"tokenizer eos_token/bos_token {name!r} is not in tokenizer.special_tokens "
+                                  f"{self.special_tokens}; add it there")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -63,6 +90,14 @@ class BuildConfig:
     rejects: bool = True
     """Write malformed records with their reason to work/<source>/rejects.jsonl."""
     seed: int = 0
+
+    def source_normalize(self, src: SourceConfig) -> NormalizeConfig:
+        """The normalization a source gets: its own, else the build's (boilerplate removal for web sources only)."""
+        if src.normalize is not None:
+            return src.normalize
+        if self.normalize.boilerplate and not src.is_web():
+            return replace(self.normalize, boilerplate=False)
+        return self.normalize
 
     def validate(self) -> None:
         names = [s.name for s in self.sources]

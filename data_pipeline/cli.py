@@ -1,4 +1,5 @@
-"""CLI: `tessera data build CONFIG`, `tessera data stats BUILD`, `tessera tokenizer train`.
+"""CLI: `tessera data build CONFIG`, `tessera data stats BUILD`, `tessera data sample BUILD --source S`,
+`tessera tokenizer train`.
 
 Registered by framework/cli.py through `register(subparsers)`; argparse only here, heavy imports in handlers.
 """
@@ -42,22 +43,44 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_stats(manifest: dict[str, Any]) -> str:
-    """A table of a build's per-source accounting (documents and tokens)."""
-    head = ("source", "in", "kept", "filtered", "exact dup", "near dup", "malformed", "tokens kept", "top filter")
-    rows = [head]
-    for name, src in sorted(manifest["sources"].items()):
-        d = src["documents"]
-        filtered = d["filtered"]
-        top = max(filtered, key=filtered.get) if filtered else "-"
-        rows.append((name, str(d["in"]), str(d["kept"]), str(sum(filtered.values())), str(d["exact_duplicate"]),
-                     str(d["near_duplicate"]), str(sum(d["malformed"].values())), f"{src['tokens']['kept']:,}",
-                     f"{top} ({filtered[top]})" if filtered else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i in (0, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                              strict=True)))
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _table(rows: list[tuple[str, ...]], left: int = 1) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
+    """Tables of a build's accounting: per source, documents, characters and tokens by outcome; then per source
+    and filter rule, the documents and characters it removed (and what line rules trimmed from kept ones)."""
+    head = ("source", "in", "kept", "filtered", "exact dup", "near dup", "malformed", "chars in", "chars kept",
+            "kept %", "tokens kept")
+    rows: list[tuple[str, ...]] = [head]
+    for name, src in sorted(manifest["sources"].items()):
+        d, c = src["documents"], src.get("chars", {})
+        kept_chars = c.get("kept", c.get("after_filters", 0))  # builds before issue 15: characters after filters
+        rows.append((name, str(d["in"]), str(d["kept"]), str(sum(d["filtered"].values())), str(d["exact_duplicate"]),
+                     str(d["near_duplicate"]), str(sum(d["malformed"].values())), f"{c.get('in', 0):,}",
+                     f"{kept_chars:,}", _pct(kept_chars, c.get("in", 0)), f"{src['tokens']['kept']:,}"))
+    lines = _table(rows)
+    if by_filter:
+        rows = [("source", "removed by", "documents", "characters", "of source chars")]
+        for name, src in sorted(manifest["sources"].items()):
+            d, c = src["documents"], src.get("chars", {})
+            total = c.get("in", 0)
+            parts = [(f"filter {r}", n, c.get("filtered", {}).get(r, 0)) for r, n in d["filtered"].items()]
+            parts += [(f"trim {r}", 0, v) for r, v in c.get("trimmed", {}).items()]
+            parts += [(f"malformed {r}", n, c.get("malformed", {}).get(r, 0)) for r, n in d["malformed"].items()]
+            parts += [(k, d[k], c.get(k, 0)) for k in ("exact_duplicate", "near_duplicate") if d[k]]
+            for what, n, chars in sorted(parts, key=lambda p: -p[2]):
+                rows.append((name, what, str(n) if n else "-", f"{chars:,}", _pct(chars, total)))
+        if len(rows) > 1:
+            lines += ["", *_table(rows, left=2)]
     tok = manifest["tokenizer"]
     lines.append(f"tokenizer: vocab {tok['vocab_size']}, eos {tok['eos_id']}, sha256 {tok['sha256'][:16]}")
     return "\n".join(lines)
@@ -68,6 +91,40 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     manifest = read_manifest(args.build)
     print(json.dumps(manifest["sources"], indent=2) if args.json else format_stats(manifest))
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Decode a source's training documents (as tokenized in the build) or show the documents a filter removed."""
+    from pathlib import Path
+
+    from data_pipeline.indexed import IndexedTokens
+    from data_pipeline.prepare import read_manifest
+    from data_pipeline.tokenizer import Tokenizer
+    from framework.errors import ConfigError
+
+    build = Path(args.build)
+    manifest = read_manifest(build)
+    if args.source not in manifest["sources"]:
+        raise ConfigError(f"--source {args.source!r} is not in {build} (sources: {sorted(manifest['sources'])})")
+    if args.filtered:
+        path = build / "work" / "ingest" / args.source / "filtered.jsonl"
+        if not path.is_file():
+            raise ConfigError(f"{path} is gone (work/ was deleted); rebuild to see what the filters removed")
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for r in rows if args.reason is None else [r for r in rows if r["reason"] == args.reason]:
+            print(f"{r['reason']}: {r['where']} ({r['chars']:,} characters)")
+        return 0
+    tok = Tokenizer(build / Path(manifest["tokenizer"]["path"]).name)
+    docs = IndexedTokens(build / args.source)
+    import numpy as np
+
+    picks = np.random.default_rng(args.seed).choice(len(docs), size=min(args.n, len(docs)), replace=False)
+    for i in sorted(picks.tolist()):
+        ids = docs[i].tolist()
+        text = tok.decode(ids[:-1] if ids and ids[-1] == tok.eos_id else ids)
+        cut = "" if len(text) <= args.chars else f"\n[... {len(text) - args.chars:,} more characters]"
+        print(f"=== {args.source} document {i} ({len(ids):,} tokens) ===\n{text[:args.chars]}{cut}")
     return 0
 
 
@@ -82,8 +139,13 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
                     yield rec.text
 
     lines = sample_lines(texts(), args.sample_chars, seed=args.seed)
-    out = train_sentencepiece(lines, args.out, vocab_size=args.vocab_size, model_type=args.type,
-                              threads=args.threads)
+    if args.type == "hf_bpe":
+        from data_pipeline.tokenizer import train_hf_bpe
+
+        out = train_hf_bpe(lines, args.out, vocab_size=args.vocab_size)
+    else:
+        out = train_sentencepiece(lines, args.out, vocab_size=args.vocab_size, model_type=args.type,
+                                  threads=args.threads)
     info = Tokenizer(out).info()
     print(f"tokenizer {out}: vocab {info.vocab_size}, eos {info.eos_id}, bos {info.bos_id}, unk {info.unk_id}, "
           f"user symbols {list(info.user_symbols)!r}, trained on {sum(map(len, lines)):,} characters")
@@ -105,14 +167,26 @@ def register(subparsers: Any) -> None:
     p.add_argument("build", help="the build's output directory")
     p.add_argument("--json", action="store_true", help="print the manifest's per-source JSON instead")
     p.set_defaults(func=cmd_stats)
+    p = dsub.add_parser("sample", help="decode documents of a source, or list what its filters removed")
+    p.add_argument("build", help="the build's output directory")
+    p.add_argument("--source", required=True)
+    p.add_argument("-n", type=int, default=3, help="documents to show (random, by --seed)")
+    p.add_argument("--chars", type=int, default=2000, help="characters shown per document")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filtered", action="store_true", help="list the documents each filter rule removed (where "
+                                                            "they came from), kept in work/ingest/SOURCE")
+    p.add_argument("--reason", help="with --filtered: only this rule, e.g. c4.too_few_sentences")
+    p.set_defaults(func=cmd_sample)
 
     tok = subparsers.add_parser("tokenizer", help="tokenizer tools")
     tsub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
-    p = tsub.add_parser("train", help="train a sentencepiece tokenizer on text sources")
+    p = tsub.add_parser("train", help="train a tokenizer (sentencepiece, or HF byte-level BPE) on text sources")
     p.add_argument("inputs", nargs="+", help="files or directories (jsonl[.gz|.zst], parquet, HF dataset, text tree)")
-    p.add_argument("--out", required=True, help="output .model path")
+    p.add_argument("--out", required=True, help="output .model path (hf_bpe: tokenizer.json and "
+                                                "tokenizer_config.json are written into this path's folder)")
     p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--type", choices=("bpe", "unigram"), default="bpe")
+    p.add_argument("--type", choices=("bpe", "unigram", "hf_bpe"), default="bpe",
+                   help="sentencepiece bpe/unigram, or a byte-level BPE trained with HF tokenizers")
     p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet", "hf", "text"))
     p.add_argument("--text-field", default="text")
     p.add_argument("--glob", default="*", help="text trees: which files are documents")

@@ -39,6 +39,8 @@ class DataConfig:
     """Later mixture phases: weights that take over at given optimizer steps (needs the global batch size)."""
     max_epochs: dict[str, float] = field(default_factory=dict)
     """Per-source cap on epochs read in one pass of the mixture (upsampling beyond it is an error)."""
+    warn_epochs: float = 4.0
+    """At training start, warn for a source read more than this many times in one pass of the mixture."""
     num_samples: int | None = None
     """Samples in one pass of the training mixture; None: as many as the training splits hold."""
     val_fraction: float = 0.02

@@ -1,28 +1,40 @@
 """Ingest: stream documents out of raw sources, counting malformed records by reason instead of crashing.
 
-Formats: jsonl, jsonl.gz, jsonl.zst (one JSON object per line), parquet (pyarrow, batch by batch), Hugging Face
-datasets (a `save_to_disk` directory, or local data files read by `datasets` in streaming mode) and plain-text
-trees (one document per file). Nothing is loaded whole: every reader yields one record at a time.
+Formats: jsonl (`.jsonl`, `.json`, `.ndjson`, each optionally `.gz`/`.zst`/`.bz2`/`.xz`: one JSON object per
+line), parquet (pyarrow, batch by batch), Hugging Face datasets (a `save_to_disk` directory — one `split`,
+`train` by default — or local data files read by `datasets` in streaming mode) and plain-text trees (one
+document per file; compressed files are read decompressed). Nothing is loaded whole: every reader yields one
+record at a time.
 
-A record is either a document (`text`) or a malformed one (`reason`, `raw` for the rejects file):
-bad_json, not_an_object, missing_field, non_string_field, invalid_utf8, unreadable_file.
+A record is a document (`text` set) or a malformed one (`reason` set, `raw` for the rejects file). Reasons:
+bad_json, json_too_deep, not_an_object, missing_field, non_string_field, invalid_utf8 — one per record;
+unreadable_file, corrupt_file, truncated_file — one per file (or per file's unread tail: a compressed file that
+ends early keeps the records read before the break and counts the rest as one `truncated_file` record, with the
+number of records read in its `raw`). One bad record or file never stops the source.
 """
 
 from __future__ import annotations
 
-import gzip
-import io
+import bz2
 import json
+import lzma
 import os
+import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 from framework.errors import ConfigError, DataError
 
 Format = Literal["auto", "jsonl", "parquet", "hf", "text"]
-_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst", ".ndjson")
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
+_JSONL_EXT = (".jsonl", ".json", ".ndjson")
+_JSONL_SUFFIXES = tuple(e + c for e in _JSONL_EXT for c in ("", *COMPRESSED))
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_READ = 1 << 20
+_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -31,37 +43,127 @@ class Record:
 
     text: str | None
     where: str
-    """file:line (or file:row) — for the rejects file and error messages."""
+    """file:line (or file:row, or the file of a text tree) — kept with the document, in rejects and errors."""
     reason: str | None = None
     raw: str | None = None
+    note: str | None = None
+    """A kept document read with a caveat (e.g. `encoding_fallback`), counted per source."""
+
+
+class FileError(Exception):
+    """A file that cannot be read (further): `reason` is unreadable_file, corrupt_file or truncated_file."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _kind(name: str) -> str:
+    name = name.lower()
+    if name.endswith(_JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def _visible_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(root).parts))
 
 
 def detect_format(path: Path) -> Format:
-    """Guess a source's format from its path (a directory of parquet/jsonl files counts as that format)."""
+    """A source's format from what is there: a file by its extension; a directory holding a saved HF dataset
+    is `hf`, else by its files' extensions — all `.jsonl[.gz|.zst|...]`: jsonl, all `.parquet`: parquet, none of
+    either: a text tree. A directory mixing kinds is refused with the counts (set `format`, and `glob`)."""
     if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file() or \
-                (path / "dataset_dict.json").is_file():
+        if any((path / m).is_file() for m in _HF_MARKERS):
             return "hf"
-        return "text"
-    name = path.name.lower()
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith(_JSONL_SUFFIXES):
-        return "jsonl"
+        kinds = Counter(_kind(p.name) for p in _visible_files(path))
+        if not kinds:
+            raise ConfigError(f"source directory {str(path)!r} holds no files; fix the source's path")
+        if len(kinds) == 1:
+            return next(iter(kinds))  # type: ignore[return-value,arg-type]
+        raise ConfigError(f"source directory {str(path)!r} mixes file kinds ({dict(sorted(kinds.items()))}); set "
+                          f"the source's format (jsonl and parquet read only their own files; text reads the "
+                          f"files matching glob)")
+    kind = _kind(path.name)
+    if kind != "text":
+        return kind  # type: ignore[return-value]
     raise ConfigError(f"cannot tell the format of {str(path)!r} from its name; set the source's format to one of "
                       f"jsonl, parquet, hf, text")
 
 
-def _open_binary(path: Path) -> IO[bytes]:
-    name = path.name.lower()
+def _decompressor(name: str) -> Any:
+    """A factory of streaming decompressors (each with `decompress`, `eof`, `unused_data`) for a file name, or
+    None for an uncompressed file."""
     if name.endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
+        return lambda: zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     if name.endswith(".zst"):
         import zstandard
 
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-    return open(path, "rb")
+        return lambda: zstandard.ZstdDecompressor().decompressobj()
+    if name.endswith(".bz2"):
+        return bz2.BZ2Decompressor
+    if name.endswith(".xz"):
+        return lzma.LZMADecompressor
+    return None
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    make = _decompressor(path.name.lower())
+    with open(path, "rb") as raw:
+        if make is None:
+            while chunk := raw.read(_READ):
+                yield chunk
+            return
+        # Stream by hand (not gzip.open & co): everything up to a break is yielded, so a truncated file keeps the
+        # records before it, and a stream that stops mid-frame is noticed (zstd's reader would end silently).
+        d, fed = make(), False
+        while data := raw.read(_READ):
+            while data:
+                try:
+                    out = d.decompress(data)
+                except (OSError, ValueError) as err:  # bz2/lzma report bad data as OSError
+                    raise zlib.error(str(err)) from err
+                fed = True
+                if out:
+                    yield out
+                if not d.eof:
+                    break
+                data = d.unused_data  # the next member or frame of a concatenated file
+                d, fed = make(), False
+        if fed and not d.eof:
+            raise EOFError("the compressed stream ends before its end marker")
+
+
+def read_chunks(path: Path) -> Iterator[bytes]:
+    """The (decompressed) bytes of a file in chunks; raises FileError when the file cannot be read to its end."""
+    import zstandard
+
+    try:
+        yield from _chunks(path)
+    except EOFError as err:
+        raise FileError("truncated_file", f"{path}: {err}") from err
+    except (zlib.error, lzma.LZMAError, zstandard.ZstdError) as err:
+        raise FileError("corrupt_file", f"{path}: corrupt compressed data ({err})") from err
+    except OSError as err:
+        raise FileError("unreadable_file", f"{path}: {err}") from err
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line without its newline) of a (compressed) file; a leading UTF-8 BOM is dropped."""
+    buf, n = b"", 0
+    for chunk in read_chunks(path):
+        if n == 0 and not buf and chunk.startswith(_BOM):
+            chunk = chunk[len(_BOM):]
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            n += 1
+            yield n, line
+    if buf:
+        yield n + 1, buf
 
 
 def _field_text(obj: Any, field: str, where: str, raw: str) -> Record:
@@ -79,114 +181,170 @@ def _field_text(obj: Any, field: str, where: str, raw: str) -> Record:
     return Record(value, where)
 
 
+def _file_error(path: Path, err: FileError, records: int) -> Record:
+    return Record(None, str(path), err.reason, f"{err}; {records} records read before it")
+
+
 def read_jsonl(path: Path, field: str) -> Iterator[Record]:
     """One record per line of a (compressed) JSON-lines file; blank lines are skipped."""
-    with _open_binary(path) as f:
-        for n, line in enumerate(f, 1):
+    read = 0
+    try:
+        for n, line in read_lines(path):
             where = f"{path}:{n}"
             if not line.strip():
                 continue
+            read += 1
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError:
-                yield Record(None, where, "invalid_utf8", line.decode("utf-8", "replace")[:2000])
+                yield Record(None, where, "invalid_utf8", line[:2000].decode("utf-8", "replace"))
                 continue
             try:
                 obj = json.loads(text)
-            except json.JSONDecodeError:
+            except RecursionError:
+                yield Record(None, where, "json_too_deep", text[:2000])
+                continue
+            except ValueError:  # JSONDecodeError, and integers past sys.get_int_max_str_digits()
                 yield Record(None, where, "bad_json", text[:2000])
                 continue
             yield _field_text(obj, field, where, text[:2000])
+    except FileError as err:
+        yield _file_error(path, err, read)
+
+
+def parquet_columns(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return list(pq.ParquetFile(path).schema_arrow.names)
 
 
 def read_parquet(path: Path, field: str, batch_rows: int = 1024) -> Iterator[Record]:
     """One record per row of a parquet file, read batch by batch (only the text column)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise DataError(f"{path} has no column {field!r} (columns: {pf.schema_arrow.names}); set the source's "
-                        f"text_field to the column holding the text")
     row = 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=[field]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            yield _field_text({field: value}, field, f"{path}:{row}", repr(value)[:2000])
+    try:
+        pf = pq.ParquetFile(path)
+        if field not in pf.schema_arrow.names:
+            raise DataError(f"{path} has no column {field!r} (columns: {pf.schema_arrow.names}); set the source's "
+                            f"text_field to the column holding the text")
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=[field]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield _field_text({field: value}, field, f"{path}:{row}", repr(value)[:2000])
+    except (pa.ArrowException, OSError) as err:
+        yield Record(None, str(path), "corrupt_file" if row else "unreadable_file",
+                     f"{path}: {err}; {row} rows read before it")
 
 
-def read_hf(path: Path, field: str) -> Iterator[Record]:
-    """Records of a Hugging Face dataset saved with `save_to_disk` (every split, in name order)."""
+def _hf_split(path: Path, split: str) -> Any:
     import datasets
 
     ds = datasets.load_from_disk(str(path))
-    splits = [ds[k] for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [ds]
-    for split in splits:
-        if field not in split.column_names:
-            raise DataError(f"{path} has no column {field!r} (columns: {split.column_names}); set text_field")
-        for i, value in enumerate(split.select_columns([field]).iter(batch_size=1)):
-            v = value[field][0]
-            yield _field_text({field: v}, field, f"{path}:{i + 1}", repr(v)[:2000])
+    if not isinstance(ds, datasets.DatasetDict):
+        return ds
+    if split not in ds:
+        raise ConfigError(f"{path} is a DatasetDict with splits {sorted(ds)}; the source's split={split!r} is not "
+                          f"one of them — set split to the one to train on")
+    return ds[split]
 
 
-def read_hf_files(path: Path, field: str, builder: str) -> Iterator[Record]:
+def hf_columns(path: Path, split: str) -> list[str]:
+    return list(_hf_split(path, split).column_names)
+
+
+def read_hf(path: Path, field: str, split: str = "train") -> Iterator[Record]:
+    """Records of one split of a Hugging Face dataset saved with `save_to_disk` (a plain Dataset: all of it)."""
+    ds = _hf_split(path, split)
+    if field not in ds.column_names:
+        raise DataError(f"{path} has no column {field!r} (columns: {ds.column_names}); set text_field")
+    for i, value in enumerate(ds.select_columns([field]).iter(batch_size=1)):
+        v = value[field][0]
+        yield _field_text({field: v}, field, f"{path}:{i + 1}", repr(v)[:2000])
+
+
+def read_hf_files(path: Path, field: str, builder: str, split: str = "train") -> Iterator[Record]:
     """Local data files read through `datasets.load_dataset(builder, data_files=..., streaming=True)`."""
     import datasets
 
-    ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    ds = datasets.load_dataset(builder, data_files=str(path), split=split, streaming=True)
     for i, row in enumerate(ds):
         yield _field_text(row, field, f"{path}:{i + 1}", repr(row)[:2000])
 
 
+def _strip_compressed(name: str) -> str:
+    low = name.lower()
+    return next((name[:-len(c)] for c in COMPRESSED if low.endswith(c)), name)
+
+
 def list_text_files(root: Path, glob: str) -> list[Path]:
-    """Files of a text tree matching `glob`, sorted (deterministic document order)."""
-    return sorted(p for p in root.rglob(glob) if p.is_file())
+    """Files of a text tree matching `glob` (a compressed file matches by its name without .gz/.zst/...), sorted
+    (deterministic document order); files and folders whose name starts with a dot are skipped."""
+    if root.is_file():
+        return [root]
+    return [p for p in _visible_files(root) if p.match(glob) or p.with_name(_strip_compressed(p.name)).match(glob)]
 
 
-def read_text_tree(root: Path, glob: str = "*") -> Iterator[Record]:
-    """One document per file under `root` matching `glob`."""
+def read_text_tree(root: Path, glob: str = "*", encoding_fallback: str | None = None) -> Iterator[Record]:
+    """One document per file under `root` matching `glob` (decompressed; a UTF-8 BOM dropped). A file that is
+    not UTF-8 is malformed (`invalid_utf8`) unless `encoding_fallback` names a codec to decode it with."""
     for path in list_text_files(root, glob):
         try:
-            data = path.read_bytes()
-        except OSError as err:
-            yield Record(None, str(path), "unreadable_file", str(err))
+            data = b"".join(read_chunks(path))
+        except FileError as err:
+            yield _file_error(path, err, 0)
             continue
+        if data.startswith(_BOM):
+            data = data[len(_BOM):]
         try:
             yield Record(data.decode("utf-8"), str(path))
         except UnicodeDecodeError:
-            yield Record(None, str(path), "invalid_utf8", data[:2000].decode("utf-8", "replace"))
+            if encoding_fallback is None:
+                yield Record(None, str(path), "invalid_utf8", data[:2000].decode("utf-8", "replace"))
+            else:
+                yield Record(data.decode(encoding_fallback, "replace"), str(path),
+                             note=f"encoding_fallback.{encoding_fallback}")
 
 
 def input_files(path: Path, fmt: Format) -> list[Path]:
     """The files a jsonl/parquet source reads: the path itself, or its matching files when it is a directory."""
     if not path.is_dir():
         return [path]
-    want = (".parquet",) if fmt == "parquet" else _JSONL_SUFFIXES
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(want))
+    return [p for p in _visible_files(path) if _kind(p.name) == fmt]
+
+
+def resolve_format(path: str | Path, fmt: Format = "auto") -> Format:
+    p = Path(os.path.expanduser(str(path)))
+    if not p.exists():
+        raise ConfigError(f"source path {str(p)!r} does not exist; fix the source's path")
+    return detect_format(p) if fmt == "auto" else fmt
 
 
 def read_records(path: str | Path, fmt: Format = "auto", field: str = "text", glob: str = "*",
-                 hf_builder: str | None = None) -> Iterator[Record]:
+                 hf_builder: str | None = None, split: str = "train",
+                 encoding_fallback: str | None = None) -> Iterator[Record]:
     """Stream every record of a source.
 
     Args:
         path: A file or directory.
-        fmt: jsonl / parquet / hf / text, or auto (from the path).
+        fmt: jsonl / parquet / hf / text, or auto (from what is there: see `detect_format`).
         field: The text field (jsonl key, parquet or dataset column).
         glob: Text trees: which files are documents.
         hf_builder: Read `path` through `datasets.load_dataset(hf_builder, data_files=path)` instead
             (e.g. "json", "parquet", "text").
+        split: Hugging Face datasets: which split (a saved DatasetDict holds several; default train).
+        encoding_fallback: Text trees: the codec for files that are not UTF-8 (None: they are malformed).
     """
     p = Path(os.path.expanduser(str(path)))
-    if not p.exists():
-        raise ConfigError(f"source path {str(p)!r} does not exist; fix the source's path")
+    fmt = resolve_format(p, fmt)
     if hf_builder is not None:
-        yield from read_hf_files(p, field, hf_builder)
+        yield from read_hf_files(p, field, hf_builder, split)
         return
-    fmt = detect_format(p) if fmt == "auto" else fmt
     if fmt == "text":
-        yield from read_text_tree(p, glob)
+        yield from read_text_tree(p, glob, encoding_fallback)
     elif fmt == "hf":
-        yield from read_hf(p, field)
+        yield from read_hf(p, field, split)
     else:
         for f in input_files(p, fmt):
             yield from (read_parquet(f, field) if fmt == "parquet" else read_jsonl(f, field))

@@ -22,6 +22,7 @@ from data_pipeline.indexed import IndexedTokens
 from data_pipeline.loader import Samples, SyntheticSamples
 from data_pipeline.mixing import MixtureSamples
 from data_pipeline.packing import PackedSource
+from data_pipeline.progress import log
 from framework.errors import ConfigError, DataError
 
 _SYNTHETIC_VAL_SAMPLES = 64
@@ -73,6 +74,29 @@ def _phases(cfg: DataConfig, global_batch_size: int | None) -> list[tuple[int, d
     return phases
 
 
+def mixture_lines(train: dict[str, PackedSource], val: dict[str, Samples], phases: list[tuple[int, dict[str, float]]],
+                  length: int, warn_epochs: float) -> list[str]:
+    """One line per source: samples drawn in one pass of the mixture, how many epochs of the source that is,
+    held-out documents; a warning line for a source read more than `warn_epochs` times (silent upsampling)."""
+    drawn = dict.fromkeys(train, 0.0)
+    bounds = [p[0] for p in phases[1:]] + [length]
+    for (start, weights), end in zip(phases, bounds, strict=True):
+        total = sum(weights.values()) or 1.0
+        for name, w in weights.items():
+            drawn[name] += max(0, min(end, length) - start) * w / total
+    lines = []
+    for name in sorted(train):
+        epochs = drawn[name] / max(1, len(train[name]))
+        held = len(val[name]) if name in val else 0
+        lines.append(f"mixture {name}: {drawn[name]:,.0f} of {length:,} samples per pass, {epochs:.2f} epochs of "
+                     f"its {len(train[name]):,} training samples; {held:,} held-out samples"
+                     f"{'' if held else ' (not evaluated)'}")
+        if epochs > warn_epochs:
+            lines.append(f"WARNING: source {name} is read {epochs:.1f} times per pass (above data.warn_epochs="
+                         f"{warn_epochs}); lower its weight, set data.num_samples, or cap it with data.max_epochs")
+    return lines
+
+
 def load_build(build_dir: str | Path, cfg: DataConfig, global_batch_size: int | None = None) -> PreparedData:
     """Open a finished build and arrange its sources into the training mixture and validation sets."""
     build_dir = Path(build_dir)
@@ -99,6 +123,8 @@ def load_build(build_dir: str | Path, cfg: DataConfig, global_batch_size: int | 
     used = [n for n in train if cfg.weights.get(n, 0) > 0]
     length = cfg.num_samples or sum(len(train[n]) for n in used)
     mixture = MixtureSamples(train, phases, length, cfg.max_epochs)
+    for line in mixture_lines(train, val, phases, length, cfg.warn_epochs):
+        log(line)
     tok = manifest["tokenizer"]
     fingerprint = hashlib.sha256(json.dumps({
         "data": manifest["fingerprint"], "seq_len": cfg.seq_len, "seed": cfg.seed, "phases": phases,

@@ -1,9 +1,11 @@
 """The shardable stages of a build, each resumable: a unit of work is skipped when its output exists.
 
 Layout under `<output_dir>/work/`:
-    ingest/<source>/shard-K.jsonl, shard-K.hash.npy   normalized, filtered documents and their hashes
+    ingest/<source>/shard-K.jsonl, shard-K.hash.npy   normalized, filtered documents ("t") with where each came
+                                                      from ("w": file:line or file), and their hashes
     ingest/<source>/counts.json                       per-source accounting; written last = source done
     ingest/<source>/rejects.jsonl                     malformed records with their reason
+    ingest/<source>/filtered.jsonl                    the first documents each filter rule removed (samples)
     minhash/<source>/shard-K.sig.npy                  MinHash signatures (uint32, docs x bands*rows)
     tokens/<source>/shard-K.{bin,idx}, .stats.json    tokens of kept documents (megatron-core's builder)
 Every file is written under a temporary name and renamed, so a killed build leaves no half-written output.
@@ -22,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from data_pipeline.build_config import BuildConfig, SourceConfig
 from data_pipeline.cache import write_json_atomic
@@ -30,9 +31,12 @@ from data_pipeline.filters import apply_filters, resolve_filters
 from data_pipeline.indexed import IndexedWriter, import_megatron_builder
 from data_pipeline.ingest import read_records
 from data_pipeline.minhash import signatures
-from data_pipeline.normalize import doc_hash, normalize
+from data_pipeline.normalize import NormalizeConfig, doc_hash, normalize
+from data_pipeline.progress import Progress, log
 
 _CHUNK = 256  # records per worker task
+FILTERED_SAMPLES = 20
+"""Documents kept per filter rule in ingest/<source>/filtered.jsonl, to see what a rule removes."""
 
 
 def shard_name(k: int) -> str:
@@ -50,6 +54,12 @@ def read_shard_texts(path: Path) -> list[str]:
         return [json.loads(line)["t"] for line in f]
 
 
+def read_shard_where(path: Path) -> list[str]:
+    """Where each document of an ingest shard came from (file:line, or the file of a text tree)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line).get("w", "?") for line in f]
+
+
 def list_shards(work: Path, stage: str, source: str, suffix: str) -> list[Path]:
     return sorted((work / stage / source).glob(f"shard-*{suffix}"))
 
@@ -59,39 +69,65 @@ def list_shards(work: Path, stage: str, source: str, suffix: str) -> list[Path]:
 _W: dict[str, Any] = {}  # per-worker state set by the pool initializer (fork start: inherited cheaply)
 
 
-def _init_filter_worker(cfg: BuildConfig, names: tuple[str, ...]) -> None:
-    _W["cfg"], _W["names"] = cfg, names
+def _init_filter_worker(norm: NormalizeConfig, cfg: BuildConfig, names: tuple[str, ...]) -> None:
+    _W["norm"], _W["cfg"], _W["names"] = norm, cfg, names
 
 
-def _filter_chunk(texts: list[str]) -> list[tuple[str | None, str | None, int]]:
+Result = tuple[str | None, str | None, int, dict[str, int]]
+"""(kept text or None, reason or None, characters in, characters trimmed from a kept text by cause)."""
+
+
+def _filter_chunk(texts: list[str]) -> list[Result]:
     cfg: BuildConfig = _W["cfg"]
-    out: list[tuple[str | None, str | None, int]] = []
+    out: list[Result] = []
     for text in texts:
-        norm = normalize(text, cfg.normalize)
-        if not norm.strip():
-            out.append((None, "empty", len(text)))
+        try:
+            norm = normalize(text, _W["norm"])
+            if not norm.strip():
+                out.append((None, "empty", len(text), {}))
+                continue
+            trimmed = {"normalize": len(text) - len(norm)}
+            kept, reason = apply_filters(norm, _W["names"], cfg.filters, trimmed)
+        except Exception as err:  # one pathological document never stops the build: it is counted instead
+            out.append((None, f"malformed:filter_error.{type(err).__name__}", len(text), {}))
             continue
-        kept, reason = apply_filters(norm, _W["names"], cfg.filters)
-        out.append((kept, reason, len(text)))
+        out.append((kept, reason, len(text), {k: v for k, v in trimmed.items() if v}))
     return out
 
 
-def _chunks(cfg: BuildConfig, src: SourceConfig, counts: dict[str, Any], rejects: Any) -> Iterator[list[str]]:
-    """Chunks of document texts; malformed records are counted (and written to `rejects`) here."""
+def _chunks(src: SourceConfig, counts: dict[str, Any], rejects: Any, wheres: deque[list[str]]
+            ) -> Iterator[list[str]]:
+    """Chunks of document texts (their `where`s appended to `wheres`); malformed records are counted (and written
+    to `rejects`) here."""
     chunk: list[str] = []
-    for rec in read_records(src.path, src.format, src.text_field, src.glob, src.hf_builder):
+    where: list[str] = []
+    for rec in read_records(src.path, src.format, src.text_field, src.glob, src.hf_builder, src.split,
+                            src.encoding_fallback):
         counts["in"] += 1
         if rec.text is None:
-            counts["malformed"][rec.reason] += 1
+            _malformed(counts, str(rec.reason), len(rec.raw or ""))
+            if rec.reason in ("truncated_file", "corrupt_file", "unreadable_file"):
+                log(f"ingest {src.name}: {rec.raw} — counted as malformed ({rec.reason})")
             if rejects is not None:
                 rejects.write(json.dumps({"reason": rec.reason, "where": rec.where, "raw": rec.raw}) + "\n")
             continue
+        if rec.note:
+            counts["notes"][rec.note] += 1
         chunk.append(rec.text)
+        where.append(rec.where)
         if len(chunk) == _CHUNK:
+            wheres.append(where)
             yield chunk
-            chunk = []
+            chunk, where = [], []
     if chunk:
+        wheres.append(where)
         yield chunk
+
+
+def _malformed(counts: dict[str, Any], reason: str, chars: int) -> None:
+    counts["malformed"][reason] += 1
+    counts["chars"]["malformed"][reason] += chars
+    counts["chars"]["in"] += chars
 
 
 def _ordered(pool: ProcessPoolExecutor, chunks: Iterator[list[str]], depth: int) -> Iterator[list[Any]]:
@@ -109,10 +145,10 @@ def _ordered(pool: ProcessPoolExecutor, chunks: Iterator[list[str]], depth: int)
 class _ShardWriter:
     def __init__(self, out: Path, shard_docs: int) -> None:
         self.out, self.shard_docs, self.k = out, shard_docs, 0
-        self.texts: list[str] = []
+        self.texts: list[tuple[str, str]] = []
 
-    def add(self, text: str) -> None:
-        self.texts.append(text)
+    def add(self, text: str, where: str) -> None:
+        self.texts.append((text, where))
         if len(self.texts) == self.shard_docs:
             self.flush()
 
@@ -122,11 +158,18 @@ class _ShardWriter:
         name = shard_name(self.k)
         tmp = self.out / f"{name}.jsonl.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            for t in self.texts:
-                f.write(json.dumps({"t": t}, ensure_ascii=False) + "\n")
-        save_npy_atomic(self.out / f"{name}.hash.npy", np.array([doc_hash(t) for t in self.texts], dtype=np.uint64))
+            for t, w in self.texts:
+                f.write(json.dumps({"t": t, "w": w}, ensure_ascii=False) + "\n")
+        save_npy_atomic(self.out / f"{name}.hash.npy",
+                        np.array([doc_hash(t) for t, _ in self.texts], dtype=np.uint64))
         tmp.replace(self.out / f"{name}.jsonl")
         self.k, self.texts = self.k + 1, []
+
+
+def new_counts() -> dict[str, Any]:
+    return {"in": 0, "kept": 0, "filtered": Counter(), "malformed": Counter(), "notes": Counter(),
+            "chars": {"in": 0, "after_filters": 0, "filtered": Counter(), "malformed": Counter(),
+                      "trimmed": Counter()}}
 
 
 def ingest_source(cfg: BuildConfig, src: SourceConfig, work: Path) -> dict[str, Any]:
@@ -138,30 +181,49 @@ def ingest_source(cfg: BuildConfig, src: SourceConfig, work: Path) -> dict[str, 
         return counts
     shutil.rmtree(out, ignore_errors=True)  # a partial earlier attempt: redo this source from scratch
     out.mkdir(parents=True)
-    counts = {"in": 0, "kept": 0, "filtered": Counter(), "malformed": Counter(), "chars_in": 0, "chars_kept": 0}
+    counts = new_counts()
+    chars = counts["chars"]
     names = resolve_filters(src.filters, src.profile)
     writer = _ShardWriter(out, cfg.shard_docs)
     rejects = open(out / "rejects.jsonl", "w", encoding="utf-8") if cfg.rejects else None
+    samples = open(out / "filtered.jsonl", "w", encoding="utf-8")
+    wheres: deque[list[str]] = deque()
+    bar = Progress(f"ingest {src.name}", "doc")
     try:
         with ProcessPoolExecutor(cfg.workers, mp_context=get_context("fork"), initializer=_init_filter_worker,
-                                 initargs=(cfg, names)) as pool, \
-                tqdm(desc=f"ingest {src.name}", unit="doc", disable=None) as bar:
-            for results in _ordered(pool, _chunks(cfg, src, counts, rejects), depth=4 * cfg.workers):
-                for kept, reason, chars in results:
-                    counts["chars_in"] += chars
+                                 initargs=(cfg.source_normalize(src), cfg, names)) as pool:
+            chunks = _chunks(src, counts, rejects, wheres)
+            for results in _ordered(pool, chunks, depth=4 * cfg.workers):
+                for (kept, reason, n_chars, trimmed), where in zip(results, wheres.popleft(), strict=True):
+                    if reason is not None and reason.startswith("malformed:"):
+                        _malformed(counts, reason.split(":", 1)[1], n_chars)
+                        continue
+                    chars["in"] += n_chars
                     if kept is None:
                         counts["filtered"][reason] += 1
+                        chars["filtered"][reason] += n_chars
+                        if counts["filtered"][reason] <= FILTERED_SAMPLES:
+                            samples.write(json.dumps({"reason": reason, "where": where, "chars": n_chars},
+                                                     ensure_ascii=False) + "\n")
                     else:
                         counts["kept"] += 1
-                        counts["chars_kept"] += len(kept)
-                        writer.add(kept)
+                        chars["after_filters"] += len(kept)
+                        chars["trimmed"].update(trimmed)
+                        writer.add(kept, where)
                 bar.update(len(results))
         writer.flush()
     finally:
+        samples.close()
         if rejects is not None:
             rejects.close()
-    counts["filtered"], counts["malformed"] = dict(counts["filtered"]), dict(counts["malformed"])
+    for part in (counts, chars):
+        for k, v in part.items():
+            if isinstance(v, Counter):
+                part[k] = dict(sorted(v.items()))
     counts["shards"] = writer.k
+    bar.close(f"{counts['in']:,} records, {counts['kept']:,} kept after filters, "
+              f"{sum(counts['malformed'].values()):,} malformed; characters {chars['in']:,} -> "
+              f"{chars['after_filters']:,} ({100 * chars['after_filters'] / max(1, chars['in']):.1f}%)")
     write_json_atomic(done, counts)
     return counts
 
@@ -190,10 +252,13 @@ def _run_pool(fn: Any, jobs: list[Any], workers: int, desc: str) -> None:
     (BrokenProcessPool) instead of hanging, and the rerun redoes only the unfinished shards."""
     if not jobs:
         return
+    bar = Progress(desc, "shard", total=len(jobs))
     with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("fork")) as pool:
         futures = [pool.submit(fn, job) for job in jobs]
-        for fut in tqdm(as_completed(futures), total=len(jobs), desc=desc, unit="shard", disable=None):
+        for fut in as_completed(futures):
             fut.result()
+            bar.update()
+    bar.close()
 
 
 # ---- tokenize kept documents, one shard per task ----
@@ -205,15 +270,19 @@ def _tokenize_task(args: tuple[Path, Path, str, np.ndarray]) -> None:
     tok = Tokenizer(model)
     writer = IndexedWriter(out_prefix, tok.vocab_size)
     tokens = np.zeros(3, dtype=np.int64)
+    chars = np.zeros(3, dtype=np.int64)
     texts = read_shard_texts(shard)
     for start in range(0, len(texts), 512):
-        for st, ids in zip(status[start:start + 512], tok.encode_docs(texts[start:start + 512]), strict=True):
+        batch = texts[start:start + 512]
+        for st, ids, text in zip(status[start:start + 512], tok.encode_docs(batch), batch, strict=True):
             tokens[st] += len(ids)
+            chars[st] += len(text)
             if st == 0:
                 writer.add(ids)
     writer.finalize()
+    names = ("kept", "exact_duplicate", "near_duplicate")
     write_json_atomic(Path(str(out_prefix) + ".stats.json"), {
-        "kept": int(tokens[0]), "exact_duplicate": int(tokens[1]), "near_duplicate": int(tokens[2])})
+        **{k: int(tokens[i]) for i, k in enumerate(names)}, "chars": {k: int(chars[i]) for i, k in enumerate(names)}})
 
 
 def tokenize_shards(cfg: BuildConfig, work: Path, model: Path, status: dict[str, list[np.ndarray]],

@@ -145,14 +145,14 @@ class LockSet:
         self.release()
 
 
-def build_locks(work: Path, stages: Sequence[str], task: int) -> LockSet:
-    """One lock per (stage, task) of a data build's work directory: the tasks of one SLURM array run side by side,
-    two builds of the same stage and task do not.
+def build_locks(output_dir: Path, stages: Sequence[str], task: int) -> LockSet:
+    """One lock per (stage, task) of a data build's output directory (under `.locks/`, which nothing in a build
+    deletes): the tasks of one SLURM array run side by side, two builds of the same stage and task do not.
 
     Raises:
         DataError: naming the holder of a busy stage.
     """
     from framework.errors import DataError
 
-    return LockSet([DirLock(work / "locks" / f"{stage}.task{task}.lock", what=f"data build of stage {stage!r} "
+    return LockSet([DirLock(output_dir / ".locks" / f"{stage}.task{task}.lock", what=f"data build of stage {stage!r} "
                             f"task {task}", error=DataError) for stage in stages])

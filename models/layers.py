@@ -80,9 +80,10 @@ class Attention(nn.Module):
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E)
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
+        n_rep = q.shape[1] // k.shape[1]  # local heads: under tp > n_kv_heads a rank holds one replicated KV head
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
         if attn_mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

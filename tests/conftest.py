@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,3 +28,14 @@ def stdlib_build(tmp_path_factory: pytest.TempPathFactory) -> StdlibBuild:
     prepared = prepare_data(cfg)
     assert prepared.build_dir is not None
     return StdlibBuild(cfg=cfg, build_dir=Path(prepared.build_dir))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test (bitwise-reproducible CPU runs; several test processes share 2 cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -215,7 +215,10 @@ def load_model(path: Path) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def export_tokenizer(model_file: Path, out: Path) -> None:
-    """Write a transformers tokenizer equivalent to Tessera's sentencepiece model into `out`.
+    """Write a transformers tokenizer equivalent to the build's tokenizer into `out`.
+
+    A `tokenizer.json` (given, trained with HF tokenizers, or converted from a tiktoken file) is written as it is,
+    with the special tokens its `tokenizer_config.json` names. A sentencepiece model is converted:
 
     transformers' Llama converter reads the BPE vocabulary and merges; the normalizer is then set to what
     sentencepiece does with Tessera's settings (dummy prefix "▁" before the text, every space -> "▁", no
@@ -228,6 +231,12 @@ def export_tokenizer(model_file: Path, out: Path) -> None:
     from tokenizers import Tokenizer
     from transformers import LlamaTokenizer, PreTrainedTokenizerFast
 
+    if model_file.name.endswith(".json"):  # a build's HF tokenizer (given, trained or converted from tiktoken)
+        side = model_file.with_name("tokenizer_config.json")
+        conf = json.loads(side.read_text()) if side.is_file() else {}
+        names = {k: conf[k] for k in ("eos_token", "bos_token", "pad_token", "unk_token") if conf.get(k)}
+        PreTrainedTokenizerFast(tokenizer_file=str(model_file), **names).save_pretrained(str(out))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(model_file, Path(tmp) / "tokenizer.model")
         converted = LlamaTokenizer.from_pretrained(tmp)
@@ -274,9 +283,10 @@ def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | N
     eos = None
     if tok is not None:
         export_tokenizer(tok, out)
-        import sentencepiece as spm
+        from data_pipeline.tokenizer import Tokenizer
 
-        eos = int(spm.SentencePieceProcessor(model_file=str(tok)).eos_id())
+        eos = Tokenizer(tok).eos_id  # sentencepiece .model or tokenizer.json
+
     (out / "config.json").write_text(json.dumps(hf_config(cfg, arch, eos), indent=2))
     return out
 

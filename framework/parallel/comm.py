@@ -76,6 +76,8 @@ class CommLogger:
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.payload: dict[tuple[str, str], int] = defaultdict(int)
         self.wire: dict[tuple[str, str], float] = defaultdict(float)
+        self.dtypes: dict[tuple[str, str], set[torch.dtype]] = defaultdict(set)
+        """The dtypes of the buffers each (axis, op) actually moved (e.g. FSDP's bf16 parameter all-gathers)."""
 
     def axis_of(self, group: Any) -> str:
         if group is not None and _name(group) in self.axes:
@@ -84,9 +86,10 @@ class CommLogger:
             return "world"
         return "other"
 
-    def record(self, op: str, group: Any, full_bytes: int) -> None:
+    def record(self, op: str, group: Any, full_bytes: int, dtypes: set[torch.dtype] | None = None) -> None:
         n = group.size() if group is not None else dist.get_world_size()
         key = (self.axis_of(group), op)
+        self.dtypes[key] |= dtypes or set()
         self.calls[key] += 1
         self.payload[key] += full_bytes
         self.wire[key] += full_bytes * wire_factor(op, n)
@@ -101,6 +104,7 @@ class CommLogger:
         self.calls.clear()
         self.payload.clear()
         self.wire.clear()
+        self.dtypes.clear()
 
     def summary(self) -> dict[str, float]:
         """Flat metrics: comm/<axis>/<op>/{bytes,wire_bytes,calls}."""
@@ -138,16 +142,17 @@ class _CollectiveCounter(TorchDispatchMode):
                 return
             kind, buffer = _C10D[name]
             group = _unbox(bound.get("process_group"))
-            self.logger.record(kind, group, _nbytes(bound.get(buffer)))
+            self.logger.record(kind, group, _nbytes(bound.get(buffer)), _dtypes(bound.get(buffer)))
             return
         if name not in _FUNCTIONAL:
             return
         kind = _FUNCTIONAL[name]
         group = _unbox(bound.get("group_name"))
-        size = _nbytes(bound.get("input", bound.get("inputs", bound.get("tensor"))))
+        local = bound.get("input", bound.get("inputs", bound.get("tensor")))
+        size = _nbytes(local)
         if kind == "all_gather":
             size *= int(bound["group_size"])
-        self.logger.record(kind, group, size)
+        self.logger.record(kind, group, size, _dtypes(local))
 
 
 def _nbytes(x: Any) -> int:
@@ -156,6 +161,14 @@ def _nbytes(x: Any) -> int:
     if isinstance(x, (list, tuple)):
         return sum(_nbytes(t) for t in x)
     return 0
+
+
+def _dtypes(x: Any) -> set[torch.dtype]:
+    if isinstance(x, torch.Tensor):
+        return {x.dtype}
+    if isinstance(x, (list, tuple)):
+        return set().union(*(_dtypes(t) for t in x)) if x else set()
+    return set()
 
 
 def _unbox(group: Any) -> dist.ProcessGroup | None:

@@ -37,9 +37,11 @@ class ParallelConfig:
     """Transformer blocks per FSDP unit: the all-gather / reduce-scatter bucket is one unit's parameters."""
     fsdp_prefetch: int = 1
     """Units all-gathered ahead in forward and backward (FSDP2 explicit prefetching); 0 keeps FSDP2's default."""
-    fsdp_mixed_precision: bool = False
-    """All-gather parameters in train.precision's dtype (MixedPrecisionPolicy), reducing gradients in fp32;
-    off: parameters stay fp32 and only autocast lowers the matmuls."""
+    fsdp_mixed_precision: bool | None = None
+    """All-gather parameters in train.precision's dtype (FSDP2 MixedPrecisionPolicy), reducing gradients in fp32,
+    fp32 master weights kept. None (default): on for bf16 (half the ZeRO-3 all-gather bytes), off for fp16/fp32;
+    false: parameters are all-gathered in fp32 and only autocast lowers the matmuls
+    (framework/parallel/zero.py `fsdp_mp_policy`)."""
     sequence_parallel: bool = True
     """With tp > 1, shard norms and residuals over the sequence (Korthikanti et al. 2022)."""
     loss_parallel: bool = True

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -38,9 +37,9 @@ from framework.parallel.precision import (
 )
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
-from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, set_micro_batch_sync
+from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mp_policy, set_micro_batch_sync
 from framework.train.config import TrainConfig
-from framework.train.engine import _DTYPES, autocast, cross_entropy
+from framework.train.engine import autocast, cross_entropy
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import Decoder
@@ -87,7 +86,8 @@ class ParallelEngine:
         self.pp_rank = coord["pp"]
         self.n_micro = micro_batches(dims, train_cfg, pcfg.pp_schedule)
         self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
-        self.scaler = LossScaler(train_cfg.precision == "fp16")
+        self.scaler = LossScaler(train_cfg.precision == "fp16", init_scale=train_cfg.loss_scale_init,
+                                 growth_interval=train_cfg.loss_scale_growth_interval)
         self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
         self.moe = MoEParallel(model_cfg, pcfg, dims, mesh)  # MoE (issue 5); every call a no-op for dense models
         self._build_parts()
@@ -100,7 +100,7 @@ class ParallelEngine:
                                                    dims.dp_replicate)
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
-        self._found_inf = False
+        self._found_inf = self._unscaled = False
         self.comm = CommLogger(mesh_axes(mesh, AXES)) if pcfg.comm_log else None
 
     def _comm(self) -> contextlib.AbstractContextManager[Any]:
@@ -130,13 +130,12 @@ class ParallelEngine:
         part.to_empty(device=self.device)
         part.init_weights(self.train_cfg.seed)  # per-FQN seeds: bitwise the 1-process values, any layout
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)
-        param_dtype = _DTYPES[self.train_cfg.precision] if pcfg.fsdp_mixed_precision else None
+        mp_policy = fsdp_mp_policy(pcfg, self.train_cfg.precision)
         # MoE (issue 5): experts FSDP-sharded over the edp ranks (before FSDP wraps their blocks), or hand-synced
-        self.moe.shard(part, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                            reduce_dtype=torch.float32 if param_dtype else None))
+        self.moe.shard(part, mp_policy=mp_policy)
         if dims.dp_shard > 1:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
-            apply_fsdp(part, dp_mesh, pcfg, param_dtype=param_dtype, pipelined=dims.pp > 1)
+            apply_fsdp(part, dp_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
 
     def _tie_setup(self, parts: list[Decoder]) -> None:
         last = self.n_stages - 1
@@ -276,26 +275,43 @@ class ParallelEngine:
         counted = [p for p in params if p is not self.tied_copy]  # a tied weight counts once (first stage)
         norm = float(global_grad_norm(counted, self.dims.world_size // self.dims.pp, self.groups, self.device))
         self._found_inf = not math.isfinite(norm)
+        self._unscaled = True
         if max_norm > 0 and not self._found_inf:
             scale_grads(params, min(1.0, max_norm / (norm + 1e-6)))
         return norm
 
-    def optimizer_step(self, lr: float) -> bool:
-        with self._comm():
-            return self._optimizer_step(lr)
+    def grads_overflowed(self) -> bool:
+        """fp16: a gradient overflowed somewhere in the layout (the global norm is not finite); see `Engine`."""
+        if self.scaler.enabled and not self._unscaled:
+            self._clip_grad_norm(0.0)  # unscale and check, measuring only
+        return self.scaler.enabled and self._found_inf
 
-    def _optimizer_step(self, lr: float) -> bool:
-        skip = self._found_inf
+    def optimizer_step(self, lr: float, apply: bool = True) -> bool:
+        with self._comm():
+            return self._optimizer_step(lr, apply)
+
+    def _optimizer_step(self, lr: float, apply: bool) -> bool:
+        overflow = self.grads_overflowed()
+        applied = apply and not overflow
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
-            if not skip:
+            if applied:
                 opt.step()
             opt.zero_grad(set_to_none=True)
-        if not skip:
-            self.moe.after_optimizer_step(self.model_parts)  # MoE (issue 5): routing-bias update
-        self.scaler.update(skip)
-        return not skip
+        if applied or overflow:
+            self.scaler.update(overflow)  # a guard skip leaves the scale and its growth tracker alone
+        # MoE (issue 5): routing-bias update from this step's counts, or the counts dropped with the step
+        self.moe.after_optimizer_step(self.model_parts, applied)
+        self._found_inf = self._unscaled = False
+        return applied
+
+    def extra_state(self) -> dict[str, Any]:
+        sd = self.scaler.state_dict()
+        return {"loss_scale": sd} if sd else {}
+
+    def load_extra_state(self, state: dict[str, Any] | None) -> None:
+        self.scaler.load_state_dict((state or {}).get("loss_scale"))
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:

@@ -39,7 +39,14 @@ from framework.parallel.mesh import EP_AXES, ParallelDims
 from models.config import ModelConfig
 from models.moe import MoE, combine, permute
 from models.moe.experts import GroupedExperts
-from models.moe.step import format_moe_metrics, moe_layers, moe_stats, set_aux_loss_scale, update_routing_bias
+from models.moe.step import (
+    discard_routing_counts,
+    format_moe_metrics,
+    moe_layers,
+    moe_stats,
+    set_aux_loss_scale,
+    update_routing_bias,
+)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -282,7 +289,7 @@ class MoEParallel:
         moe.shard(part, **fsdp_kwargs)        # after init and recompute, before FSDP wraps the blocks
         moe.before_step(parts, scale)         # scale: gradient the aux loss gets per forward
         moe.after_backward(parts)             # expert gradient sync when FSDP does not do it
-        moe.after_optimizer_step(parts)       # routing-bias update from all-reduced counts
+        moe.after_optimizer_step(parts, applied)  # routing-bias update from all-reduced counts (or drop)
         metrics.update(moe.metrics(parts))    # per-layer stats summed over data ranks, merged over stages
     """
 
@@ -337,9 +344,13 @@ class MoEParallel:
         if self.enabled and self.grad_sync is not None:
             self.grad_sync()
 
-    def after_optimizer_step(self, parts: list[nn.Module]) -> None:
-        if self.enabled:
+    def after_optimizer_step(self, parts: list[nn.Module], applied: bool = True) -> None:
+        if not self.enabled:
+            return
+        if applied:
             update_routing_bias(parts, self.reduce)
+        else:
+            discard_routing_counts(parts)  # a skipped step leaves the biases as if it never happened
 
     def metrics(self, parts: list[nn.Module]) -> dict[str, float]:
         """This step's MoE metrics on every rank: summed over the data ranks, merged over pipeline stages."""

@@ -32,6 +32,13 @@ EP_AXES: tuple[str, ...] = ("pp", "dp_replicate", "edp", "ep")
 """Axes of the expert mesh: edp = (dp_shard x cp x tp) / ep blocks."""
 
 
+
+def valid_tp(model: ModelConfig) -> list[int]:
+    """Tensor-parallel degrees `model` admits: dividing heads, vocabulary and FFN; dividing the KV heads or a
+    multiple of them (KV heads replicated, framework/parallel/tensor.py)."""
+    return [t for t in divisors(math.gcd(model.n_heads, model.vocab_size, model.ffn))
+            if not (model.kv_heads % t and t % model.kv_heads)]
+
 @dataclass(frozen=True)
 class ParallelDims:
     """A validated layout. Sizes are all resolved (no -1)."""
@@ -87,13 +94,17 @@ class ParallelDims:
             self._validate_model(cfg, model)
 
     def _validate_model(self, cfg: ParallelConfig, model: ModelConfig) -> None:
-        for field, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads),
-                             ("vocab_size", model.vocab_size), ("ffn_hidden", model.ffn)):
+        for field, value in (("n_heads", model.n_heads), ("vocab_size", model.vocab_size),
+                             ("ffn_hidden", model.ffn)):
             if value % self.tp:
-                valid = divisors(math.gcd(model.n_heads, model.kv_heads, model.vocab_size, model.ffn))
                 raise ParallelismError(
                     f"parallel.tp={self.tp} must divide model.{field}={value} (tensor parallelism shards it); "
-                    f"valid tp for this model: {valid}")
+                    f"valid tp for this model: {valid_tp(model)}")
+        if model.kv_heads % self.tp and self.tp % model.kv_heads:
+            raise ParallelismError(
+                f"parallel.tp={self.tp} and model.n_kv_heads={model.kv_heads}: tp must divide the KV heads (shard "
+                f"them) or be a multiple of them (replicate each over tp / n_kv_heads ranks); valid tp for this "
+                f"model: {valid_tp(model)}")
         stages = self.pp * cfg.virtual_stages
         if cfg.pp_layer_split is not None:
             split = list(cfg.pp_layer_split)

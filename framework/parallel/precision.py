@@ -17,7 +17,10 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 
 
 class LossScaler:
-    """Dynamic loss scale; `enabled=False` makes it the identity (scale 1, never skips)."""
+    """Dynamic loss scale; `enabled=False` makes it the identity (scale 1, never skips).
+
+    The same rule and state as torch's `GradScaler` (the 1-process engine's): `good_steps` is its growth tracker.
+    """
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
@@ -39,6 +42,14 @@ class LossScaler:
         if self.good_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.good_steps = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        """{"scale", "growth_tracker"} (empty when disabled): what a resume needs to continue bitwise."""
+        return {"scale": self.scale, "growth_tracker": self.good_steps} if self.enabled else {}
+
+    def load_state_dict(self, state: dict[str, float | int] | None) -> None:
+        if self.enabled and state:
+            self.scale, self.good_steps = float(state["scale"]), int(state["growth_tracker"])
 
 
 def _is_shard(placement: Placement) -> bool:

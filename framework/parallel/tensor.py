@@ -1,13 +1,65 @@
-"""Tensor + sequence parallelism: shard a decoder (or one pipeline stage of it) in place over the `tp` mesh."""
+"""Tensor + sequence parallelism: shard a decoder (or one pipeline stage of it) in place over the `tp` mesh.
+
+With more tp ranks than KV heads (tp a multiple of model.n_kv_heads), the KV heads are replicated across the
+tp ranks, as Megatron-LM does: each rank computes the one KV head its query heads attend with
+(`ReplicatedKVHeads`).
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from models.decoder import Decoder
 from models.moe.layer import MoE
 from models.plans import Plan, decoder_block_plan, decoder_top_plan
+
+
+def kv_head_of(tp_rank: int, tp: int, n_kv_heads: int) -> int:
+    """The KV head tp rank `tp_rank` needs when tp > n_kv_heads (tp a multiple of n_kv_heads).
+
+    Query heads are split column-wise: rank t holds heads [t n_heads/tp, (t+1) n_heads/tp), and grouped-query
+    attention pairs query head h with KV head h // (n_heads / n_kv_heads), so rank t needs KV head t // (tp / kv).
+    """
+    return tp_rank // (tp // n_kv_heads)
+
+
+class ReplicatedKVHeads(ParallelStyle):
+    """wk / wv when tp > n_kv_heads: the weight is replicated over tp (a `Replicate` DTensor, the full
+    (n_kv_heads x head_dim, hidden) matrix), and each rank's forward uses the rows of its KV head (`kv_head_of`).
+
+    Gradients: each rank's local weight gradient holds its query heads' contribution to its KV head's rows, and
+    its input gradient its contribution to dx; both are declared `Partial` over tp, so the tp reduction the
+    plan already does for dx sums them, and `resolve_partial_grads` sums the weight's (exactly the 1-process
+    gradient, every rank then holding it, so the replicas stay identical through the optimizer).
+    """
+
+    def __init__(self, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, nn.Linear)
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()])))
+        head = kv_head_of(device_mesh.get_local_rank(), device_mesh.size(), self.n_kv_heads)
+        rows = slice(head * self.head_dim, (head + 1) * self.head_dim)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            bias = _partial_local(module.bias)[rows] if module.bias is not None else None
+            return F.linear(_partial_local(x), _partial_local(module.weight)[rows], bias)
+
+        module.forward = forward  # type: ignore[method-assign, assignment]
+        return module
+
+
+def _partial_local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a replicated DTensor whose gradient each rank only contributes to (summed over tp)."""
+    return t.to_local(grad_placements=[Partial()]) if isinstance(t, DTensor) else t
 
 
 def _present(module: Decoder, plan: Plan) -> Plan:
@@ -40,6 +92,9 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
         assert model.output is not None and model.tok_embeddings is not None
         model.output.weight = model.tok_embeddings.weight
     block_plan = decoder_block_plan(sequence_parallel)
+    tp, kv = tp_mesh.size(), model.cfg.kv_heads
+    if tp > kv:  # Megatron-style KV-head replication (tp a multiple of n_kv_heads: framework/parallel/mesh.py)
+        block_plan["attention.wk"] = block_plan["attention.wv"] = ReplicatedKVHeads(kv, model.cfg.head_dim)
     moe_plan = {k: v for k, v in block_plan.items() if not k.startswith("feed_forward")}
     for block in model.layers.values():
         # MoE (issue 5): framework/parallel/expert.py parallelizes an MoE layer's feed-forward

@@ -24,16 +24,32 @@ from torch.distributed.tensor import DTensor
 from framework.parallel.config import ParallelConfig
 from models.decoder import Decoder
 
+_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, param_dtype: torch.dtype | None = None,
+
+def fsdp_mp_policy(cfg: ParallelConfig, precision: str) -> MixedPrecisionPolicy:
+    """What FSDP moves in which dtype: the one place that decides it, for dense and expert units alike.
+
+    bf16 by default (`parallel.fsdp_mixed_precision` unset) and fp16 when asked: parameters are all-gathered in
+    the compute dtype (half the bytes of fp32) and gradients reduce-scattered in fp32 (summing many ranks'
+    gradients in 16 bits loses bits; FSDP2 casts them before the collective), while the sharded master weights
+    and optimizer states stay fp32. fp32 training, or `fsdp_mixed_precision: false`: everything moves in fp32.
+    """
+    on = cfg.fsdp_mixed_precision if cfg.fsdp_mixed_precision is not None else precision == "bf16"
+    if not on or precision not in _LOW_PRECISION:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=_LOW_PRECISION[precision], reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, mp_policy: MixedPrecisionPolicy,
                pipelined: bool = False) -> list[FSDPModule]:
     """`fully_shard` groups of `cfg.fsdp_layers_per_unit` blocks, then the rest of `model` (embedding, norm, head).
 
-    Returns the units in forward order (for explicit prefetching). Under pipeline parallelism the schedule
-    owns gradient synchronization (one reduce-scatter per step), so stages 1 and 2 coincide there.
+    `mp_policy` comes from `fsdp_mp_policy`. Returns the units in forward order (for explicit prefetching). Under
+    pipeline parallelism the schedule owns gradient synchronization (one reduce-scatter per step), so stages 1
+    and 2 coincide there.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    kwargs: dict[str, object] = {"mesh": dp_mesh, "mp_policy": mp}
+    kwargs: dict[str, object] = {"mesh": dp_mesh, "mp_policy": mp_policy}
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
     reshard = cfg.zero_stage == 3

@@ -37,6 +37,10 @@ class TrainConfig:
     """AdamW kernel: auto takes fused on CUDA, foreach elsewhere."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast dtype for forward/backward; master weights and optimizer states stay fp32."""
+    loss_scale_init: float = 2.0**16
+    """fp16 only: the initial dynamic loss scale (halved on every overflow, a skipped step)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: clean steps in a row after which the loss scale doubles."""
     log_interval: int = 1
     eval_interval: int = 0
     """Evaluate every N steps (and at the end); 0 disables periodic evaluation."""
@@ -77,5 +81,11 @@ class TrainConfig:
             raise ConfigError(f"train.beta1={self.beta1}, train.beta2={self.beta2} must be in [0, 1)")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        if not (self.loss_scale_init > 0 and math.isfinite(self.loss_scale_init)):
+            raise ConfigError(f"train.loss_scale_init={self.loss_scale_init} must be a finite number > 0; "
+                              f"the usual start is 65536.0 (2**16)")
+        if self.loss_scale_growth_interval < 1:
+            raise ConfigError(f"train.loss_scale_growth_interval={self.loss_scale_growth_interval} must be >= 1 "
+                              f"(clean steps before the fp16 loss scale doubles); the usual value is 2000")
         if self.log_interval < 1:
             raise ConfigError(f"train.log_interval={self.log_interval} must be >= 1")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import build_model
 from models.documents import DocumentMasking, model_kwargs
-from models.moe.step import moe_metrics, set_aux_loss_scale, update_routing_bias
+from models.moe.step import discard_routing_counts, moe_metrics, set_aux_loss_scale, update_routing_bias
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,8 +42,28 @@ class Engine(Protocol):
         """Clip gradients to `max_norm` (0: measure only) and return the global norm before clipping."""
         ...
 
-    def optimizer_step(self, lr: float) -> bool:
-        """Apply the update with learning rate `lr`; False when it was skipped (fp16 overflow)."""
+    def grads_overflowed(self) -> bool:
+        """fp16: whether a gradient of this step overflowed under the loss scale (the scaler then skips the step
+        and backs off; not a guard verdict). Always False in fp32/bf16. Valid after backward."""
+        ...
+
+    def optimizer_step(self, lr: float, apply: bool = True) -> bool:
+        """End the step: update with learning rate `lr` unless `apply` is False (a guard skip) or the gradients
+        overflowed; drop the gradients either way. True when the weights were updated.
+
+        A skipped step changes nothing a step would change: no weight or optimizer update, no routing-bias update
+        (its expert counts are dropped), and after a guard skip the loss scale and its growth tracker stay put;
+        after an overflow the scale backs off.
+        """
+        ...
+
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-safe state a step mutates besides the weights and optimizer (the fp16 loss scale and its growth
+        tracker), saved in every checkpoint's meta and restored by `load_extra_state` on resume and rollback."""
+        ...
+
+    def load_extra_state(self, state: dict[str, Any] | None) -> None:
+        """Restore `extra_state()` (None or a missing entry: keep the current value, e.g. an fp32 checkpoint)."""
         ...
 
     def eval_loss(self, batch: torch.Tensor) -> float:
@@ -87,7 +107,10 @@ class LocalEngine:
         self.model_parts: list[nn.Module] = [self.model]
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(self.model_parts, train_cfg, device)]
         self.dp_rank, self.dp_size = 0, 1
-        self.scaler = torch.amp.GradScaler(device.type, enabled=train_cfg.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=train_cfg.loss_scale_init,
+                                           growth_interval=train_cfg.loss_scale_growth_interval,
+                                           enabled=train_cfg.precision == "fp16")
+        self._unscaled = False
         self.is_moe = model_cfg.moe.enabled
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -110,24 +133,54 @@ class LocalEngine:
             total += loss.detach()
         return float(total)
 
+    def _unscale(self) -> None:
+        if not self._unscaled:  # once per step: GradScaler refuses a second unscale_ before update()
+            for opt in self.optimizers:
+                self.scaler.unscale_(opt)
+            self._unscaled = True
+
     def clip_grad_norm(self, max_norm: float) -> float:
-        for opt in self.optimizers:
-            self.scaler.unscale_(opt)
+        self._unscale()
         params = [p for p in self.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
         return float(norm)
 
-    def optimizer_step(self, lr: float) -> bool:
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+    def grads_overflowed(self) -> bool:
+        if not self.scaler.is_enabled():
+            return False
+        self._unscale()
+        # The inf/NaN flags unscale_ recorded: the very check GradScaler.step() skips on.
+        return any(bool(flag.item()) for opt in self.optimizers
+                   for flag in self.scaler._found_inf_per_device(opt).values())
+
+    def optimizer_step(self, lr: float, apply: bool = True) -> bool:
+        overflow = self.grads_overflowed()
+        applied = apply and not overflow
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
-            self.scaler.step(opt)
+            if applied:
+                self.scaler.step(opt)
             opt.zero_grad(set_to_none=True)
-        self.scaler.update()
+        if applied or overflow:
+            self.scaler.update()  # growth count on a clean step, backoff on an overflow
+        else:
+            self.scaler.update(new_scale=self.scaler.get_scale())  # a guard skip: scale and growth tracker stay
+        self._unscaled = False
         if self.is_moe:  # MoE (issue 5): auxiliary-loss-free balancing moves the routing bias after the step
-            update_routing_bias(self.model_parts)
-        return not (self.scaler.is_enabled() and self.scaler.get_scale() < scale_before)
+            (update_routing_bias if applied else discard_routing_counts)(self.model_parts)
+        return applied
+
+    def extra_state(self) -> dict[str, Any]:
+        sd = self.scaler.state_dict()
+        return {"loss_scale": {"scale": sd["scale"], "growth_tracker": sd["_growth_tracker"]}} if sd else {}
+
+    def load_extra_state(self, state: dict[str, Any] | None) -> None:
+        saved = (state or {}).get("loss_scale")
+        if saved and self.scaler.is_enabled():
+            sd = self.scaler.state_dict()
+            sd.update(scale=float(saved["scale"]), _growth_tracker=int(saved["growth_tracker"]))
+            self.scaler.load_state_dict(sd)
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from framework.checkpoint.guard import Verdict
 from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
 from framework.errors import ConfigError, DivergenceError
@@ -182,6 +183,7 @@ class Trainer:
         self.step = int(meta["step"])
         self.loader.load_state_dict(meta["loader"])
         self.ft.guard.load_state_dict(meta.get("guard"))
+        self.engine.load_extra_state(meta.get("engine"))  # the fp16 loss scale and its growth tracker
         return meta
 
     def rollback(self) -> None:
@@ -227,13 +229,10 @@ class Trainer:
         t_fb = time.perf_counter()
         grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
         lr = lr_at(self.cfg.train, self.step)
-        verdict = self.ft.guard.check(loss, grad_norm)
-        if verdict.skip:
-            for opt in self.engine.optimizers:  # drop this step's gradients; no update
-                opt.zero_grad(set_to_none=True)
-            applied = False
-        else:
-            applied = self.engine.optimizer_step(lr)
+        # An fp16 overflow is the loss scaler's skip (it backs off), not a guard verdict: it never counts to a rollback.
+        overflow = self.engine.grads_overflowed()
+        verdict = Verdict(False) if overflow else self.ft.guard.check(loss, grad_norm)
+        applied = self.engine.optimizer_step(lr, apply=not verdict.skip)  # the engine ends every step
         t_end = time.perf_counter()
         self.step += 1
         dt = t_end - t0
@@ -243,6 +242,8 @@ class Trainer:
             "step_time_s": dt, "data_time_s": t_data - t0, "fwd_bwd_time_s": t_fb - t_data,
             "optim_time_s": t_end - t_fb, "memory_mb": memory_mb(self.device), "skipped": not applied,
         }
+        if overflow:
+            record["overflow"] = True
         if verdict.skip:
             record.update(guard=verdict.reason, guard_zscore=verdict.zscore,
                           guard_skipped_total=self.ft.guard.skipped_total)
@@ -285,7 +286,7 @@ class Trainer:
         """Checkpoint this step (in the background with checkpoint.async_save unless `blocking`)."""
         meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
                 "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict(),
-                "data_build": self._data_build()}
+                "data_build": self._data_build(), "engine": self.engine.extra_state()}
         if self.ft.guard.skipping:  # taken right after a skipped step: never `latest`, never a rollback target
             meta["guard_suspect"] = True
             log.warning("checkpoint of step %d is taken while the loss guard is skipping steps: it is kept but "

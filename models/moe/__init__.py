@@ -11,6 +11,7 @@ from models.moe.losses import AuxLossInjector, load_balancing_loss, router_z_los
 from models.moe.router import Router, Routing, capacity_mask, expert_capacity
 from models.moe.step import (
     collect_aux_loss,
+    discard_routing_counts,
     moe_layers,
     moe_metrics,
     moe_stats,
@@ -29,6 +30,7 @@ __all__ = [
     "capacity_mask",
     "collect_aux_loss",
     "combine",
+    "discard_routing_counts",
     "expert_capacity",
     "grouped_mm_available",
     "load_balancing_loss",

@@ -1,10 +1,11 @@
-"""What an engine calls around a step of an MoE model — the whole contract, five functions:
+"""What an engine calls around a step of an MoE model — the whole contract, six functions:
 
     set_aux_loss_scale(parts, 1 / n_micro)      # before the micro-batches (x the fp16 loss scale, if any)
     ... forward / backward per micro-batch ...  # the aux losses reach the gradients by themselves
     aux = collect_aux_loss(parts)               # optional: detached aux loss of the last forward, to report
     optimizer.step()
-    update_routing_bias(parts, reduce)          # after the optimizer step (aux-loss-free balancing)
+    update_routing_bias(parts, reduce)          # after the optimizer step (aux-loss-free balancing), or
+    discard_routing_counts(parts)               # instead, when the step is skipped (it never happened)
     metrics = moe_metrics(parts, reduce)        # per-layer load statistics of the step, for metrics.jsonl
 
 `reduce` sums a tensor over the data ranks (dp_replicate x dp_shard, *not* tp or pp); None on one process.
@@ -63,6 +64,12 @@ def update_routing_bias(parts: Iterable[nn.Module], reduce: Reduce | None = None
         if reduce is not None:
             counts = reduce(counts)
         moe.router.update_bias(counts, rate)
+        moe.bias_counts = None
+
+
+def discard_routing_counts(parts: Iterable[nn.Module]) -> None:
+    """Forget the expert counts of a skipped step, so the next bias update sees only the next step's tokens."""
+    for _, moe in moe_layers(parts):
         moe.bias_counts = None
 
 

@@ -178,3 +178,14 @@ def test_build_killed_hard_then_rerun_matches_a_straight_build(built) -> None:  
         assert not (root / f"killed{n}" / "manifest.json").exists()
         resumed = run_build(cfg)
         assert resumed["fingerprint"] == straight["fingerprint"] and resumed["sources"] == straight["sources"]
+
+
+def test_training_start_logs_the_mixture_and_warns_on_upsampling(built, capsys) -> None:  # type: ignore[no-untyped-def]
+    root = built[0]
+    prepare_data(DataConfig(kind="build", build_dir=str(root / "out"), seq_len=16, num_samples=2000,
+                            weights={"plain": 0.5, "pq": 0.5}, val_fraction=0.2, warn_epochs=4.0))
+    err = capsys.readouterr().err
+    plain = next(line for line in err.splitlines() if "mixture plain:" in line)
+    assert "1,000 of 2,000 samples per pass" in plain and "epochs of its" in plain
+    assert "WARNING: source plain is read" in err and "data.warn_epochs=4.0" in err
+    assert "mixture tree: 0 of 2,000" in err

@@ -29,10 +29,19 @@ def test_data_build_stats_and_tokenizer_train(tmp_path: Path, capsys: pytest.Cap
                    f"  - {{name: words, path: {src}, profile: minimal}}\n"
                    f"tokenizer: {{vocab_size: 300, sample_chars: 100000}}\n")
     assert main(["data", "build", str(cfg), "--stages", "ingest,minhash", "--task", "0", "--tasks", "1"]) == 0
-    assert "stages ingest,minhash done" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "stages ingest,minhash done" in captured.out
+    assert "] ingest words: 41 records, 40 kept after filters, 1 malformed" in captured.err, captured.err
     assert main(["data", "build", str(cfg), "workers=1"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "words" in out and "fingerprint" in out
+    # stderr is not a terminal here: every stage still logs a line with its counts and time
+    assert "ingest words: 41 records, 40 kept" not in captured.err  # ingest was done by the first call
+    assert "] tokenize: 3 shards in " in captured.err, captured.err
+    assert main(["data", "sample", str(tmp_path / "out"), "--source", "words", "-n", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("=== words document") == 2 and ("river" in shown or "stone" in shown)
     assert main(["data", "stats", str(tmp_path / "out")]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["source", "in", "kept"]
@@ -44,3 +53,7 @@ def test_data_build_stats_and_tokenizer_train(tmp_path: Path, capsys: pytest.Cap
     model = tmp_path / "tok.model"
     assert main(["tokenizer", "train", str(src), "--out", str(model), "--vocab-size", "300"]) == 0
     assert Tokenizer(model).vocab_size == 300 and "vocab 300" in capsys.readouterr().out
+    assert main(["tokenizer", "train", str(src), "--out", str(tmp_path / "bpe/tokenizer.json"), "--vocab-size",
+                 "300", "--type", "hf_bpe"]) == 0
+    hf = Tokenizer(tmp_path / "bpe/tokenizer.json")
+    assert hf.kind == "hf" and hf.vocab_size == 300 and hf.decode(hf.encode("river stone")) == "river stone"

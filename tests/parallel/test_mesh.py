@@ -3,6 +3,8 @@ process group, and agreement with torch's own `init_device_mesh` on the fake bac
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
 
@@ -57,7 +59,6 @@ def test_dp_shard_inferred_and_world_mismatch() -> None:
 
 @pytest.mark.parametrize(("overrides", "world", "match"), [
     ({"tp": 3}, 3, "must divide model.n_heads=4"),
-    ({"tp": 4}, 4, "must divide model.n_kv_heads=2"),
     ({"pp": 8, "dp_shard": 1}, 8, "larger than model.n_layers=4"),
     ({"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 3}, 2, "do not divide model.n_layers=4"),
     ({"pp": 2, "pp_layer_split": [1, 2]}, 2, "must have pp x virtual stages"),
@@ -70,6 +71,15 @@ def test_bad_layouts_raise_before_any_process_group(overrides: dict, world: int,
     with pytest.raises(ParallelismError, match=match):
         ParallelDims.from_config(ParallelConfig(**overrides), world, model)
     assert not dist.is_initialized()
+
+
+def test_tp_shards_or_replicates_kv_heads() -> None:
+    """tp must divide n_kv_heads (shard) or be a multiple of it (replicate, as Megatron-LM); else refused."""
+    tiny = model_config("test-tiny")  # 4 heads, 2 KV heads
+    assert ParallelDims.from_config(ParallelConfig(tp=4), 4, tiny).tp == 4  # each KV head on 2 tp ranks
+    odd = dataclasses.replace(tiny, hidden=96, n_heads=12, n_kv_heads=4, ffn_hidden=192, vocab_size=576)
+    with pytest.raises(ParallelismError, match=r"parallel.tp=6 and model.n_kv_heads=4.*valid tp .*\[1, 2, 4, 12\]"):
+        ParallelDims.from_config(ParallelConfig(tp=6), 6, odd)
 
 
 def test_expert_constraints() -> None:

@@ -1,4 +1,6 @@
-"""Parity of every layout with the 1-process LocalEngine: loss and grad norm at every step within 1e-5 (fp32).
+"""Parity of every layout with the 1-process LocalEngine: loss and grad norm at every step within 1e-5 and the
+final parameters' checksums within 1e-5 relative (fp32); bf16 against the fp32 run at tolerances derived from
+bf16's unit roundoff (tests/parallel/parallel_parity.py `reference_and_tolerance`).
 
 Layouts run side by side on disjoint rank ranges of one 8-rank spawn (sub-world meshes), so the whole matrix
 pays two process-group start-ups. The reference is computed once per config and cached.
@@ -9,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from parallel_parity import compare, pack_rounds, run_rounds
+from parallel_parity import BROKEN_KV, compare, pack_rounds, run_rounds
 
 from framework.testing import run_distributed
 
@@ -63,6 +65,15 @@ def _extras() -> list[dict[str, Any]]:
                 "data.reset_position_ids": True})
     out.append({"dp_shard": 2, "zero_stage": 3, **mask})
     out.append({"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", **mask})
+    # TP4 (issue 21): sharded KV heads on an 8-head / 4-KV-head model; tp > n_kv_heads (tiny: 4 heads, 2 KV
+    # heads) replicating each KV head on 2 tp ranks, plain and under FSDP ZeRO-3; a deliberately broken
+    # replication (wrong KV head per rank) that must fail; uneven pipeline splits (plain and interleaved).
+    out.append({"tp": 4, "dp_shard": 1, "model.n_heads": 8, "model.n_kv_heads": 4})
+    out.append({"tp": 4, "dp_shard": 2, "zero_stage": 3})
+    out.append({"tp": 4, "dp_shard": 1, BROKEN_KV: True})
+    out.append({"tp": 2, "pp": 2, "dp_shard": 1, "pp_layer_split": [3, 1]})
+    out.append({"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "model.n_layers": 6,
+                "pp_layer_split": [2, 1, 1, 2]})
     return out
 
 
@@ -70,7 +81,9 @@ def _run(layouts: list[dict[str, Any]]) -> None:
     rounds = pack_rounds(layouts, 8)
     results = run_distributed(run_rounds, 8, timeout_s=600, rounds=rounds)
     bad = compare(rounds, results)
-    assert not bad, "\n".join(bad)
+    broken = [str(layout) for layout in layouts if layout.get(BROKEN_KV)]
+    assert not [b for b in bad if BROKEN_KV not in b], "\n".join(bad)
+    assert all(any(b.startswith(layout) for b in bad) for layout in broken), f"a broken layout passed: {broken}"
 
 
 @pytest.mark.slow
