@@ -6,11 +6,14 @@ Shape legend: B batch, T sequence, D hidden, H query heads, K key/value heads, E
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
+from models.rope import attention_factor, inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -33,13 +36,16 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
-                ) -> torch.Tensor:
-    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None,
+                scaling: RopeScaling | None = None) -> torch.Tensor:
+    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32.
+
+    `scaling`: context extension (models/rope.py); yarn also scales cos/sin by its attention factor.
+    """
+    inv = inv_freq(head_dim, theta, scaling, device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     ang = torch.outer(t, inv)
-    return torch.stack([ang.cos(), ang.sin()], dim=-1).float()
+    return (torch.stack([ang.cos(), ang.sin()], dim=-1) * attention_factor(scaling)).float()
 
 
 def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
@@ -70,6 +76,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=bias)
+        # Set from outside by context parallelism (framework/parallel/context.py): (B, L, K, E) local K and V
+        # -> the whole sequence's, with `attn_mask` given against those keys. None: single-device attention.
+        self.kv_exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -79,6 +88,8 @@ class Attention(nn.Module):
         k = self.wk(x_BTD).view(b, t, -1, self.head_dim)
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.kv_exchange is not None:
+            k, v = self.kv_exchange(k, v)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E)
         n_rep = q.shape[1] // k.shape[1]  # local heads: under tp > n_kv_heads a rank holds one replicated KV head
         if n_rep > 1:

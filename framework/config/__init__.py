@@ -28,6 +28,7 @@ from framework.config.core import (
 from framework.errors import ConfigError, ParallelismError
 from framework.observe.config import ObserveConfig
 from framework.parallel.config import ParallelConfig
+from framework.parallel.context import context_problem
 from framework.train.config import TrainConfig
 from models.config import PRESETS, ModelConfig
 
@@ -71,6 +72,9 @@ class Config:
                 f"data.eod_id={self.data.eod_id} is outside model.vocab_size={self.model.vocab_size}; set data.eod_id "
                 f"to the id that ends each document (null: the tokenizer's EOS)")
         tp = self.parallel.tp
+        problem = context_problem(self.data.seq_len, self.parallel.cp, tp, self.parallel.sequence_parallel)
+        if problem:
+            raise ParallelismError(problem)
         if tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % tp:
             fits = [n for n in range(self.data.seq_len - tp, self.data.seq_len + tp + 1) if n > 0 and n % tp == 0]
             raise ParallelismError(

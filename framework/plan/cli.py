@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated pipeline schedules to consider, of {', '.join(SCHEDULES)}")
     p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to consider")
     p.add_argument("--memory-margin", type=float, default=0.1, help="fraction of GPU memory kept free")
+    p.add_argument("--nvme-offload", action="store_true",
+                   help="also try every sharded layout with its AdamW states on local NVMe (ZeRO-Infinity)")
+    p.add_argument("--prefetch", type=int, default=1, help="FSDP units all-gathered ahead under ZeRO-3 (0: none)")
     p.add_argument("--top", type=int, default=5, help="distinct (tp, pp, ep) layouts to show")
     p.add_argument("--write-config", metavar="PATH", help="write the best layout as a Tessera YAML config")
     p.add_argument("--check-params", action="store_true",
@@ -109,8 +112,11 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         raise ConfigError(f"--schedules {args.schedules!r}: unknown {bad}; valid: {', '.join(SCHEDULES)}")
     if not 0 <= args.memory_margin < 1:
         raise ConfigError(f"--memory-margin {args.memory_margin} must be in [0, 1); e.g. 0.1")
+    if args.prefetch < 0:
+        raise ConfigError(f"--prefetch {args.prefetch} must be >= 0 (FSDP units gathered ahead)")
     return SearchSpace(schedules=schedules, micro_batches=_ints(args.micro_batches, "--micro-batches"),
-                       memory_margin=args.memory_margin)
+                       memory_margin=args.memory_margin, prefetch=args.prefetch,
+                       nvme_offload=(False, True) if args.nvme_offload else (False,))
 
 
 def format_row(i: int, est: Estimate) -> str:

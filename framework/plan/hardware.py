@@ -38,6 +38,8 @@ class Hardware:
     mm_efficiency: float = 0.6
     latency_us: float = 5.0
     """Latency of one ring step or point-to-point message (a ring collective over n ranks takes n-1 steps)."""
+    nvme_gbps: float = 3.0
+    """Local NVMe bandwidth per GPU (GB/s, read = write): a DGX/HGX node's 8 data drives (~25 GB/s) over 8 GPUs."""
 
     @property
     def memory_bytes(self) -> float:

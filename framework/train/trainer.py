@@ -26,6 +26,7 @@ from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
 from framework.errors import ConfigError, DivergenceError
 from framework.locks import DirLock
+from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
 from framework.train.engine import Engine, LocalEngine, resolve_device
 from framework.train.run_dir import RunDir, get_logger, setup_logging
@@ -103,7 +104,9 @@ def build_engine(cfg: Config, device: torch.device, documents: DocumentMasking |
     _, world = _world()
     p = cfg.parallel
     if world == 1 and p.tp == p.pp == p.ep == p.dp_replicate == 1 and p.dp_shard in (-1, 1):
-        return LocalEngine(cfg.model, cfg.train, device, documents)
+        local = LocalEngine(cfg.model, cfg.train, device, documents)
+        local.optimizers = offload_optimizers(local.optimizers, p.nvme_offload, device)  # NVMe offload (issue 19)
+        return local
     try:
         from framework.parallel.engine import build_parallel_engine  # type: ignore[import-not-found]
     except ImportError as err:
