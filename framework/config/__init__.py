@@ -46,7 +46,7 @@ class RunConfig:
         return Path(self.dir) if self.dir else Path("runs") / self.name
 
     def validate(self) -> None:
-        if not self.name or "/" in self.name:
+        if not self.name or "/" in self.name or self.name in (".", ".."):
             raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'; e.g. smoke")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"run.device={self.device!r} must be auto, cpu or cuda")
