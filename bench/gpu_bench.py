@@ -1,7 +1,18 @@
-"""GPU check (run by bench/gpu_check.sh): 1-process parity on the GPU against the CPU reference, then tokens/s and
-MFU of a ~1B dense model. Synthetic data only; imports nothing beyond torch and Tessera's training core.
+"""GPU check (run by bench/gpu_check.sh): what users will see on one GPU, in one prepared run of at most 5 minutes.
 
-    python bench/gpu_bench.py [--steps 8] [--peak-tflops 989]    # prints one JSON line per result
+Phases, each written to `--out` (a JSON object, rewritten after every phase so a cut run still reports):
+  parity      the 1-process engine and the parallel engine (world 1; recompute none/full/selective), eager and
+              compiled, on the GPU against the CPU eager reference (fp32, TF32 off; 5 steps, tiny model)
+  throughput  eager vs compiled tokens/s, MFU and peak memory of a ~1B model and an 8B-shaped one (Llama-3 8B
+              width, fewer layers to fit), bf16 autocast with fp32 master weights, fused AdamW; beside each, the
+              planner's predicted peak memory for the same workload
+  calibration `mm_efficiency` for the planner (`tessera plan --calibration FILE`): the achieved hardware FLOP/s of
+              the best 8B-shaped step over the GPU's peak (written to `--calibration`)
+`--dry` runs every phase on CPU with tiny shapes, fp32 and the aot_eager backend (no inductor): the CI test of
+this script.
+Synthetic data only; imports nothing beyond torch and Tessera's training core (torch 2.11 API).
+
+    python bench/gpu_bench.py --out gpu_check.json --calibration gpu_calibration.json [--dry]
 """
 
 from __future__ import annotations
@@ -11,6 +22,8 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,9 +35,30 @@ from framework.train.schedule import lr_at
 from models.flops import flops_per_token, num_params
 
 TINY = ["train.grad_clip=0.5", "train.warmup_steps=1", "train.lr=3.0e-3"]
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
-def _train(engine, cfg, data: torch.Tensor) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
+class Report:
+    """The JSON written after every phase (and every case), with the wall time since the start."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path, self.t0 = path, time.perf_counter()
+        self.data: dict[str, Any] = {"meta": meta, "parity": [], "throughput": [], "calibration": None}
+
+    def add(self, phase: str, row: Any) -> None:
+        if isinstance(self.data[phase], list):
+            self.data[phase].append(row)
+        else:
+            self.data[phase] = row
+        self.data["meta"]["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.path.write_text(json.dumps(self.data, indent=1))
+        print(json.dumps({phase: row}), flush=True)
+
+    def left(self, budget_s: float) -> float:
+        return budget_s - (time.perf_counter() - self.t0)
+
+
+def _train(engine: Any, cfg: Any, data: torch.Tensor) -> list[tuple[float, float]]:
     out = []
     for step, batch in enumerate(data):
         loss = engine.forward_backward(batch.reshape(-1, cfg.train.micro_batch_size, batch.shape[-1]))
@@ -34,8 +68,12 @@ def _train(engine, cfg, data: torch.Tensor) -> list[tuple[float, float]]:  # typ
     return out
 
 
-def parity(steps: int, device: torch.device) -> None:
-    """LocalEngine and the parallel engine (world 1, recompute none/full/selective) on CUDA vs CPU fp32."""
+PARITY_CASES = {"local": None, "parallel/none": "none", "parallel/full": "full", "parallel/selective": "selective"}
+DRY_PARITY = ("local", "parallel/selective")
+
+
+def parity(report: Report, device: torch.device, backend: str, names: tuple[str, ...], steps: int = 5) -> None:
+    """Each engine on `device` (eager and compiled) against the CPU eager 1-process run, fp32."""
     import torch.distributed as dist
 
     from framework.parallel.engine import build_parallel_engine
@@ -48,32 +86,56 @@ def parity(steps: int, device: torch.device) -> None:
                          generator=gen)
     ref = _train(LocalEngine(cfg.model, cfg.train, torch.device("cpu")), cfg, data)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
-    cases = {"local": None, "parallel/none": "none", "parallel/full": "full", "parallel/selective": "selective"}
-    for name, recompute in cases.items():
-        if recompute is None:
-            engine = LocalEngine(cfg.model, cfg.train, device)
-        else:
-            c = load_config("configs/smoke/tiny.yaml",
-                            [*TINY, f"parallel.recompute={recompute}", "parallel.dp_shard=1"])
-            engine = build_parallel_engine(c, device)  # type: ignore[assignment]
-        got = _train(engine, cfg, data)
-        diff = max(max(abs(a[0] - b[0]), abs(a[1] - b[1])) for a, b in zip(got, ref))
-        print(json.dumps({"check": f"parity/{name}", "max_abs_diff_vs_cpu": diff, "ok": diff <= 1e-4,
-                          "final_loss": got[-1][0]}), flush=True)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    for compiled in (False, True):
+        extra = [f"train.compile={str(compiled).lower()}", f"train.compile_backend={backend}"]
+        for name in names:
+            recompute = PARITY_CASES[name]
+            c = load_config("configs/smoke/tiny.yaml", [*TINY, *extra, f"parallel.recompute={recompute or 'none'}",
+                                                        "parallel.dp_shard=1"])
+            engine: Any = (LocalEngine(c.model, c.train, device) if recompute is None
+                           else build_parallel_engine(c, device))
+            got = _train(engine, c, data)
+            diff = max(max(abs(a[0] - b[0]), abs(a[1] - b[1])) for a, b in zip(got, ref, strict=True))
+            report.add("parity", {"engine": name, "compiled": compiled, "max_abs_diff_vs_cpu": diff,
+                                  "ok": diff <= 1e-4, "final_loss": got[-1][0]})
 
 
-def throughput(steps: int, seq: int, micro: int, peak_tflops: float, device: torch.device, preset: str) -> None:
-    """tokens/s and MFU of llama-1b (bf16 autocast, fp32 master weights, fused AdamW) on one GPU."""
-    overrides = [f"model.preset={preset}", f"data.seq_len={seq}", f"train.micro_batch_size={micro}",
-                 f"train.global_batch_size={micro}", "train.precision=bf16", "train.warmup_steps=1",
-                 f"train.steps={steps}", "data.kind=synthetic", "data.vocab_size=512"]
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _predicted_peak(cfg: Any, seq: int, micro: int) -> float:
+    from framework.plan.layout import Layout, Precision, Workload
+    from framework.plan.memory import peak_memory
+
+    work = Workload(model=cfg.model, seq_len=seq, global_batch=micro, precision=Precision.named("bf16"))
+    return peak_memory(work, Layout(micro_batch=micro, zero_stage=0))[0]
+
+
+def throughput(report: Report, device: torch.device, case: dict[str, Any], compiled: bool, backend: str,
+               steps: int, peak_tflops: float) -> dict[str, Any]:
+    """Steady-state tokens/s, MFU and peak memory of one model, eager or compiled, on one device."""
+    seq, micro = case["seq"], case["micro"]
+    overrides = [f"model.preset={case['preset']}", *case.get("model", []), f"data.seq_len={seq}",
+                 f"train.micro_batch_size={micro}", f"train.global_batch_size={micro}",
+                 f"train.precision={'fp32' if device.type == 'cpu' else 'bf16'}",
+                 "train.warmup_steps=1", f"train.steps={steps}", "data.kind=synthetic", "data.vocab_size=512",
+                 f"train.compile={str(compiled).lower()}", f"train.compile_backend={backend}"]
     cfg = load_config("configs/smoke/tiny.yaml", overrides)
     torch.backends.cuda.matmul.allow_tf32 = True
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     engine = LocalEngine(cfg.model, cfg.train, device)
     batch = torch.randint(0, cfg.model.vocab_size, (1, micro, seq + 1), device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for step in range(steps):
         sync()
@@ -83,33 +145,67 @@ def throughput(steps: int, seq: int, micro: int, peak_tflops: float, device: tor
         engine.optimizer_step(lr_at(cfg.train, step))
         sync()
         times.append(time.perf_counter() - t0)
-    steady = times[2:] or times
-    tok_s = micro * seq / (sum(steady) / len(steady))
+    steady = sorted(times[2:] or times)[: max(1, len(times[2:]) - 1)]  # drop warm-up and the slowest step
+    step_s = sum(steady) / len(steady)
+    tok_s = micro * seq / step_s
     flops = flops_per_token(cfg.model, seq, causal=True)
-    mfu = tok_s * flops / (peak_tflops * 1e12)
-    mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    print(json.dumps({"check": f"throughput/{preset}", "params": num_params(cfg.model), "seq": seq,
-                      "micro_batch": micro, "tokens_per_s": tok_s, "flops_per_token": flops, "mfu": mfu,
-                      "peak_tflops": peak_tflops, "max_mem_gib": mem,
-                      "step_s": steady}), flush=True)
+    row = {"model": case["name"], "compiled": compiled, "params": num_params(cfg.model), "seq": seq,
+           "micro_batch": micro, "tokens_per_s": tok_s, "mfu": tok_s * flops / (peak_tflops * 1e12),
+           "flops_per_token": flops, "first_step_s": times[0], "step_s": step_s,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "planner_peak_gib": _predicted_peak(cfg, seq, micro) / 2**30}
+    if row["peak_mem_gib"] is not None:
+        row["measured_over_planner"] = row["peak_mem_gib"] / row["planner_peak_gib"]
+    del engine
+    report.add("throughput", row)
+    return row
+
+
+def cases(dry: bool) -> list[dict[str, Any]]:
+    if dry:
+        return [{"name": "tiny", "preset": "test-tiny", "model": ["model.n_layers=2"], "seq": 32, "micro": 2}]
+    return [{"name": "llama-1b", "preset": "llama-1b", "seq": 2048, "micro": 4},
+            {"name": "llama3-8b-shaped (4 of 32 layers)", "preset": "llama3-8b", "model": ["model.n_layers=4"],
+             "seq": 2048, "micro": 2}]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16")
-    parser.add_argument("--skip-parity", action="store_true")
-    parser.add_argument("--device", default="cuda", help="cuda; cpu only to dry-run this script")
-    parser.add_argument("--preset", default="llama-1b")
-    args = parser.parse_args()
-    device = torch.device(args.device)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    ap.add_argument("--calibration", type=Path, default=Path("gpu_calibration.json"))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=280.0, help="skip the phases that would not fit")
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="0: from the device name (H200: 989 bf16)")
+    ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, aot_eager: the CI run of this script")
+    args = ap.parse_args()
+    if args.dry:
+        args.steps = min(args.steps, 3)
+    device = torch.device("cpu" if args.dry else "cuda")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(json.dumps({"torch": torch.__version__, "device": name}), flush=True)
-    if not args.skip_parity:
-        parity(5, device)
-    throughput(args.steps, args.seq, args.micro, args.peak_tflops, device, args.preset)
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
+    backend = "aot_eager" if args.dry else "inductor"
+    report = Report(args.out, {"torch": torch.__version__, "device": name, "peak_tflops": peak, "backend": backend,
+                               "dry": args.dry})
+    parity(report, device, backend, DRY_PARITY if args.dry else tuple(PARITY_CASES), steps=3 if args.dry else 5)
+    rows = []
+    for case in cases(args.dry):
+        for compiled in (False, True):
+            if report.left(args.budget_s) < (20 if args.dry else 45):
+                report.add("throughput", {"model": case["name"], "compiled": compiled, "skipped": "time budget"})
+                continue
+            rows.append(throughput(report, device, case, compiled, backend, args.steps, peak))
+    best = max((r for r in rows if r["model"] == cases(args.dry)[-1]["name"]), key=lambda r: r["tokens_per_s"],
+               default=None)
+    if best is not None:
+        achieved = best["tokens_per_s"] * best["flops_per_token"]
+        table = next((v for k, v in {"H200": "h200", "H100": "h100-80g", "A100-SXM4-80GB": "a100-80g"}.items()
+                      if k in name), name)
+        calib = {"gpu": table, "mm_efficiency": achieved / (peak * 1e12),
+                 "peak_tflops": peak, "from": {k: best[k] for k in ("model", "compiled", "seq", "micro_batch",
+                                                                    "tokens_per_s", "mfu")},
+                 "torch": torch.__version__}
+        args.calibration.write_text(json.dumps(calib, indent=1))
+        report.add("calibration", calib)
     return 0
 
 

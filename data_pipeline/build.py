@@ -53,6 +53,7 @@ from data_pipeline.tokenizer import (
 )
 from framework.config.core import to_dict
 from framework.errors import ConfigError, DataError
+from framework.locks import build_locks
 
 STAGES = ("ingest", "exact", "minhash", "near", "tokenizer", "tokenize", "manifest")
 
@@ -326,6 +327,7 @@ def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0
     """
     out = Path(cfg.output_dir)
     check_build(cfg)
+    _locks = build_locks(out, stages, task)  # held until this function returns (framework/locks.py)
     changed = invalidate(cfg, out)
     if changed:
         log(f"build {out}: config differs from the last run there; redoing {describe_changes(changed)}")

@@ -16,6 +16,9 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
+
+from framework.checkpoint import signals as stop_signals
 
 SUBCOMMAND_MODULES = [
     "data_pipeline.cli",
@@ -49,11 +52,32 @@ def init_distributed(timeout_s: float | None = None) -> None:
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
 
 
+def check_launched(cfg: Any, config: str, overrides: Sequence[str]) -> None:
+    """A layout of several ranks started as one process: say which command runs it (before any setup)."""
+    from framework.errors import ParallelismError
+    from launch.env import dist_env
+    from launch.local import ranks_needed
+
+    p = cfg.parallel
+    needed = ranks_needed(p)
+    if needed > 1 and not dist_env().is_distributed:
+        raise ParallelismError(
+            f"parallel layout tp={p.tp} pp={p.pp} cp={p.cp} dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
+            f"needs {needed} ranks but `tessera train` runs as one process here; run it with: tessera launch local "
+            f"--nproc {needed} {' '.join([config, *overrides])} (or under SLURM: tessera launch slurm)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from framework.config import load_config
     from framework.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    check_launched(cfg, args.config, args.overrides)
+    handlers = stop_signals.active()
+    if handlers is not None:
+        handlers.requeue_exit_code = cfg.checkpoint.requeue_exit_code
+        if not cfg.checkpoint.handle_signals:
+            handlers.restore()  # checkpoint.handle_signals=false: the default dispositions
     init_distributed(cfg.checkpoint.collective_timeout_s)
     torch_threads = os.environ.get("TESSERA_NUM_THREADS")
     if torch_threads:
@@ -63,9 +87,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = Trainer(cfg).train(stop_at=args.stop_at)
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if (not dist.is_initialized() or dist.get_rank() == 0) and result.losses:
         print(f"run {result.run_dir}: steps {result.start_step}->{result.final_step}, "
               f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, {result.tokens_per_s:.0f} tokens/s")
+    elif not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"run {result.run_dir} is already at step {result.final_step} (train.steps={cfg.train.steps}): "
+              f"nothing to train; raise train.steps (docs/CHECKPOINTS.md) or choose a new run.name")
     return result.exit_code
 
 
@@ -104,11 +131,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from framework.errors import TesseraError
 
     args = build_parser().parse_args(argv)
+    # SIGTERM/SIGUSR1/SIGINT end every command with one line and the right code (requeue / 130); the training
+    # loop arms these handlers so that there they save first (framework/checkpoint/signals.py).
+    handlers = stop_signals.StopSignals(armed=False).install()
     try:
         return int(args.func(args) or 0)
     except TesseraError as err:
         print(f"tessera: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
+    except stop_signals.RunStopped as stop:
+        print(f"tessera: {stop}", file=sys.stderr)
+        return stop.exit_code
+    finally:
+        handlers.restore()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ class CheckpointError(TesseraError):
     """A checkpoint is missing, incomplete, corrupt, or incompatible with the run."""
 
 
+class DivergenceError(TesseraError):
+    """Training diverges persistently: the loss guard's rollbacks did not help (checkpoint.guard.max_rollbacks)."""
+
+
 class DataError(TesseraError):
     """Input data or a data build is missing, malformed or inconsistent."""
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from framework.checkpoint.signals import INTERRUPT_EXIT_CODE, check_stopped
 from framework.config import load_config
 from framework.train.trainer import Trainer
 
@@ -41,7 +42,9 @@ def _single_process(config: str, overrides: Sequence[str]) -> SmokeSummary:
     cfg = load_config(config, overrides)
     half = max(1, cfg.train.steps // 2)
     first = Trainer(cfg).train(stop_at=half)
+    check_stopped(first.exit_code, "the smoke job")
     second = Trainer(cfg).train()
+    check_stopped(second.exit_code, "the smoke job")
     return SmokeSummary(str(second.run_dir), first.final_step, second.final_step, first.first_loss, second.last_loss,
                         second.mean_step_time_s, second.tokens_per_s, _val_losses(second.eval), 1)
 
@@ -57,6 +60,8 @@ def _launched(config: str, overrides: Sequence[str], nproc: int) -> SmokeSummary
     half = max(1, cfg.train.steps // 2)
     for extra in (["--stop-at", str(half)], []):
         code = run_local(nproc, config, overrides, extra=extra)
+        if code in (cfg.checkpoint.requeue_exit_code, INTERRUPT_EXIT_CODE):
+            check_stopped(code, f"the {nproc}-rank smoke job")
         if code:
             raise TesseraError(f"the {nproc}-rank smoke run exited with code {code}; see {cfg.run.path}/")
     run = RunDir(cfg.run.path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 
 class _OverridesParser(argparse.ArgumentParser):
@@ -27,7 +28,15 @@ class _OverridesParser(argparse.ArgumentParser):
 
 def cmd_slurm(args: argparse.Namespace) -> int:
     from framework.config import load_config
-    from launch.slurm import SlurmSpec, check_cluster, render_sbatch, submit, validate_spec
+    from launch.slurm import (
+        SlurmSpec,
+        check_cluster,
+        node_cpus,
+        node_local_paths,
+        render_sbatch,
+        submit,
+        validate_spec,
+    )
 
     cfg = load_config(args.config, args.overrides)
     gpus = args.gpus_per_node or 0
@@ -36,14 +45,31 @@ def cmd_slurm(args: argparse.Namespace) -> int:
         from launch.env import LaunchError
 
         raise LaunchError("give --gpus-per-node G (one rank per GPU) or, on CPU nodes, --procs-per-node P")
-    spec = SlurmSpec(nodes=args.nodes, procs_per_node=procs, gpus_per_node=gpus, cpus_per_rank=args.cpus_per_rank,
+    cpus_per_rank = args.cpus_per_rank
+    if not cpus_per_rank:  # auto: share the node's cores among its ranks
+        cores = node_cpus(args.partition)
+        cpus_per_rank = max(1, cores // procs) if cores else 1
+        if cores is None:
+            print("tessera: note: sinfo could not tell the node's cores; --cpus-per-rank 1 (set it explicitly)",
+                  file=sys.stderr)
+    if args.nodes > 1:
+        paths = {"run.dir": cfg.run.path, "data.cache_dir": Path(cfg.data.cache_dir)}
+        if cfg.data.build_dir:
+            paths["data.build_dir"] = Path(cfg.data.build_dir)
+        for warning in node_local_paths(paths):
+            print(f"tessera: warning: {warning}", file=sys.stderr)
+    spec = SlurmSpec(nodes=args.nodes, procs_per_node=procs, gpus_per_node=gpus, cpus_per_rank=cpus_per_rank,
                      time=args.time, partition=args.partition, account=args.account, mode=args.mode,
                      signal_lead_s=args.signal_lead, extra_sbatch=tuple(args.sbatch_arg))
     degrees = validate_spec(cfg, spec)
     if gpus and procs % degrees["tp"]:
         print(f"tessera: warning: parallel.tp={degrees['tp']} does not divide {procs} ranks per node, so tensor-"
               f"parallel groups span nodes and every layer's collectives cross the network", file=sys.stderr)
-    script = render_sbatch(cfg, spec, args.config, list(args.overrides), python=sys.executable, degrees=degrees)
+    program = None
+    if args.stop_at is not None:
+        program = ["-m", "framework.cli", "train", args.config, *args.overrides, "--stop-at", str(args.stop_at)]
+    script = render_sbatch(cfg, spec, args.config, list(args.overrides), python=sys.executable, degrees=degrees,
+                           program=program)
     if args.dry_run:
         sys.stdout.write(script)
         return 0
@@ -63,7 +89,8 @@ def _register_slurm(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one rank each (0: CPU nodes)")
     p.add_argument("--procs-per-node", type=int, default=0, help="ranks per node on CPU nodes")
-    p.add_argument("--cpus-per-rank", type=int, default=1, help="cores (and OpenMP threads) per rank")
+    p.add_argument("--cpus-per-rank", type=int, default=0,
+                   help="cores (and OpenMP threads) per rank; default: the node's cores (sinfo) / ranks per node")
     p.add_argument("--time", default="01:00:00", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
     p.add_argument("--partition", default=None, help="required when the cluster has no default partition")
     p.add_argument("--account", default=None)
@@ -73,6 +100,7 @@ def _register_slurm(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="seconds before the time limit at which SIGUSR1 asks the trainer to save and requeue")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="OPT",
                    help="extra #SBATCH option, verbatim (repeatable), e.g. --sbatch-arg=--qos=high")
+    p.add_argument("--stop-at", type=int, default=None, help="the job stops (and checkpoints) after this step")
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
     p.set_defaults(func=cmd_slurm)
 

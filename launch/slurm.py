@@ -13,6 +13,7 @@ The rendered script is meant to be read by a person before it is submitted (`--d
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -132,6 +133,55 @@ def _partitions() -> dict[str, bool]:
         if "PartitionName" in fields:
             parts[fields["PartitionName"]] = fields.get("Default") == "YES"
     return parts
+
+
+SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "fuse.ceph", "glusterfs",
+                      "fuse.glusterfs", "wekafs", "panfs", "fuse.juicefs", "9p")
+
+
+def filesystem_type(path: Path, mounts: str | None = None) -> str:
+    """The fstype of the mount holding `path` (longest mount-point prefix in /proc/mounts); "" if unknown."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return ""
+    target = str(path.resolve() if path.exists() else path.absolute())
+    best, fstype = "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and (target == fields[1] or target.startswith(fields[1].rstrip("/") + "/")) \
+                and len(fields[1]) >= len(best):
+            best, fstype = fields[1], fields[2]
+    return fstype
+
+
+def node_local_paths(paths: dict[str, Path], mounts: str | None = None) -> list[str]:
+    """Warnings for paths a multi-node job's other nodes cannot see: on a local filesystem or a temp dir."""
+    warnings = []
+    temp_roots = {"/tmp", "/var/tmp", "/dev/shm", os.environ.get("TMPDIR", "/tmp").rstrip("/") or "/tmp"}
+    for what, path in paths.items():
+        absolute = str(path.absolute())
+        fstype = filesystem_type(path, mounts)
+        in_temp = any(absolute == r or absolute.startswith(r + "/") for r in temp_roots)
+        if in_temp or (fstype and fstype not in SHARED_FILESYSTEMS):
+            warnings.append(f"{what}={absolute} looks node-local ({'a temporary directory' if in_temp else ''}"
+                            f"{', ' if in_temp and fstype else ''}{fstype or ''}); on a multi-node job the other "
+                            f"nodes will not see it — put it on the shared filesystem")
+    return warnings
+
+
+def node_cpus(partition: str | None) -> int | None:
+    """CPUs per node of `partition` (the smallest node), from `sinfo`; None when SLURM cannot say."""
+    if shutil.which("sinfo") is None:
+        return None
+    cmd = ["sinfo", "-h", "-o", "%c", *(["-p", partition] if partition else [])]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    counts = [int(x.rstrip("+")) for x in out.stdout.split() if x.rstrip("+").isdigit()]
+    return min(counts) if out.returncode == 0 and counts else None
 
 
 def check_cluster(spec: SlurmSpec) -> None:

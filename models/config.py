@@ -82,6 +82,51 @@ class MoEConfig:
                 raise ConfigError(f"model.moe.{name}={value} must be >= 0; 0 disables it")
 
 
+ROPE_TYPES = ("none", "linear", "llama3", "yarn")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RopeScaling:
+    """RoPE context extension (models/rope.py), as transformers' rope_parameters define it."""
+
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    """none: plain RoPE; linear: position interpolation; llama3: Llama 3.1's; yarn: YaRN (Peng et al. 2023)."""
+    factor: float = 1.0
+    """Context extension factor (HF `factor`)."""
+    original_max_seq_len: int = 0
+    """Pre-extension context length (HF `original_max_position_embeddings`); llama3 and yarn need it."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_seq_len / low_freq_factor are divided by `factor`."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_seq_len / high_freq_factor are kept."""
+    beta_fast: float = 32.0
+    """yarn: rotations bounding the extrapolated (kept) dimensions."""
+    beta_slow: float = 1.0
+    """yarn: rotations bounding the interpolated dimensions."""
+    attention_factor: float | None = None
+    """yarn: cos/sin scale; None: 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio when both are set."""
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+    """yarn: round the correction range to whole dimensions (transformers' default)."""
+
+    def validate(self) -> None:
+        if self.type == "none":
+            return
+        if not self.factor >= 1.0:
+            raise ConfigError(f"model.rope_scaling.factor={self.factor} must be >= 1 for type={self.type!r}; "
+                              f"e.g. 8 for Llama 3.1")
+        if self.type in ("llama3", "yarn") and self.original_max_seq_len < 1:
+            raise ConfigError(f"model.rope_scaling.original_max_seq_len={self.original_max_seq_len}: type="
+                              f"{self.type!r} needs the pre-extension context length (e.g. 8192 for Llama 3.1)")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                              f"low_freq_factor={self.low_freq_factor} (Llama 3.1: 4 and 1)")
+        if self.type == "yarn" and self.beta_fast < self.beta_slow:
+            raise ConfigError(f"model.rope_scaling.beta_fast={self.beta_fast} must be >= beta_slow="
+                              f"{self.beta_slow} (YaRN: 32 and 1)")
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     """Decoder shape. Every field has the meaning it has in Llama/Megatron configs."""
@@ -101,6 +146,8 @@ class ModelConfig:
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    """RoPE context extension (linear / llama3 / yarn); type none by default."""
     max_seq_len: int = 4096
     tied_embeddings: bool = False
     init_std: float = 0.02
@@ -162,6 +209,8 @@ def _p(**kw: object) -> dict[str, object]:
     return kw
 
 
+_LLAMA31 = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+
 PRESETS: dict[str, dict[str, object]] = {
     # Test and smoke sizes (CPU).
     "test-tiny": _p(vocab_size=512, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256),
@@ -183,6 +232,13 @@ PRESETS: dict[str, dict[str, object]] = {
                      max_seq_len=4096),
     "llama3-70b": _p(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
                      rope_theta=500000.0, max_seq_len=8192),
+    # Llama 3.1 (Dubey et al. 2024): the Llama 3 shapes at 128k context, RoPE scaled llama3-style (factor 8).
+    "llama3.1-8b": _p(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                      rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA31),
+    "llama3.1-70b": _p(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                       rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA31),
+    "llama3.1-405b": _p(vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
+                        rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA31),
     "llama3-405b": _p(vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
                       rope_theta=500000.0, max_seq_len=8192),
     # MoE shapes for the planner (meta device only). Mixtral 8x7B (Jiang et al. 2024): softmax over the top-2
@@ -232,6 +288,7 @@ def model_config(preset: str | None = None, **overrides: object) -> ModelConfig:
         data["preset"] = preset
     cfg = from_dict(ModelConfig, data, "model")
     cfg.moe.validate()
+    cfg.rope_scaling.validate()
     cfg.validate()
     return cfg
 
@@ -243,4 +300,4 @@ def resolve_preset_fields(cfg: ModelConfig, explicit: dict[str, object]) -> Mode
     return model_config(cfg.preset, **{k: v for k, v in explicit.items() if k != "preset"})
 
 
-__all__ = ["PRESETS", "MoEConfig", "ModelConfig", "model_config"]
+__all__ = ["PRESETS", "ROPE_TYPES", "MoEConfig", "ModelConfig", "RopeScaling", "model_config"]

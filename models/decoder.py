@@ -58,7 +58,8 @@ class Decoder(nn.Module):
         if cfg.tied_embeddings:
             assert self.output is not None and self.tok_embeddings is not None
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+        self.register_buffer("rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                                  scaling=cfg.rope_scaling), persistent=False)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -99,7 +100,8 @@ class Decoder(nn.Module):
         device = device or self.rope.device
         if device.type == "meta":
             device = torch.device("cpu")
-        self.rope = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        self.rope = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
+                                scaling=self.cfg.rope_scaling)
         for fqn, param in self.named_parameters():
             full = initial_value(self.cfg, fqn, tuple(_full_shape(param)), seed)
             _copy_full_into(param, full)

@@ -6,12 +6,15 @@ Shape legend: B batch, T sequence, D hidden, H query heads, K key/value heads, E
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
 from models.kv_cache import LayerKVCache
+from models.rope import attention_factor, inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -34,29 +37,40 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
-                ) -> torch.Tensor:
-    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None,
+                scaling: RopeScaling | None = None) -> torch.Tensor:
+    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (max_seq_len, head_dim // 2, 2), fp32.
+
+    `scaling`: context extension (models/rope.py); yarn also scales cos/sin by its attention factor.
+    The last axis is (cos, sin) = (real, imag): `torch.view_as_complex` reads the table as the unit complex
+    numbers e^{i t f} (times yarn's factor) without a copy, which is how `apply_rope` uses it.
+    """
+    inv = inv_freq(head_dim, theta, scaling, device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     ang = torch.outer(t, inv)
-    return torch.stack([ang.cos(), ang.sin()], dim=-1).float()
+    return (torch.stack([ang.cos(), ang.sin()], dim=-1) * attention_factor(scaling)).float()
 
 
 def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels (interleaved, as Llama's complex formulation) by position-dependent angles.
 
-    `rope_TE2` is the (max_seq_len, E/2, 2) table (positions 0..T-1) or a per-row gather of it, (B, T, E/2, 2),
-    for positions that restart at document boundaries.
+    `rope_TE2` is the (max_seq_len, E/2, 2) fp32 table (positions 0..T-1) or a per-row gather of it,
+    (B, T, E/2, 2), for positions that restart at document boundaries. One complex multiply in fp32 (as
+    Meta's Llama and torchtitan): channel pairs (x0, x1) become x0 + i x1 times cos + i sin, both read as complex
+    views without a copy; the result equals the real-valued rotation to fp32 rounding, in a fraction of its kernels.
+    Under torch.compile the real-valued form is traced instead (one fused kernel).
     """
     b, t, h, e = x_BTHE.shape
-    xf = x_BTHE.float().reshape(b, t, h, e // 2, 2)
-    table = rope_TE2[:t] if rope_TE2.dim() == 3 else rope_TE2
-    cos = table[..., None, :, 0]
-    sin = table[..., None, :, 1]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.reshape(b, t, h, e).type_as(x_BTHE)
+    table = (rope_TE2[:t] if rope_TE2.dim() == 3 else rope_TE2).float().unsqueeze(-3)  # (T|B,T, 1, E/2, 2)
+    x = x_BTHE.float().reshape(b, t, h, e // 2, 2)
+    if torch.compiler.is_compiling():
+        # Inductor generates no code for complex ops (it calls the eager kernels); the same product written
+        # out in real arithmetic fuses into the surrounding kernel.
+        cos, sin = table.unbind(-1)
+        x0, x1 = x.unbind(-1)
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(3).type_as(x_BTHE)
+    rot = torch.view_as_complex(table)
+    return torch.view_as_real(torch.view_as_complex(x) * rot).flatten(3).type_as(x_BTHE)
 
 
 class Attention(nn.Module):
@@ -65,12 +79,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.n_rep = cfg.n_heads // cfg.kv_heads
         bias = cfg.mlp == "gelu"
         self.wq = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=bias)
+        # Set from outside by context parallelism (framework/parallel/context.py): (B, L, K, E) local K and V
+        # -> the whole sequence's, with `attn_mask` given against those keys. None: single-device attention.
+        self.kv_exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 kv_cache: LayerKVCache | None = None) -> torch.Tensor:
@@ -82,17 +98,19 @@ class Attention(nn.Module):
         k = self.wk(x_BTD).view(b, t, -1, self.head_dim)
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.kv_exchange is not None:
+            k, v = self.kv_exchange(k, v)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E)
-        n_rep = q.shape[1] // k.shape[1]  # local heads: under tp > n_kv_heads a rank holds one replicated KV head
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E); k, v (B, K, T, E)
+        # GQA inside SDPA (torch >= 2.5): each group of H/K query heads reads its key/value head where it lies; no
+        # repeat_interleave copy of k and v (and of their gradients) per layer. Local head counts: under
+        # tp > n_kv_heads a rank holds one replicated KV head for its H/tp query heads.
+        gqa = q.shape[1] != k.shape[1]
         if attn_mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 

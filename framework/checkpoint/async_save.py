@@ -87,8 +87,8 @@ class AsyncSaver:
             self.in_flight_step = None
         if self._error is not None:
             err, self._error = self._error, None
-            if isinstance(err, CheckpointError):
-                raise err
+            if isinstance(err, CheckpointError):  # already names the path and the cause
+                raise CheckpointError(f"the asynchronous checkpoint save failed: {err}") from err
             raise CheckpointError(f"the asynchronous checkpoint save failed: {err!r}; the previous checkpoint "
                                   f"stays `latest`") from err
         return self._done_step

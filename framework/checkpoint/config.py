@@ -25,6 +25,9 @@ class GuardConfig:
     """Spikes are only judged once the window holds this many losses (early training moves fast)."""
     max_consecutive: int = 3
     """After this many skipped steps in a row, roll back to the last checkpoint and skip that data window."""
+    max_rollbacks: int = 3
+    """Stop the run with an error (not the requeue code) after this many rollbacks, or at the second rollback to
+    the same checkpoint: a divergence that survives skipping its data needs a person (lower the LR, fix data)."""
 
     def validate(self) -> None:
         if self.zscore < 0:
@@ -35,6 +38,9 @@ class GuardConfig:
                 f"2 <= min_history <= window; e.g. window=50, min_history=10")
         if self.max_consecutive < 1:
             raise ConfigError(f"checkpoint.guard.max_consecutive={self.max_consecutive} must be >= 1")
+        if self.max_rollbacks < 0:
+            raise ConfigError(f"checkpoint.guard.max_rollbacks={self.max_rollbacks} must be >= 0 (0: stop at the "
+                              f"first rollback)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -52,6 +58,15 @@ class CheckpointConfig:
     """Write checkpoints from a background thread (training continues; at most one save in flight)."""
     verify: Literal["checksum", "size", "none"] = "checksum"
     """What a load checks against the manifest: sizes and xxh3 checksums, sizes only, or nothing."""
+    start_over: bool = False
+    """When the run directory holds checkpoints and none verifies, move them aside (checkpoints/invalid-<time>/)
+    and start at step 0 instead of refusing to start. A valid checkpoint is always resumed."""
+    steps_change: Literal["refuse", "reshape"] = "refuse"
+    """Resuming with a different train.steps: refuse (the LR schedule depends on the total), or reshape: recompute
+    the schedule for the new total from the resumed step on (the LR jump is logged). A constant schedule needs
+    neither."""
+    allow_batch_size_change: bool = False
+    """Resume even though train.global_batch_size differs (training continues from the same sample)."""
     allow_model_change: bool = False
     """Resume even though model.* differs from the checkpoint's (e.g. after a deliberate fine-tune change)."""
     allow_data_change: bool = False

@@ -17,9 +17,12 @@ an allow-listed unpickler (framework/checkpoint/storage.py), everything else is 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import random
 import shutil
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -129,11 +133,34 @@ def begin_save(root: Path, step: int, pg: ProcessGroup = None) -> Path:
     return tmp
 
 
+def dcp_cause(err: BaseException) -> str:
+    """One line for a DCP failure: torch's CheckpointException carries each rank's exception and traceback."""
+    prefix = ""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (exc, _) = next(iter(err.failures.items()))
+        prefix, err = f"rank {rank}: ", exc
+    text = str(err)
+    if isinstance(err, pickle.UnpicklingError):  # torch's message advises an unsafe retry: never do that
+        detail = (text.partition("WeightsUnpickler error:")[2].strip().splitlines() or ["unpickling failed"])[0]
+        return (f"{prefix}the tensor data is corrupt or not plain tensors ({detail}); Tessera only loads tensors "
+                f"safely: restore the file or resume from another checkpoint")
+    return f"{prefix}{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def write_shards(state: dict[str, Any], tmp: Path, pg: ProcessGroup = None) -> None:
-    """Every rank writes its shards of `state` into `tmp` (DCP plans which rank writes replicated tensors)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
-        dcp.save(state, checkpoint_id=str(tmp), process_group=pg, no_dist=not dist.is_initialized())
+    """Every rank writes its shards of `state` into `tmp` (DCP plans which rank writes replicated tensors).
+
+    Raises:
+        CheckpointError: naming `tmp` and the cause (a full disk, a permission), for every DCP failure — torch's
+            CheckpointException derives from BaseException and would escape `except Exception`.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
+            dcp.save(state, checkpoint_id=str(tmp), process_group=pg, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(f"could not save checkpoint {tmp}: {dcp_cause(err)}; check free space and "
+                              f"permissions under {tmp.parent}; the previous checkpoint stays `latest`") from err
 
 
 def commit(root: Path, step: int, meta: dict[str, Any], pg: ProcessGroup = None, keep_last: int = 0,
@@ -148,12 +175,15 @@ def commit(root: Path, step: int, meta: dict[str, Any], pg: ProcessGroup = None,
         # meta may name another world size (an offline conversion keeps the saving layout's)
         (tmp / "meta.json").write_text(json.dumps({"world_size": world, **meta, "step": step}, indent=1))
         write_manifest(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # an earlier save of this step (before a rollback or a fallback): kept, not deleted
+            moved = move_aside(root, [final], "replaced")
+            logging.getLogger("tessera.checkpoint").warning(
+                "checkpoint %s existed and was moved to %s before this save replaced it", final, moved)
         os.replace(tmp, final)
-        write_latest(root, final.name)
-        if keep_last:
-            prune_checkpoints(root, keep_last, keep_every)
+        if not meta.get("guard_suspect"):  # taken while the loss guard was skipping: kept, never `latest`
+            write_latest(root, final.name)
+            if keep_last:
+                prune_checkpoints(root, keep_last, keep_every, newest=step)
     barrier(pg)
     return final
 
@@ -181,9 +211,13 @@ def remove_partial_saves(root: Path) -> list[Path]:
     return stale
 
 
-def prune_checkpoints(root: Path, keep_last: int, keep_every: int) -> list[Path]:
-    """Delete committed checkpoints beyond the newest `keep_last`, keeping every `keep_every`-th step."""
+def prune_checkpoints(root: Path, keep_last: int, keep_every: int, newest: int | None = None) -> list[Path]:
+    """Delete committed checkpoints older than `newest` (the one just committed) beyond the newest `keep_last`,
+    keeping every `keep_every`-th step. Checkpoints with later steps (an earlier run's, kept after a fallback)
+    are never pruned: only a checkpoint that was just superseded can go."""
     steps = sorted(s for p in root.glob("step_*") if (s := step_of(p)) is not None)
+    if newest is not None:
+        steps = [s for s in steps if s <= newest]
     doomed = [s for s in steps[:-keep_last] if not (keep_every and s % keep_every == 0)]
     removed = []
     for s in doomed:
@@ -191,6 +225,16 @@ def prune_checkpoints(root: Path, keep_last: int, keep_every: int) -> list[Path]
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
+
+
+def move_aside(root: Path, paths: Sequence[Path], why: str, with_latest: bool = False) -> Path:
+    """Move checkpoint directories (and `latest`) into `root/<why>-<time>/` instead of deleting them."""
+    dest = root / f"{why}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    dest.mkdir(parents=True)
+    for p in [*paths, *([root / LATEST] if with_latest else [])]:
+        if p.exists():
+            os.replace(p, dest / p.name)
+    return dest
 
 
 # --- load ----------------------------------------------------------------------------------------------------
@@ -212,9 +256,9 @@ def load_state(path: Path, state: dict[str, Any]) -> None:
                      no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
-    except Exception as err:
-        raise CheckpointError(f"could not load checkpoint {path}: {err}; check the directory is complete and the "
-                              f"model matches the checkpoint (tessera ckpt inspect {path})") from err
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(f"could not load checkpoint {path}: {dcp_cause(err)}; check the directory is complete "
+                              f"and the model matches the checkpoint (tessera ckpt inspect {path})") from err
 
 
 def load_checkpoint(path: Path, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] | None,
@@ -259,5 +303,5 @@ def candidates(root: Path) -> list[Path]:
 
 
 __all__ = ["LATEST", "VerifyMode", "barrier", "begin_save", "candidates", "commit", "latest_checkpoint",
-           "load_checkpoint", "load_state", "prune_checkpoints", "read_meta", "remove_partial_saves",
+           "load_checkpoint", "load_state", "move_aside", "prune_checkpoints", "read_meta", "remove_partial_saves",
            "save_checkpoint", "set_rng_state", "step_dir_name", "training_state", "write_shards"]

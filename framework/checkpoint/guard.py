@@ -35,6 +35,8 @@ class LossGuard:
         self.consecutive = 0
         self.skipped_total = 0
         self.rollbacks = 0
+        self.rollback_targets: dict[str, int] = {}
+        """Rollbacks per checkpoint name ("" when there was none to roll back to)."""
 
     def zscore(self, loss: float) -> float:
         if len(self.history) < self.cfg.min_history:
@@ -68,13 +70,28 @@ class LossGuard:
     def rollback_due(self) -> bool:
         return self.cfg.enabled and self.consecutive >= self.cfg.max_consecutive
 
-    def rolled_back(self) -> None:
+    @property
+    def skipping(self) -> bool:
+        """The last step was skipped: the weights may already be diverged (no checkpoint should be trusted)."""
+        return self.cfg.enabled and self.consecutive > 0
+
+    def rollback_refusal(self, target: str) -> str | None:
+        """Why rolling back to checkpoint `target` would loop (the cap, or a second time there), else None."""
+        if self.rollbacks >= self.cfg.max_rollbacks:
+            return f"{self.rollbacks} rollback(s) already, checkpoint.guard.max_rollbacks={self.cfg.max_rollbacks}"
+        if self.rollback_targets.get(target):
+            return f"a rollback to {target or 'the initial weights'} already happened and the divergence came back"
+        return None
+
+    def rolled_back(self, target: str = "") -> None:
         self.consecutive = 0
         self.rollbacks += 1
+        self.rollback_targets[target] = self.rollback_targets.get(target, 0) + 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history), "consecutive": self.consecutive,
-                "skipped_total": self.skipped_total, "rollbacks": self.rollbacks}
+                "skipped_total": self.skipped_total, "rollbacks": self.rollbacks,
+                "rollback_targets": dict(self.rollback_targets)}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if not state:
@@ -83,3 +100,4 @@ class LossGuard:
         self.consecutive = int(state["consecutive"])
         self.skipped_total = int(state["skipped_total"])
         self.rollbacks = int(state.get("rollbacks", 0))
+        self.rollback_targets = {str(k): int(v) for k, v in state.get("rollback_targets", {}).items()}

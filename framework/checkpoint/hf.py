@@ -85,7 +85,8 @@ def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None) -> dict[st
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": (cfg.moe.expert_hidden or cfg.ffn) if arch == "mixtral" else cfg.ffn,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope_parameters(cfg),
+        "rope_scaling": rope_scaling_4x(cfg),
         "tie_word_embeddings": cfg.tied_embeddings, "attention_bias": False, "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
         "bos_token_id": 1, "eos_token_id": 2 if eos_id is None else eos_id,
@@ -98,17 +99,108 @@ def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None) -> dict[st
     return out
 
 
+# RopeScaling field -> HF rope_parameters key, and the keys each rope type may carry (transformers' validators).
+_ROPE_KEYS = {"factor": "factor", "original_max_seq_len": "original_max_position_embeddings",
+              "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+              "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "attention_factor",
+              "mscale": "mscale", "mscale_all_dim": "mscale_all_dim", "truncate": "truncate"}
+_ROPE_FIELDS = {"none": (), "linear": ("factor",),
+                "llama3": ("factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"),
+                "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                         "mscale_all_dim", "truncate")}
+# Top-level config.json keys (docs/CHECKPOINTS.md holds the same table): read into ModelConfig, or ignored as
+# harmless (bookkeeping, inference switches, training-only noise/dropout); `_REQUIRED_VALUES` must hold a value
+# Tessera's blocks compute; any other key is refused by name.
+_MAPPED = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_parameters",
+           "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "num_local_experts",
+           "num_experts_per_tok", "router_aux_loss_coef"}
+_REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {"hidden_act": ("silu",), "attention_bias": (False,),
+                                                "mlp_bias": (False,), "sliding_window": (None,),
+                                                "partial_rotary_factor": (None, 1, 1.0)}
+_IGNORED = {"architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
+            "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "attention_dropout", "pretraining_tp",
+            "output_router_logits", "router_jitter_noise", "id2label", "label2id", "chunk_size_feed_forward",
+            "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+            "tokenizer_class"}
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` of `cfg` (rope_type, rope_theta and the scaling's keys)."""
+    s = cfg.rope_scaling
+    out: dict[str, Any] = {"rope_type": "default" if s.type == "none" else s.type, "rope_theta": cfg.rope_theta}
+    for name in _ROPE_FIELDS[s.type]:
+        value = getattr(s, name)
+        if value is not None and not (name in ("mscale", "mscale_all_dim") and value == 0):
+            out[_ROPE_KEYS[name]] = value
+    return out
+
+
+def rope_scaling_4x(cfg: ModelConfig) -> dict[str, Any] | None:
+    """transformers 4's `rope_scaling` (None for plain RoPE)."""
+    if cfg.rope_scaling.type == "none":
+        return None
+    params = {k: v for k, v in rope_parameters(cfg).items() if k != "rope_theta"}
+    return {**params, "type": params["rope_type"]}
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, model.rope_scaling fields) from `rope_parameters` (transformers 5) or `rope_scaling` (4.x)."""
+    def kind(d: dict[str, Any]) -> str:
+        return str(d.get("rope_type", d.get("type", "default")))
+
+    given = {key: hf[key] for key in ("rope_parameters", "rope_scaling") if isinstance(hf.get(key), dict)}
+    scaled = {key: d for key, d in given.items() if kind(d) != "default"}
+    if len({kind(d) for d in scaled.values()}) > 1:
+        raise CheckpointError(f"config.json rope_parameters (rope_type={kind(given['rope_parameters'])!r}) and "
+                              f"rope_scaling (rope_type={kind(given['rope_scaling'])!r}) disagree; keep one")
+    params = next(iter(scaled.values()), given.get("rope_parameters", {}))
+    where = next((key for key, d in given.items() if d is params), "rope_parameters")
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    rope_type = "none" if kind(params) == "default" else kind(params)
+    if rope_type not in _ROPE_FIELDS:
+        raise CheckpointError(f"config.json {where}.rope_type={rope_type!r} is not supported; Tessera implements "
+                              f"default, linear, llama3 and yarn (models/rope.py)")
+    allowed = {_ROPE_KEYS[f]: f for f in _ROPE_FIELDS[rope_type]}
+    out: dict[str, Any] = {"type": rope_type}
+    for key, value in params.items():
+        if key in ("rope_type", "type", "rope_theta"):
+            continue
+        if key == "partial_rotary_factor" and value in (1, 1.0):
+            continue
+        if key not in allowed:
+            raise CheckpointError(f"config.json {where}.{key}={value!r} is not supported for rope_type="
+                                  f"{rope_type!r}; supported keys: {sorted(allowed)}")
+        if value is not None:
+            out[allowed[key]] = value
+    if rope_type in ("llama3", "yarn") and "original_max_seq_len" not in out:
+        out["original_max_seq_len"] = hf.get("max_position_embeddings", 4096)  # transformers' default
+    return theta, out
+
+
+def _check_keys(hf: dict[str, Any]) -> None:
+    for key, value in hf.items():
+        if key in _REQUIRED_VALUES:
+            if value not in _REQUIRED_VALUES[key]:
+                raise CheckpointError(f"config.json {key}={value!r} cannot be imported: Tessera's Llama blocks "
+                                      f"need {key} in {list(_REQUIRED_VALUES[key])}")
+        elif key not in _MAPPED and key not in _IGNORED:
+            raise CheckpointError(f"config.json key {key!r} is not known to the importer (docs/CHECKPOINTS.md "
+                                  f"lists every key it maps, ignores or refuses); remove it if it is harmless")
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The Tessera ModelConfig of an HF Llama/Mixtral config.json."""
+    """The Tessera ModelConfig of an HF Llama/Mixtral config.json (every key checked against the table above)."""
     arch = hf.get("model_type")
     if arch not in ("llama", "mixtral"):
         raise CheckpointError(f"config.json has model_type={arch!r}; only llama and mixtral can be imported")
-    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    _check_keys(hf)
+    theta, scaling = _rope_from_hf(hf)
     data: dict[str, Any] = {
         "vocab_size": hf["vocab_size"], "hidden": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
         "n_heads": hf["num_attention_heads"], "n_kv_heads": hf.get("num_key_value_heads"),
         "ffn_hidden": hf["intermediate_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
-        "rope_theta": float(theta), "max_seq_len": hf.get("max_position_embeddings", 4096),
+        "rope_theta": theta, "rope_scaling": scaling, "max_seq_len": hf.get("max_position_embeddings", 4096),
         "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
     if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
@@ -116,9 +208,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
                               f"Tessera derives head_dim = hidden / n_heads and cannot import it")
     if arch == "mixtral":
         data["moe"] = {"n_experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
-                       "expert_hidden": hf["intermediate_size"], "topk_renormalize": True}
+                       "expert_hidden": hf["intermediate_size"], "topk_renormalize": True,
+                       "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.01))}
     cfg = from_dict(ModelConfig, data, "model")
     cfg.moe.validate()
+    cfg.rope_scaling.validate()
     cfg.validate()
     return cfg
 

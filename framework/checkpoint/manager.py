@@ -21,14 +21,11 @@ from framework.checkpoint import dcp as ckpt
 from framework.checkpoint.async_save import AsyncSaver, new_checkpoint_group
 from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.manifest import VerifyMode, verify_manifest
+from framework.checkpoint.resume_rules import check_resume
 from framework.errors import CheckpointError
 from framework.train.run_dir import get_logger
 
 log = get_logger("checkpoint")
-
-# Model fields that do not change what a checkpoint holds (naming, initialization).
-_SHAPE_NEUTRAL = {"preset", "init_std", "depth_scaled_init"}
-
 
 def verify_checkpoint(path: Path, mode: VerifyMode = "checksum") -> None:
     """Raise a `CheckpointError` unless `path` is a committed checkpoint whose files match its manifest."""
@@ -38,56 +35,52 @@ def verify_checkpoint(path: Path, mode: VerifyMode = "checksum") -> None:
     verify_manifest(path, mode)
 
 
-def find_valid_checkpoint(root: Path, mode: VerifyMode = "checksum") -> Path | None:
-    """The newest checkpoint under `root` that verifies, warning about each one skipped (this process only)."""
+def find_valid_checkpoint(root: Path, mode: VerifyMode = "checksum",
+                          failures: list[tuple[Path, str]] | None = None) -> Path | None:
+    """The newest checkpoint under `root` that verifies, warning about each one skipped (this process only).
+
+    `failures`, when given, collects (checkpoint, why) for every checkpoint that did not verify.
+    """
     for path in ckpt.candidates(root):
         try:
             verify_checkpoint(path, mode)
+            if ckpt.read_meta(path).get("guard_suspect"):
+                log.info("passing over %s: it was taken while the loss guard was skipping steps", path.name)
+                continue
             return path
         except CheckpointError as err:
             log.warning("skipping checkpoint %s: %s; falling back to the previous one", path.name, err)
+            if failures is not None:
+                failures.append((path, str(err)))
     return None
 
 
-def _diff(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for key in sorted(set(a) | set(b)):
-            out += _diff(a.get(key), b.get(key), f"{prefix}.{key}")
-        return out
-    return [] if a == b else [(prefix, a, b)]
+def refuse_or_move_aside(root: Path, failures: list[tuple[Path, str]], start_over: bool) -> None:
+    """Checkpoints exist but none verifies: never train over them silently.
+
+    Raises:
+        CheckpointError: naming each checkpoint and why it failed, unless `start_over` (then they are moved aside).
+    """
+    existing = [p for p, _ in failures if p.is_dir()]
+    if start_over:
+        dest = ckpt.move_aside(root, existing, "invalid", with_latest=True)
+        log.warning("checkpoint.start_over=true: no checkpoint verified; moved %s to %s and starting at step 0",
+                    ", ".join(p.name for p in existing) or "`latest`", dest)
+        return
+    named = "\n".join(f"  {p.name}: {why}" for p, why in failures)
+    raise CheckpointError(
+        f"{root} holds {len(failures)} checkpoint(s) and none verifies:\n{named}\nnothing was deleted. Restore "
+        f"the files (a shared filesystem may still be syncing), or check with checkpoint.verify=size; to start "
+        f"over on purpose set checkpoint.start_over=true (they are moved aside to {root}/invalid-<time>/, not "
+        f"deleted)")
 
 
 def check_compatible(meta: dict[str, Any], config: dict[str, Any], fingerprint: str | None, *,
                      allow_model_change: bool = False, allow_data_change: bool = False, path: Path | None = None
                      ) -> list[str]:
-    """Refuse a resume whose model shape or data differs from the checkpoint's; return overridden differences.
-
-    Raises:
-        CheckpointError: naming the first differing field, unless the matching `allow_*` override is set.
-    """
-    where = f"checkpoint {path}" if path else "the checkpoint"
-    saved = meta.get("config") or {}
-    notes = []
-    model_diff = [d for d in _diff(saved.get("model"), config.get("model"), "model")
-                  if d[0].split(".")[-1] not in _SHAPE_NEUTRAL]
-    if model_diff and saved.get("model") is not None:
-        field, old, new = model_diff[0]
-        if not allow_model_change:
-            raise CheckpointError(
-                f"{field} is {new!r} in this run but {old!r} in {where} ({len(model_diff)} model field(s) differ); "
-                f"restore the model config, start a new run.name, or set checkpoint.allow_model_change=true")
-        notes += [f"{f}: {o!r} -> {n!r}" for f, o, n in model_diff]
-    old_fp = meta.get("data_fingerprint")
-    if old_fp is not None and fingerprint is not None and old_fp != fingerprint:
-        data_diff = _diff(saved.get("data"), config.get("data"), "data")
-        named = ", ".join(f"{f}: {o!r} -> {n!r}" for f, o, n in data_diff) or "the data files changed"
-        if not allow_data_change:
-            raise CheckpointError(
-                f"data fingerprint is {fingerprint} in this run but {old_fp} in {where} ({named}); restore the data "
-                f"config, start a new run.name, or set checkpoint.allow_data_change=true")
-        notes.append(f"data fingerprint {old_fp} -> {fingerprint} ({named})")
-    return notes
+    """`check_resume` (framework/checkpoint/resume_rules.py) with only the model and data overrides."""
+    cfg = CheckpointConfig(allow_model_change=allow_model_change, allow_data_change=allow_data_change)
+    return check_resume(meta, config, fingerprint, cfg, path=path)
 
 
 class CheckpointManager:
@@ -108,25 +101,39 @@ class CheckpointManager:
         ckpt.barrier()
 
     def resume_point(self) -> Path | None:
-        """The newest valid checkpoint (rank 0 verifies; every rank gets its choice), or None."""
+        """The newest valid checkpoint (rank 0 verifies; every rank gets its choice), or None.
+
+        Raises:
+            CheckpointError: checkpoints exist but none verifies (see `refuse_or_move_aside`).
+        """
         self.wait()  # a rollback may come while a save is in flight: let it commit (or fail) first
-        step = -1
+        step, refusal = -1, None
         if self.rank == 0:
-            path = find_valid_checkpoint(self.root, self.cfg.verify)
+            failures: list[tuple[Path, str]] = []
+            path = find_valid_checkpoint(self.root, self.cfg.verify, failures)
             step = -1 if path is None else int(ckpt.step_of(path) or 0)
+            if path is None and failures:
+                try:
+                    refuse_or_move_aside(self.root, failures, self.cfg.start_over)
+                except CheckpointError as err:
+                    refusal, step = err, -2
         if dist.is_available() and dist.is_initialized():
             t = torch.tensor([step], dtype=torch.int64)
             dist.broadcast(t, src=0)
             step = int(t.item())
+        if refusal is not None:
+            raise refusal
+        if step == -2:
+            raise CheckpointError(f"rank 0 found no valid checkpoint in {self.root} and refused to start; its "
+                                  f"log names each checkpoint and why")
         return None if step < 0 else self.root / ckpt.step_dir_name(step)
 
     def load(self, path: Path, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] | None,
-             config: dict[str, Any], fingerprint: str | None) -> dict[str, Any]:
-        """Check compatibility, then load model/optimizer/RNG state from `path` in place; return its meta."""
+             config: dict[str, Any], fingerprint: str | None, data_build: str | None = None) -> dict[str, Any]:
+        """Check the resume rules, then load model/optimizer/RNG state from `path` in place; return its meta."""
         self.wait()
         meta = ckpt.read_meta(path)
-        for note in check_compatible(meta, config, fingerprint, allow_model_change=self.cfg.allow_model_change,
-                                     allow_data_change=self.cfg.allow_data_change, path=path):
+        for note in check_resume(meta, config, fingerprint, self.cfg, data_build=data_build, path=path):
             log.warning("resuming across a change (overridden): %s", note)
         if meta.get("model_only"):  # an imported model (tessera ckpt import-hf): fresh optimizer and RNG
             log.info("%s holds model weights only: starting with a fresh optimizer", path)

@@ -5,7 +5,7 @@
         ...
         verdict = ft.guard.check(loss, grad_norm)   # in the step: skip the update when verdict.skip
         ft.step_done(step)              # after every step: feeds the watchdog
-        if ft.stop_requested(): ...     # every rank, every step boundary: agreed SIGTERM/SIGUSR1 stop
+        if ft.stop_requested(): ...     # every rank, every step boundary: agreed SIGTERM/SIGUSR1/SIGINT stop
 
 Checkpoint saving and loading go through `ft.manager` (framework/checkpoint/manager.py).
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from framework.checkpoint import signals as stop_signals
 from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.dcp import rank_world
 from framework.checkpoint.guard import LossGuard
@@ -41,13 +42,21 @@ class FaultTolerance:
 
     @property
     def exit_code(self) -> int:
-        return self.cfg.requeue_exit_code
+        """After an agreed stop: the requeue code (SIGTERM/SIGUSR1) or 130 (SIGINT)."""
+        return self.cfg.requeue_exit_code if self.signals is None else self.signals.exit_code
 
     @contextlib.contextmanager
     def running(self) -> Iterator[FaultTolerance]:
         """Signal handlers and the watchdog for the loop; on the way out, wait for the save in flight."""
+        owned = None
         if self.cfg.handle_signals:
-            self.signals = StopSignals().install()
+            # `tessera train` installs the handlers before setup (a signal there raises StopSignal); the loop arms
+            # them so that a signal only sets the flag.
+            self.signals = stop_signals.active()
+            if self.signals is None:
+                self.signals = owned = StopSignals().install()
+            self.signals.armed = True
+            self.signals.requeue_exit_code = self.cfg.requeue_exit_code
         if self.cfg.watchdog_timeout_s > 0:
             self.watchdog = Watchdog(self.cfg.watchdog_timeout_s, self.stacks_dir, self.rank,
                                      self.cfg.requeue_exit_code).start()
@@ -62,7 +71,9 @@ class FaultTolerance:
             if self.watchdog is not None:
                 self.watchdog.stop()
             if self.signals is not None:
-                self.signals.restore()
+                self.signals.armed = False
+            if owned is not None:
+                owned.restore()
 
     def step_done(self, step: int) -> None:
         if self.watchdog is not None:

@@ -1,31 +1,92 @@
-"""SIGTERM / SIGUSR1 handling: catch on any rank, agree on the stop step, save, exit with the requeue code.
+"""SIGTERM / SIGUSR1 / SIGINT handling: catch on any rank, agree on the stop step, save, exit with the right code.
 
 SLURM sends SIGUSR1 shortly before the time limit (`#SBATCH --signal=USR1@<seconds>`) and SIGTERM on
-preemption or `scancel`; either may reach only some ranks. The handler only sets a flag. At every step
-boundary all ranks all-reduce the flag with MAX, so they agree on the same stop step even when one rank alone
-saw the signal; the trainer then saves (blocking), and once the checkpoint has committed every rank exits with
-`checkpoint.requeue_exit_code` (REQUEUE_EXIT_CODE = 42), which launch/slurm requeues on.
+preemption or `scancel`; either may reach only some ranks. A person's Ctrl-C is SIGINT. Inside the training
+loop the handler only sets a flag. At every step boundary all ranks all-reduce the flag with MAX, so they agree
+on the same stop step even when one rank alone saw the signal; the trainer then saves (blocking), and once the
+checkpoint has committed every rank exits with
+
+- `checkpoint.requeue_exit_code` (REQUEUE_EXIT_CODE = 42) after SIGTERM/SIGUSR1: launch/slurm requeues on it;
+- 130 (INTERRUPT_EXIT_CODE, the shell's code for SIGINT) after Ctrl-C, so SLURM does not requeue it.
+
+A second SIGINT while the first is pending aborts at once with one line and no checkpoint. Outside the loop
+(setup, data preparation) there is nothing to save, so a signal raises `StopSignal` there; `tessera` turns it
+into one line and the same exit code.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+from framework.checkpoint.config import REQUEUE_EXIT_CODE
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+if TYPE_CHECKING:
+    import torch
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+INTERRUPT_EXIT_CODE = 130
+
+# Vote values, all-reduced with MAX: a requeue request wins over an interrupt so a preempted job is requeued.
+NO_STOP, INTERRUPT, REQUEUE = 0, 1, 2
+
+
+def stop_kind(signum: int) -> int:
+    return INTERRUPT if signum == signal.SIGINT else REQUEUE
+
+
+class RunStopped(BaseException):
+    """A command stops early on purpose with `exit_code` (requeue or 130), e.g. a driver whose run was signalled:
+    it must not go on to its next run. A BaseException, like KeyboardInterrupt, so that `except Exception` in
+    library code does not swallow it; `tessera` prints the message as one line and exits with the code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopSignal(RunStopped):
+    """A stop signal arrived outside the training loop (nothing to save)."""
+
+    def __init__(self, signum: int, requeue_exit_code: int) -> None:
+        code = INTERRUPT_EXIT_CODE if stop_kind(signum) == INTERRUPT else requeue_exit_code
+        super().__init__(f"stopped by {signal.Signals(signum).name} before anything needed saving; exit code "
+                         f"{code}", code)
+        self.signum = signum
+
+
+def check_stopped(exit_code: int, what: str) -> None:
+    """A driver's guard after each run: raise RunStopped when the run ended on a stop signal (nonzero code)."""
+    if exit_code:
+        raise RunStopped(f"{what} stopped on a signal (its checkpoint is committed); exit code {exit_code}; run "
+                         f"the same command again to continue where it stopped", exit_code)
+
+
+_ACTIVE: list[StopSignals] = []
+"""The handlers installed in this process (signal dispositions are per process)."""
+
+
+def active() -> StopSignals | None:
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 class StopSignals:
-    """Installs flag-setting handlers for SIGTERM and SIGUSR1; `agreed_stop()` is the step-boundary vote."""
+    """Installs handlers for SIGTERM, SIGUSR1 and SIGINT; `agreed_stop()` is the step-boundary vote.
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+    While `armed` (the training loop) a signal sets a flag; otherwise it raises `StopSignal` at once.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS, armed: bool = True) -> None:
         self.signals = signals
+        self.armed = armed
+        self.requeue_exit_code = REQUEUE_EXIT_CODE
+        """checkpoint.requeue_exit_code of the run (set once the config is loaded)."""
         self.received: int | None = None
+        self.kind = NO_STOP
+        self.agreed = NO_STOP
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> StopSignals:
@@ -33,25 +94,46 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            _ACTIVE.append(self)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
+        if not self.armed:
+            raise StopSignal(signum, self.requeue_exit_code)
+        if signum == signal.SIGINT and self.kind == INTERRUPT:
+            os.write(2, b"tessera: second interrupt: aborting now, without a checkpoint\n")
+            os._exit(INTERRUPT_EXIT_CODE)
+        if self.received is None or stop_kind(signum) > self.kind:
+            self.received = signum
+        self.kind = max(self.kind, stop_kind(signum))
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
     def agreed_stop(self, device: torch.device | None = None) -> bool:
-        """True on every rank when any rank has received a stop signal (all-reduce MAX of the flag)."""
-        flag = 1 if self.received is not None else 0
+        """True on every rank when any rank has received a stop signal (all-reduce MAX of the vote)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = self.kind
         if dist.is_available() and dist.is_initialized():
             t = torch.tensor([flag], dtype=torch.int32, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = int(t.item())
-        return flag > 0
+        self.agreed = flag
+        return flag > NO_STOP
+
+    @property
+    def exit_code(self) -> int:
+        """The code every rank exits with after the agreed stop."""
+        return INTERRUPT_EXIT_CODE if self.agreed == INTERRUPT else self.requeue_exit_code
 
     @property
     def signal_name(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else "a peer rank's signal"
+        if self.received is not None and stop_kind(self.received) == self.agreed:
+            return signal.Signals(self.received).name
+        return "a peer rank's signal"

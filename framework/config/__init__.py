@@ -29,6 +29,7 @@ from framework.errors import ConfigError, ParallelismError
 from framework.infer.config import EvalConfig
 from framework.observe.config import ObserveConfig
 from framework.parallel.config import ParallelConfig
+from framework.parallel.context import context_problem
 from framework.train.config import TrainConfig
 from models.config import PRESETS, ModelConfig
 
@@ -46,7 +47,7 @@ class RunConfig:
         return Path(self.dir) if self.dir else Path("runs") / self.name
 
     def validate(self) -> None:
-        if not self.name or "/" in self.name:
+        if not self.name or "/" in self.name or self.name in (".", ".."):
             raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'; e.g. smoke")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"run.device={self.device!r} must be auto, cpu or cuda")
@@ -74,12 +75,21 @@ class Config:
                 f"data.eod_id={self.data.eod_id} is outside model.vocab_size={self.model.vocab_size}; set data.eod_id "
                 f"to the id that ends each document (null: the tokenizer's EOS)")
         tp = self.parallel.tp
+        problem = context_problem(self.data.seq_len, self.parallel.cp, tp, self.parallel.sequence_parallel)
+        if problem:
+            raise ParallelismError(problem)
         if tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % tp:
             fits = [n for n in range(self.data.seq_len - tp, self.data.seq_len + tp + 1) if n > 0 and n % tp == 0]
             raise ParallelismError(
                 f"data.seq_len={self.data.seq_len} must be divisible by parallel.tp={tp}: sequence parallelism cuts "
                 f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
                 f"parallel.sequence_parallel=false")
+        if self.train.compile:  # issue 20: only layouts whose compiled run matched eager (tests/train/test_compile.py)
+            from framework.train.compile import refusal
+
+            why = refusal(self.train.compile_backend, self.parallel, self.model)
+            if why is not None:
+                raise ParallelismError(why)
 
 
 def _resolve_model_preset(data: dict[str, Any]) -> dict[str, Any]:

@@ -182,12 +182,14 @@ def plan_runs(spec: AblationSpec, config_path: Path, out: Path) -> list[RunPlan]
 
 def run_one(plan: RunPlan, config_path: Path) -> dict[str, Any]:
     """Train (or resume) one run and write its result.json; returns the result."""
+    from framework.checkpoint.signals import check_stopped
     from framework.config import load_config
     from framework.train.trainer import Trainer
 
     cfg = load_config(config_path, plan.overrides)
     trainer = Trainer(cfg)
     result = trainer.train()
+    check_stopped(result.exit_code, f"ablation run {plan.path.name}")  # not on to the next run: SLURM requeues
     if not result.eval and trainer.data.val:
         # Resumed at the final step (it crashed after its last checkpoint but before result.json): evaluate now.
         result.eval = trainer.evaluate()

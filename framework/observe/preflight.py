@@ -152,6 +152,7 @@ def stage_batch(cfg: Config, data: Any) -> str:
 
 def stage_full(cfg: Config, keep: bool) -> str:
     from framework.checkpoint import dcp as ckpt
+    from framework.checkpoint.signals import check_stopped
     from framework.train.engine import LocalEngine
     from framework.train.trainer import Trainer
 
@@ -169,6 +170,7 @@ def stage_full(cfg: Config, keep: bool) -> str:
     try:
         trainer = Trainer(small)
         result = trainer.train()
+        check_stopped(result.exit_code, "preflight's training stage")
         if result.final_step != pf.full_steps or not all(math.isfinite(v) for v in result.losses.values()):
             raise StageFailed(f"training stopped at step {result.final_step} of {pf.full_steps} or produced "
                               f"non-finite losses {result.losses}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from framework.errors import ConfigError
@@ -12,6 +12,31 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """V-shaped schedules: exactly two stages per rank, rank r holding stages r and 2*pp-1-r."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class NVMeOffloadConfig:
+    path: str = ""
+    """Local directory for the optimizer-state files (a local NVMe mount); "" keeps the states in memory."""
+    buffer_count: int = 4
+    """Staging buffers of one group each: 1 serializes read, update and write; >= 2 overlaps them."""
+    group_mb: float = 64.0
+    """State bytes (exp_avg + exp_avg_sq) per group, in MiB: the unit of one read and one write."""
+    overlap: bool = True
+    """Read ahead and write behind on background threads; false does each group's I/O inline (for measuring)."""
+    pin_memory: bool = True
+    """Pin the staging buffers when parameters live on an accelerator (faster, asynchronous copies)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+    def validate(self) -> None:
+        if self.buffer_count < 1:
+            raise ConfigError(f"parallel.nvme_offload.buffer_count={self.buffer_count} must be >= 1 (2+ overlaps "
+                              f"I/O with the update)")
+        if not self.group_mb > 0:
+            raise ConfigError(f"parallel.nvme_offload.group_mb={self.group_mb} must be > 0 (MiB of state per read)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -25,7 +50,8 @@ class ParallelConfig:
     dp_replicate: int = 1
     """Replicated data-parallel degree (DDP, or HSDP with dp_shard > 1)."""
     cp: int = 1
-    """Context parallelism, reserved: must be 1."""
+    """Context parallelism: each sequence split over cp ranks (2 x cp load-balanced chunks, K/V all-gathered);
+    cp is folded into the FSDP sharding group (dp_shard x cp), so it needs zero_stage >= 1."""
     ep: int = 1
     """Expert parallelism, carved out of dp_shard x tp."""
     zero_stage: Literal[0, 1, 2, 3] = 1
@@ -58,6 +84,8 @@ class ParallelConfig:
     """Recompute on every k-th block (layer index % k == 0)."""
     comm_log: bool = False
     """Count bytes per collective per mesh axis per step (reported in extra_metrics and by the logger)."""
+    nvme_offload: NVMeOffloadConfig = field(default_factory=NVMeOffloadConfig)
+    """ZeRO-Infinity: AdamW states in files on local NVMe (framework/parallel/offload.py); off while path is ""."""
 
     @property
     def virtual_stages(self) -> int:
@@ -71,8 +99,6 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to infer from the world size")
-        if self.cp != 1:
-            raise ConfigError(f"parallel.cp={self.cp}: context parallelism is reserved; set parallel.cp=1")
         if self.pp_schedule not in SCHEDULES:
             import difflib
 
@@ -94,6 +120,7 @@ class ParallelConfig:
                 f"set parallel.pp_virtual_stages=2 or 0")
         if self.fsdp_prefetch < 0:
             raise ConfigError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 0 (0: FSDP2 default)")
+        self.nvme_offload.validate()
 
 
 def min_micro_batches(schedule: str, pp: int) -> int:

@@ -3,8 +3,9 @@
     engine = build_parallel_engine(cfg, device)   # every rank; the default process group is initialized
 
 The loop hands each rank its data-parallel replica's micro-batches (n_micro, B, T+1); ranks of one replica
-(its tp and pp ranks) get the same batch. The returned loss is the global mean over every data rank, on
-every rank. Parity with the single-process `LocalEngine` is the contract (tests/parallel/test_parity.py).
+(its tp, cp and pp ranks) get the same batch, and cp ranks keep their own load-balanced chunks of it
+(framework/parallel/context.py). The returned loss is the global mean over every data rank, on every rank.
+Parity with the single-process `LocalEngine` is the contract (tests/parallel/test_parity.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.config import V_SCHEDULES, ParallelConfig, min_micro_batches, schedule_micro_batch_problem
+from framework.parallel.context import ContextParallel
 from framework.parallel.expert import MoEParallel
 from framework.parallel.memory import model_state_report, unsharded_bytes
 from framework.parallel.mesh import AXES, ParallelDims
+from framework.parallel.offload import io_metrics, offload_optimizers
 from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
 from framework.parallel.precision import (
     LossScaler,
@@ -37,9 +40,10 @@ from framework.parallel.precision import (
 )
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
-from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mp_policy, set_micro_batch_sync
+from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mesh, fsdp_mp_policy, set_micro_batch_sync
+from framework.train.compile import compile_blocks
 from framework.train.config import TrainConfig
-from framework.train.engine import autocast, cross_entropy
+from framework.train.engine import _DTYPES, autocast, cross_entropy
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import Decoder
@@ -90,12 +94,16 @@ class ParallelEngine:
                                  growth_interval=train_cfg.loss_scale_growth_interval)
         self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
         self.moe = MoEParallel(model_cfg, pcfg, dims, mesh)  # MoE (issue 5); every call a no-op for dense models
+        # Context parallelism (issue 16): each rank keeps its 2 load-balanced chunks of every sequence
+        self.context = ContextParallel(mesh["cp"].get_group(), _DTYPES[train_cfg.precision]) if dims.cp > 1 else None
         self._build_parts()
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
                                                         for p in self.model_parts]
         self._fix_tied_decay()
+        self.optimizers = offload_optimizers(  # ZeRO-Infinity (issue 19): AdamW states on local NVMe
+            self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self.replica_sync: ReplicatedGradSync | None = None
-        if dims.dp_shard == 1 and dims.dp_replicate > 1:
+        if dims.fsdp_size == 1 and dims.dp_replicate > 1:
             self.replica_sync = ReplicatedGradSync(list(self.parameters()), mesh["dp_replicate"].get_group(),
                                                    dims.dp_replicate)
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
@@ -108,6 +116,7 @@ class ParallelEngine:
 
     # --- construction ---------------------------------------------------------------------------------------
     def _build_parts(self) -> None:
+        self._fsdp_mesh = fsdp_mesh(self.mesh, self.dims)
         with torch.device("meta"):
             whole = Decoder(self.model_cfg)
         if self.dims.pp > 1:
@@ -127,15 +136,21 @@ class ParallelEngine:
             apply_tensor_parallel(part, self.mesh["tp"], sequence_parallel=pcfg.sequence_parallel,
                                   loss_parallel=pcfg.loss_parallel)
         self.moe.parallelize(part)  # MoE (issue 5): experts over ep, routing on the tp sequence shards
+        if self.context is not None:
+            self.context.install(part)
         part.to_empty(device=self.device)
+        if self.model_cfg.tied_embeddings and part.tok_embeddings is not None and part.output is not None:
+            # to_empty gives each module its own storage: without this a pp=1 run of a tied model trains untied.
+            part.output.weight = part.tok_embeddings.weight
         part.init_weights(self.train_cfg.seed)  # per-FQN seeds: bitwise the 1-process values, any layout
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)
+        if self.train_cfg.compile:  # after TP and recompute, before FSDP (whose hooks stay outside the graphs)
+            compile_blocks(part.layers, self.train_cfg.compile_backend, tensor_parallel=dims.tp > 1)
         mp_policy = fsdp_mp_policy(pcfg, self.train_cfg.precision)
         # MoE (issue 5): experts FSDP-sharded over the edp ranks (before FSDP wraps their blocks), or hand-synced
         self.moe.shard(part, mp_policy=mp_policy)
-        if dims.dp_shard > 1:
-            dp_mesh = self.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
-            apply_fsdp(part, dp_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
+        if self._fsdp_mesh is not None:
+            apply_fsdp(part, self._fsdp_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
 
     def _tie_setup(self, parts: list[Decoder]) -> None:
         last = self.n_stages - 1
@@ -212,6 +227,13 @@ class ParallelEngine:
             self._sync_tied()
 
     # --- the Engine interface -------------------------------------------------------------------------------
+    def _split(self, rows_BT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(inputs, labels, Decoder keyword arguments) of full rows: this rank's cp chunks under cp."""
+        if self.context is not None:
+            return self.context.shard(rows_BT1, self.documents)
+        inputs = rows_BT1[:, :-1]
+        return inputs, rows_BT1[:, 1:], model_kwargs(self.documents, inputs)
+
     def _loss_ctx(self) -> contextlib.AbstractContextManager[None]:
         return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
 
@@ -232,9 +254,10 @@ class ParallelEngine:
             # Evaluation hands over one micro-batch: split its rows so every stage gets work (equal-length
             # sequences, so the mean of the chunk means is the batch mean).
             batch = flat.reshape(need, -1, flat.shape[-1])
+        inputs, labels, kwargs = self._split(flat)
         with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
-            losses = run_schedule(self._schedule(batch.shape[0]), self.stage_ids, self.n_stages, flat[:, :-1],
-                                  flat[:, 1:], train=train, model_kwargs=model_kwargs(self.documents, flat[:, :-1]))
+            losses = run_schedule(self._schedule(batch.shape[0]), self.stage_ids, self.n_stages, inputs, labels,
+                                  train=train, model_kwargs=kwargs)
         if not losses:
             return None
         return torch.stack([_scalar(x).detach().float() for x in losses]).mean() / self.scaler.scale
@@ -256,10 +279,11 @@ class ParallelEngine:
             for i, mb in enumerate(batch):
                 for part in self.model_parts:
                     set_micro_batch_sync(part, self.pcfg.zero_stage, i == n - 1)
+                inputs, labels, kwargs = self._split(mb)
                 with autocast(self.device, self.train_cfg.precision):
-                    logits = self.model_parts[0](mb[:, :-1], **model_kwargs(self.documents, mb[:, :-1]))
+                    logits = self.model_parts[0](inputs, **kwargs)
                 with self._loss_ctx():
-                    loss = cross_entropy(logits, mb[:, 1:]) / n
+                    loss = cross_entropy(logits, labels) / n
                     (loss * self.scaler.scale).backward()
                 local += _scalar(loss.detach())
         self._after_backward()
@@ -320,15 +344,17 @@ class ParallelEngine:
             return self._global_mean_loss(self._pipeline(batch, train=False))
         losses = []
         for mb in batch:
+            inputs, labels, kwargs = self._split(mb)
             with autocast(self.device, self.train_cfg.precision):
-                logits = self.model_parts[0](mb[:, :-1], **model_kwargs(self.documents, mb[:, :-1]))
+                logits = self.model_parts[0](inputs, **kwargs)
             with self._loss_ctx():
-                losses.append(_scalar(cross_entropy(logits, mb[:, 1:])))
+                losses.append(_scalar(cross_entropy(logits, labels)))
         return self._global_mean_loss(torch.stack(losses).mean())
 
     def extra_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
         out.update(self.moe.metrics(self.model_parts))  # MoE (issue 5): load, drops, aux/z losses per layer
+        out.update(io_metrics(self.optimizers))  # NVMe offload (issue 19): cumulative bytes read / written
         if self.comm is not None:
             out.update(self.comm.summary())
             self.comm.reset()

@@ -22,6 +22,7 @@ from framework.errors import ParallelismError, divisors
 from framework.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     from models.config import ModelConfig
@@ -87,11 +88,29 @@ class ParallelDims:
             raise ParallelismError(
                 f"parallel.zero_stage=0 (replicate only) cannot shard over parallel.dp_shard={self.dp_shard}; set "
                 f"parallel.zero_stage to 1, 2 or 3, or move the data ranks to parallel.dp_replicate")
+        if self.cp > 1:
+            self._validate_context(cfg, model)
         if cfg.cpu_offload and self.dp_shard == 1:
             raise ParallelismError(
                 "parallel.cpu_offload=true needs FSDP sharding (parallel.dp_shard > 1); raise dp_shard or disable it")
         if model is not None:
             self._validate_model(cfg, model)
+
+    def _validate_context(self, cfg: ParallelConfig, model: ModelConfig | None) -> None:
+        """Combinations context parallelism is not proven with (tests/parallel/test_context.py) are refused."""
+        if cfg.zero_stage == 0:
+            raise ParallelismError(
+                f"parallel.cp={self.cp} folds cp into the FSDP sharding group (dp_shard x cp), but "
+                f"parallel.zero_stage=0 does not shard; set parallel.zero_stage to 1, 2 or 3")
+        if cfg.cpu_offload:
+            raise ParallelismError(
+                f"parallel.cp={self.cp} with parallel.cpu_offload=true is not supported (not checked against one "
+                f"process); set parallel.cpu_offload=false or parallel.cp=1")
+        if model is not None and model.moe.enabled:
+            raise ParallelismError(
+                f"parallel.cp={self.cp} with a mixture-of-experts model (model.moe.n_experts="
+                f"{model.moe.n_experts}) is not supported: routing statistics and the auxiliary losses would be "
+                f"computed per cp shard; set parallel.cp=1 for MoE models")
 
     def _validate_model(self, cfg: ParallelConfig, model: ModelConfig) -> None:
         for field, value in (("n_heads", model.n_heads), ("vocab_size", model.vocab_size),
@@ -144,6 +163,11 @@ class ParallelDims:
     def dp_size(self) -> int:
         """Data-parallel ranks that read different data (the loader's dp_size)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks one FSDP shard group spans: dp_shard x cp (cp folded in, as torchtitan's dp_shard_cp)."""
+        return self.dp_shard * self.cp
 
     @property
     def edp_size(self) -> int:
@@ -224,11 +248,24 @@ class ParallelDims:
         return sorted(out)
 
     # --- process groups ---------------------------------------------------------------------------------------
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 5-axis `DeviceMesh` (every rank must call this; size-1 axes create no communication)."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def build_mesh(self, device_type: str, ranks: torch.Tensor | None = None) -> DeviceMesh:
+        """The 5-axis `DeviceMesh` over the world, or over `ranks` (a sub-world; every rank must call this).
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+        With cp > 1 the mesh is unflattened from a root whose third axis is dp_shard x cp ("dp_shard_cp"), so
+        FSDP's shard mesh (framework/parallel/zero.py: `fsdp_mesh`) and the tp mesh share one root, as FSDP + TP
+        requires, and the flattened group is created collectively with the others (also on a sub-world).
+        """
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if ranks is None and self.cp == 1:
+            return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+        ranks = torch.arange(self.world_size) if ranks is None else ranks
+        if self.cp == 1:
+            return DeviceMesh(device_type, ranks.reshape(self.shape), mesh_dim_names=AXES)
+        root = DeviceMesh(device_type, ranks.reshape(self.pp, self.dp_replicate, self.fsdp_size, self.tp),
+                          mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp", "tp"))
+        return root._unflatten(2, (self.dp_shard, self.cp), ("dp_shard", "cp"))
 
     def build_ep_mesh(self, device_type: str) -> DeviceMesh:
         """The expert mesh (pp, dp_replicate, edp, ep) over the same ranks; sub-meshes `["ep"]`, `["edp"]`."""

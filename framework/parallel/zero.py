@@ -8,6 +8,8 @@ Each `parallel.zero_stage` is one configuration (docs/PARALLELISM.md):
   2  as 1, but gradients are reduce-scattered after every micro-batch (only a shard is kept).
   3  as 2, and parameters are resharded after forward (all-gathered again for backward).
 With dp_replicate > 1 and dp_shard > 1 the FSDP mesh is 2-D (HSDP): shard inside, all-reduce across.
+Context parallelism folds cp into the shard group (dp_shard x cp, torchtitan's dp_shard_cp): cp ranks hold
+different tokens of one sequence, so their gradients are averaged like data ranks' (`fsdp_mesh`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,22 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from framework.parallel.config import ParallelConfig
+from framework.parallel.mesh import ParallelDims
 from models.decoder import Decoder
 
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh | None:
+    """The mesh FSDP shards over (the one place that chooses it); None when there is nothing to shard over.
+
+    dp_shard alone, or (dp_replicate, dp_shard) for HSDP; with cp > 1 the shard dimension is dp_shard x cp
+    ("dp_shard_cp", the root axis `ParallelDims.build_mesh` unflattened into dp_shard and cp).
+    """
+    if dims.fsdp_size == 1:
+        return None
+    root, shard = (mesh, "dp_shard") if dims.cp == 1 else (mesh._get_root_mesh(), "dp_shard_cp")
+    return root["dp_replicate", shard] if dims.dp_replicate > 1 else root[shard]
 
 
 def fsdp_mp_policy(cfg: ParallelConfig, precision: str) -> MixedPrecisionPolicy:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from framework.errors import ConfigError
 from framework.plan.estimate import Estimate
-from framework.plan.hardware import GIB, HARDWARE, Hardware, get_hardware, parse_overrides
+from framework.plan.hardware import GIB, HARDWARE, Hardware, get_hardware, load_calibration, parse_overrides
 from framework.plan.layout import SCHEDULES, Precision, Workload
 from framework.plan.search import (
     DEFAULT_SCHEDULES,
@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="h100-80g", choices=sorted(HARDWARE))
     p.add_argument("--hw", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a hardware-table field, e.g. ib_gbps=25 or mm_efficiency=0.5")
+    p.add_argument("--calibration", metavar="JSON",
+                   help="a GPU check's calibration (bench/gpu_check.sh: gpu_calibration.json): its measured "
+                        "mm_efficiency replaces the table's; explicit --hw still wins")
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
@@ -51,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated pipeline schedules to consider, of {', '.join(SCHEDULES)}")
     p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to consider")
     p.add_argument("--memory-margin", type=float, default=0.1, help="fraction of GPU memory kept free")
+    p.add_argument("--nvme-offload", action="store_true",
+                   help="also try every sharded layout with its AdamW states on local NVMe (ZeRO-Infinity)")
+    p.add_argument("--prefetch", type=int, default=1, help="FSDP units all-gathered ahead under ZeRO-3 (0: none)")
     p.add_argument("--top", type=int, default=5, help="distinct (tp, pp, ep) layouts to show")
     p.add_argument("--write-config", metavar="PATH", help="write the best layout as a Tessera YAML config")
     p.add_argument("--check-params", action="store_true",
@@ -109,8 +115,11 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         raise ConfigError(f"--schedules {args.schedules!r}: unknown {bad}; valid: {', '.join(SCHEDULES)}")
     if not 0 <= args.memory_margin < 1:
         raise ConfigError(f"--memory-margin {args.memory_margin} must be in [0, 1); e.g. 0.1")
+    if args.prefetch < 0:
+        raise ConfigError(f"--prefetch {args.prefetch} must be >= 0 (FSDP units gathered ahead)")
     return SearchSpace(schedules=schedules, micro_batches=_ints(args.micro_batches, "--micro-batches"),
-                       memory_margin=args.memory_margin)
+                       memory_margin=args.memory_margin, prefetch=args.prefetch,
+                       nvme_offload=(False, True) if args.nvme_offload else (False,))
 
 
 def format_row(i: int, est: Estimate) -> str:
@@ -152,7 +161,10 @@ def report(work: Workload, result: PlanResult, hw: Hardware, space: SearchSpace,
 def run(args: argparse.Namespace) -> int:
     """Handler of `tessera plan`: search, print the report, optionally check parameters and write a config."""
     cfg = model_from_args(args)
-    hw = get_hardware(args.gpu, parse_overrides(args.hw))
+    overrides = parse_overrides(args.hw)
+    if args.calibration:
+        overrides = {**load_calibration(args.calibration, args.gpu), **overrides}
+    hw = get_hardware(args.gpu, overrides)
     space = space_from_args(args)
     work = Workload(cfg, args.seq, args.global_batch, Precision.named(args.precision), args.kernel,
                     args.activations)

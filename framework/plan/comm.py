@@ -10,6 +10,8 @@ all-gather, a reduce-scatter or an all-to-all (Thakur et al. 2005; the ZeRO pape
   dp  per step on this rank's Ψ: stage 0 all-reduces gradients; 1 reduce-scatters gradients once and
       all-gathers parameters once; 2 reduce-scatters every micro-batch; 3 also all-gathers parameters before
       every micro-batch's forward and backward.
+  cp  per layer and micro-batch: all-gather of K and V (b x s x n_kv/t x E each) forward, their gradients
+      reduce-scattered backward, the all-gather again under recompute (Llama 3's all-gather context parallel).
   ep  per MoE layer and micro-batch: dispatch and combine all-to-all of top_k copies of the rank's tokens,
       forward and backward (+2 when recomputed).
 """
@@ -49,18 +51,29 @@ def tp_comm_per_micro(work: Workload, lay: Layout, hw: Hardware, n_layers: int) 
     """Tensor-parallel traffic of one micro-batch through `n_layers` layers on one rank."""
     if lay.tp == 1:
         return AxisComm(0.0, 0, 0.0)
-    buf = work.seq_len * lay.micro_batch * work.model.hidden * work.precision.act
+    buf = work.seq_len // lay.cp * lay.micro_batch * work.model.hidden * work.precision.act
     # Recompute reruns the forward's collectives; the selective policy keeps reduce-scatter outputs, so only
     # its two all-gathers run again.
     n_coll = (8 + {"none": 0, "selective": 2, "full": 4}[lay.recompute]) * n_layers
     return _axis(hw, True, n_coll * ring_factor("all_gather", lay.tp) * buf, n_coll, lay.tp)
 
 
+def cp_comm_per_micro(work: Workload, lay: Layout, hw: Hardware, n_layers: int) -> AxisComm:
+    """Context-parallel K/V traffic of one micro-batch through `n_layers` layers on one rank."""
+    if lay.cp == 1:
+        return AxisComm(0.0, 0, 0.0)
+    cfg = work.model
+    kv = work.seq_len * lay.micro_batch * (cfg.kv_heads // lay.tp) * cfg.head_dim * work.precision.act  # K or V
+    n_coll = (4 + (2 if lay.recompute != "none" else 0)) * n_layers
+    return _axis(hw, lay.tp * lay.cp <= hw.gpus_per_node, n_coll * ring_factor("all_gather", lay.cp) * kv, n_coll,
+                 lay.cp)
+
+
 def ep_comm_per_micro(work: Workload, lay: Layout, hw: Hardware, n_moe_layers: int) -> AxisComm:
     """Expert-parallel all-to-all traffic of one micro-batch through `n_moe_layers` MoE layers on one rank."""
     if lay.ep == 1 or n_moe_layers == 0:
         return AxisComm(0.0, 0, 0.0)
-    tokens = work.seq_len * lay.micro_batch // (lay.tp if lay.sp else 1)
+    tokens = work.seq_len // lay.cp * lay.micro_batch // (lay.tp if lay.sp else 1)
     buf = work.model.moe.top_k * tokens * work.model.hidden * work.precision.act
     n_coll = (4 + (2 if lay.recompute != "none" else 0)) * n_moe_layers
     return _axis(hw, lay.ep <= hw.gpus_per_node, n_coll * ring_factor("all_to_all", lay.ep) * buf, n_coll,
@@ -71,7 +84,8 @@ def pp_comm_per_step(work: Workload, lay: Layout, hw: Hardware) -> AxisComm:
     """Point-to-point traffic of one pipeline rank per step (all micro-batches, every chunk boundary)."""
     if lay.pp == 1:
         return AxisComm(0.0, 0, 0.0)
-    buf = work.seq_len * lay.micro_batch * work.model.hidden * work.precision.act / (lay.tp if lay.sp else 1)
+    buf = (work.seq_len // lay.cp * lay.micro_batch * work.model.hidden * work.precision.act
+           / (lay.tp if lay.sp else 1))
     messages = 2 * lay.virtual * lay.n_micro(work.global_batch)
     return _axis(hw, lay.world <= hw.gpus_per_node, messages * buf, messages, 2)
 
@@ -79,11 +93,11 @@ def pp_comm_per_step(work: Workload, lay: Layout, hw: Hardware) -> AxisComm:
 def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankParams) -> dict[str, AxisComm]:
     """Data-parallel traffic of one rank per step, split into the gradient reduction and the parameter gather."""
     prec, z, m = work.precision, lay.zero_stage, lay.n_micro(work.global_batch)
-    intra = lay.tp * lay.dp <= hw.gpus_per_node
+    intra = lay.tp * lay.shard_group <= hw.gpus_per_node
     reduce = gather = 0.0
     n_reduce = n_gather = 0
     layers = max(1, len(params.layers))
-    for psi, n in ((params.dense, lay.dp), (params.experts, lay.dp * lay.tp // lay.ep)):
+    for psi, n in ((params.dense, lay.shard_group), (params.experts, lay.dp * lay.tp // lay.ep)):
         if z == 0:
             reduce += ring_factor("all_reduce", n) * psi * prec.grad
             continue
@@ -92,11 +106,11 @@ def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankPara
         reduce += rs_times * ring_factor("reduce_scatter", n) * psi * prec.grad
         gather += ag_times * ring_factor("all_gather", n) * psi * prec.param
         n_reduce, n_gather = rs_times * layers, ag_times * layers
-    if lay.dp == 1 and lay.dp * lay.tp // lay.ep == 1:
+    if lay.shard_group == 1 and lay.dp * lay.tp // lay.ep == 1:
         return {"reduce": AxisComm(0.0, 0, 0.0), "gather": AxisComm(0.0, 0, 0.0)}
-    return {"reduce": _axis(hw, intra, reduce, n_reduce or layers, lay.dp),
-            "gather": _axis(hw, intra, gather, n_gather, lay.dp)}
+    return {"reduce": _axis(hw, intra, reduce, n_reduce or layers, lay.shard_group),
+            "gather": _axis(hw, intra, gather, n_gather, lay.shard_group)}
 
 
-__all__ = ["AxisComm", "dp_comm_per_step", "ep_comm_per_micro", "pp_comm_per_step", "ring_factor",
+__all__ = ["AxisComm", "cp_comm_per_micro", "dp_comm_per_step", "ep_comm_per_micro", "pp_comm_per_step", "ring_factor",
            "tp_comm_per_micro"]

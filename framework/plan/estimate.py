@@ -8,7 +8,13 @@ Step time on the slowest pipeline rank:
     step      = pipeline + pipeline p2p + exposed data-parallel traffic + optimizer step (HBM-bound)
 Data-parallel traffic overlaps with compute: the once-per-step gradient reduction with the last micro-batch's
 backward and the drain half of the bubble, the parameter gather with the first forward and the fill half;
-per-micro-batch ZeRO-2/3 traffic with that micro-batch's backward/forward. Only the excess is exposed.
+per-micro-batch ZeRO-2 traffic with that micro-batch's backward. Only the excess is exposed. ZeRO-3 is modelled
+per FSDP unit (`_zero3_exposed`): each pass's first all-gather and backward's last reduce-scatter have no
+compute to hide behind, the others hide behind the neighbouring unit's compute up to its length (with
+prefetch >= 1) or not at all (prefetch 0); per-unit latency ((n-1) ring steps) and the inter-node bandwidth
+of a group that spans nodes enter through each collective's time (`framework.plan.comm`).
+NVMe offload adds reading and writing the rank's AdamW states (16 bytes per parameter) at `nvme_gbps` after
+backward, where nothing hides it.
 Selective recompute adds the memory traffic of rewriting what it recomputes (norms, RoPE, activations are
 memory-bound). FLOPs come from `models.flops.flops_per_token` (model FLOPs, non-causal as Megatron and PaLM count them;
 hardware FLOPs add the recomputed forward under full recompute).
@@ -21,10 +27,24 @@ import functools
 from dataclasses import dataclass, field
 
 from framework.plan.bubble import bubble_fraction
-from framework.plan.comm import AxisComm, dp_comm_per_step, ep_comm_per_micro, pp_comm_per_step, tp_comm_per_micro
+from framework.plan.comm import (
+    AxisComm,
+    cp_comm_per_micro,
+    dp_comm_per_step,
+    ep_comm_per_micro,
+    pp_comm_per_step,
+    tp_comm_per_micro,
+)
 from framework.plan.hardware import Hardware
 from framework.plan.layout import Layout, Workload
-from framework.plan.memory import RankParams, layer_bytes, peak_memory, rank_chunks, rank_params
+from framework.plan.memory import (
+    RankParams,
+    layer_bytes,
+    model_state_bytes,
+    peak_memory,
+    rank_chunks,
+    rank_params,
+)
 from models.config import ModelConfig
 from models.flops import flops_per_token
 
@@ -61,10 +81,34 @@ def _layer_and_head_flops(cfg: ModelConfig, seq: int, recompute: bool) -> tuple[
     return (total - head) / cfg.n_layers, head
 
 
-def _dp_exposed(dp: dict[str, AxisComm], lay: Layout, m: int, fwd: float, bwd: float, bubble_s: float) -> float:
+def _zero3_exposed(gather: float, reduce: float, m: int, units: int, fwd: float, bwd: float, prefetch: int
+                   ) -> float:
+    """Exposed ZeRO-3 traffic per step: `units` FSDP units per pass, 2m gathers and m reduce-scatters of each.
+
+    One communication stream beside compute (FSDP2's all-gather and reduce-scatter streams share the links).
+    Forward: unit 1's gather is exposed; with prefetch, unit i+1's gather runs under unit i's compute, so only
+    its excess over that compute shows. Backward: the same for the re-gathers, each unit's reduce-scatter queued
+    behind the next gather, the last reduce-scatter exposed. Without prefetch every gather waits (FSDP2 issues
+    it when the unit's forward starts). Deeper prefetch hides no more with equal units; it costs memory.
+    """
+    g, r = gather / (2 * m * units), reduce / (m * units)
+    cf, cb = fwd / units, bwd / units
+    if prefetch == 0:
+        per_fwd = units * g
+        per_bwd = units * g + r + max(0.0, (units - 1) * (r - cb))
+    else:
+        per_fwd = g + max(0.0, (units - 1) * (g - cf))
+        per_bwd = g + r + max(0.0, (units - 1) * (g + r - cb))
+    return m * (per_fwd + per_bwd)
+
+
+def _dp_exposed(dp: dict[str, AxisComm], lay: Layout, m: int, fwd: float, bwd: float, bubble_s: float,
+                units: int) -> float:
     reduce, gather = dp["reduce"].seconds, dp["gather"].seconds
     if lay.zero_stage == 3:
-        return m * (max(0.0, gather / (2 * m) - fwd) + max(0.0, (gather / 2 + reduce) / m - bwd))
+        if gather == reduce == 0.0:
+            return 0.0
+        return _zero3_exposed(gather, reduce, m, units, fwd, bwd, lay.prefetch)
     if lay.zero_stage == 2:
         return m * max(0.0, reduce / m - bwd) + max(0.0, gather - fwd - bubble_s / 2)
     return max(0.0, reduce - bwd - bubble_s / 2) + max(0.0, gather - fwd - bubble_s / 2)
@@ -77,9 +121,9 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
     m = lay.n_micro(work.global_batch)
     full_rc = lay.recompute == "full"
     layer_f, head_f = _layer_and_head_flops(cfg, s, full_rc)
-    tokens_micro = s * lay.micro_batch
+    tokens_micro = s * lay.micro_batch // lay.cp  # load-balanced chunks: equal causal work per cp rank
     rate = hw.peak_flops * hw.mm_efficiency
-    worst: tuple[float, float, AxisComm, AxisComm, RankParams] | None = None
+    worst: tuple[float, float, AxisComm, AxisComm, AxisComm, RankParams] | None = None
     for rank in sorted({0, lay.pp - 1}):
         params = rank_params(cfg, lay, rank)
         n_layers = len(params.layers)
@@ -91,32 +135,39 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
             compute += n_layers * 2 * max(0.0, redo) / (hw.hbm_gbps * 1e9)
         tp = tp_comm_per_micro(work, lay, hw, n_layers)
         ep = ep_comm_per_micro(work, lay, hw, params.n_moe)
+        cp = cp_comm_per_micro(work, lay, hw, n_layers)  # K/V all-gathers: on the critical path
         # DualPipeV runs a forward and a backward chunk together, hiding the expert all-to-alls behind compute
         # (DeepSeek-V3 report); elsewhere they sit on the critical path.
         overlapped_ep = lay.schedule == "DualPipeV" and lay.pp > 1
-        t = tp.seconds + (max(compute, ep.seconds) if overlapped_ep else compute + ep.seconds)
+        t = tp.seconds + cp.seconds + (max(compute, ep.seconds) if overlapped_ep else compute + ep.seconds)
         if worst is None or t > worst[0]:
-            worst = (t, compute, tp, ep, params)
+            worst = (t, compute, tp, ep, cp, params)
     assert worst is not None
-    t_micro, compute, tp_c, ep_c, params = worst
+    t_micro, compute, tp_c, ep_c, cp_c, params = worst
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual)
     pipeline = m * t_micro / (1 - bubble)
     bubble_s = pipeline - m * t_micro
     pp = pp_comm_per_step(work, lay, hw)
     dp = dp_comm_per_step(work, lay, hw, params)
     fwd = compute * (0.25 if full_rc else 1 / 3)
-    dp_exposed = _dp_exposed(dp, lay, m, fwd, compute - fwd, bubble_s)
+    dp_exposed = _dp_exposed(dp, lay, m, fwd, compute - fwd, bubble_s, max(1, len(params.layers)))
     state_bytes = sum(parts[k] for k in ("params", "master", "grads", "optimizer"))
     optimizer_s = 2 * state_bytes / (hw.hbm_gbps * 1e9)
-    step = pipeline + pp.seconds + dp_exposed + optimizer_s
+    nvme_s = 0.0
+    if lay.nvme_offload:  # read and write exp_avg + exp_avg_sq of this rank's shard; the update waits on them
+        states = model_state_bytes(params, dataclasses.replace(lay, nvme_offload=False), work.precision)
+        nvme_s = 2 * states["optimizer"] / (hw.nvme_gbps * 1e9)
+        optimizer_s += 2 * states["optimizer"] / (hw.hbm_gbps * 1e9)
+    step = pipeline + pp.seconds + dp_exposed + optimizer_s + nvme_s
     tokens = work.global_batch * s
     model_flops = _flops(cfg, s, False) * tokens
     hw_flops = _flops(cfg, s, full_rc) * tokens
     denom = step * lay.world * hw.peak_flops
-    comm = {"tp": _scaled(tp_c, m), "ep": _scaled(ep_c, m), "pp": pp, "dp_reduce": dp["reduce"],
-            "dp_gather": dp["gather"]}
-    time = {"compute": m * compute, "tp": m * tp_c.seconds, "ep": m * ep_c.seconds, "bubble": bubble_s,
-            "pp_p2p": pp.seconds, "dp_exposed": dp_exposed, "optimizer": optimizer_s}
+    comm = {"tp": _scaled(tp_c, m), "cp": _scaled(cp_c, m), "ep": _scaled(ep_c, m), "pp": pp,
+            "dp_reduce": dp["reduce"], "dp_gather": dp["gather"]}
+    time = {"compute": m * compute, "tp": m * tp_c.seconds, "cp": m * cp_c.seconds, "ep": m * ep_c.seconds,
+            "bubble": bubble_s, "pp_p2p": pp.seconds, "dp_exposed": dp_exposed, "optimizer": optimizer_s,
+            "nvme_io": nvme_s}
     return Estimate(lay, mem, mem_rank, parts, step, model_flops / denom, hw_flops / denom, tokens / step, bubble,
                     (model_flops, hw_flops), comm, time)
 

@@ -52,8 +52,10 @@ def config_dict(work: Workload, lay: Layout) -> dict[str, Any]:
         "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "zero_stage": lay.zero_stage,
         "dp_shard": 1 if lay.zero_stage == 0 else lay.dp, "dp_replicate": lay.dp if lay.zero_stage == 0 else 1,
         "sequence_parallel": lay.sp, "pp_schedule": lay.schedule, "pp_virtual_stages": lay.virtual,
-        "recompute": lay.recompute,
+        "recompute": lay.recompute, "fsdp_prefetch": lay.prefetch,
     }
+    if lay.nvme_offload:  # the directory is the site's: the run refuses to start until it names a local one
+        parallel["nvme_offload"] = {"path": "/local_nvme/SET_ME", "buffer_count": 4}
     train: dict[str, Any] = {"global_batch_size": work.global_batch, "micro_batch_size": lay.micro_batch,
                              "precision": "bf16" if work.precision.param == 2 else "fp32"}
     known_parallel = {f.name for f in dataclasses.fields(ParallelConfig)}

@@ -38,6 +38,8 @@ class Hardware:
     mm_efficiency: float = 0.6
     latency_us: float = 5.0
     """Latency of one ring step or point-to-point message (a ring collective over n ranks takes n-1 steps)."""
+    nvme_gbps: float = 3.0
+    """Local NVMe bandwidth per GPU (GB/s, read = write): a DGX/HGX node's 8 data drives (~25 GB/s) over 8 GPUs."""
 
     @property
     def memory_bytes(self) -> float:
@@ -95,4 +97,26 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
-__all__ = ["GIB", "HARDWARE", "Hardware", "get_hardware", "parse_overrides"]
+def load_calibration(path: str, gpu: str) -> dict[str, str]:
+    """`--hw` overrides from a GPU check's calibration JSON (bench/gpu_bench.py): its measured `mm_efficiency`.
+
+    Raises ConfigError when the file is unreadable, measured another GPU than `gpu`, or holds no usable value.
+    """
+    import json
+
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--calibration {path}: cannot read it as JSON ({exc}); pass the gpu_calibration.json "
+                          f"that bench/gpu_check.sh wrote") from None
+    measured = str(data.get("gpu", ""))
+    if measured != gpu:
+        raise ConfigError(f"--calibration {path} measured gpu={measured!r}, but --gpu {gpu}; use the matching "
+                          f"--gpu or the calibration of that GPU")
+    eff = data.get("mm_efficiency")
+    if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+        raise ConfigError(f"--calibration {path}: mm_efficiency={eff!r} must be a number in (0, 1]")
+    return {"mm_efficiency": str(eff)}
+
+
+__all__ = ["GIB", "HARDWARE", "Hardware", "get_hardware", "load_calibration", "parse_overrides"]

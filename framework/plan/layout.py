@@ -66,12 +66,19 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks (framework/parallel/context.py); cp is folded into
+    the ZeRO sharding group, so model states and data-parallel traffic run over dp x cp ranks."""
     zero_stage: int = 1
     recompute: Recompute = "none"
     micro_batch: int = 1
     schedule: str = "1F1B"
     virtual: int = 1
     """Chunks (virtual stages) per pipeline rank."""
+    prefetch: int = 1
+    """FSDP units all-gathered ahead (parallel.fsdp_prefetch); 0: every ZeRO-3 gather waits in front of compute."""
+    nvme_offload: bool = False
+    """AdamW states on local NVMe (parallel.nvme_offload): off the GPU, streamed through host buffers each step."""
 
     @property
     def sp(self) -> bool:
@@ -80,21 +87,29 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that shard (ZeRO) and reduce the dense gradients: dp x cp."""
+        return self.dp * self.cp
 
     def n_micro(self, global_batch: int) -> int:
         """Micro-batches per step (pipeline micro-batches = gradient-accumulation steps)."""
         return global_batch // (self.dp * self.micro_batch)
 
-    def key(self) -> tuple[int, int, int]:
-        """(tp, pp, ep): what makes two layouts distinct for `--top`."""
-        return (self.tp, self.pp, self.ep)
+    def key(self) -> tuple[int, int, int, int]:
+        """(tp, pp, ep, cp): what makes two layouts distinct for `--top`."""
+        return (self.tp, self.pp, self.ep, self.cp)
 
     def describe(self) -> str:
         """'TP8 PP6 DP48 ZeRO-1 rc=none mbs=1 Interleaved1F1B v2'."""
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
-        return (f"TP{self.tp} PP{self.pp} DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
-                + f" ZeRO-{self.zero_stage} rc={self.recompute} mbs={self.micro_batch}{sched}")
+        cp = f" CP{self.cp}" if self.cp > 1 else ""
+        return (f"TP{self.tp}{cp} PP{self.pp} DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
+                + f" ZeRO-{self.zero_stage}" + (" nvme" if self.nvme_offload else "")
+                + (f" prefetch{self.prefetch}" if self.prefetch != 1 else "")
+                + f" rc={self.recompute} mbs={self.micro_batch}{sched}")
 
 
 def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
@@ -109,6 +124,14 @@ def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
             return f"tp={t} does not divide model.{what}={n}"
     if lay.sp and work.seq_len % t:
         return f"tp={t} does not divide seq_len={work.seq_len} (sequence parallel)"
+    if lay.cp > 1:
+        unit = 2 * lay.cp * (t if lay.sp else 1)
+        if work.seq_len % unit:
+            return f"cp={lay.cp} needs seq_len={work.seq_len} divisible by 2 x cp (x tp) = {unit}"
+        if cfg.moe.enabled:
+            return f"cp={lay.cp} is not supported with MoE models (the engine refuses it)"
+        if lay.zero_stage == 0:
+            return f"cp={lay.cp} folds cp into the ZeRO sharding group; zero_stage=0 does not shard"
     if lay.schedule in V_SHAPED and lay.virtual != 2:
         return f"{lay.schedule} runs exactly 2 chunks per rank (virtual=2), not {lay.virtual}"
     if lay.schedule not in MULTI_CHUNK + V_SHAPED and lay.virtual != 1:

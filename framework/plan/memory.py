@@ -108,7 +108,7 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, ep: int, virtual: int, chun
 def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[str, float]:
     """Parameters, fp32 master copy, gradients and optimizer states on one rank, by ZeRO stage."""
     z = lay.zero_stage
-    groups = [(params.dense, lay.dp), (params.experts, lay.dp * lay.tp // lay.ep)]
+    groups = [(params.dense, lay.shard_group), (params.experts, lay.dp * lay.tp // lay.ep)]
     out = {"params": 0.0, "master": 0.0, "grads": 0.0, "optimizer": 0.0}
     for psi, n in groups:
         n = n if z > 0 else 1
@@ -116,6 +116,8 @@ def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[
         out["grads"] += psi * prec.grad / (n if z >= 2 else 1)
         out["master"] += psi * prec.master / n
         out["optimizer"] += psi * prec.optimizer / n
+    if lay.nvme_offload:
+        out["optimizer"] = 0.0  # in files on NVMe; one 64 MiB group at a time passes through the device
     return out
 
 
@@ -143,23 +145,41 @@ def moe_layer_extra_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int,
 
 def layer_bytes(work: Workload, lay: Layout, recompute: Recompute) -> float:
     """Activation bytes of one layer and micro-batch on one rank, by the workload's activation model."""
-    return _layer_bytes(work, lay.tp, lay.micro_batch, recompute)
+    return _layer_bytes(work, lay.tp, lay.micro_batch, recompute, lay.cp)
+
+
+def cp_kv_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, cp: int, act: int) -> int:
+    """Bytes the gathered K/V of one layer add on a cp rank: SDPA keeps k and v for all s keys, not s/cp.
+
+    Both are repeated to the query heads before SDPA (h/t wide), so the extra over a local block of s/cp
+    tokens is 2 x b x (s - s/cp) x h/t elements (framework/parallel/context.py).
+    """
+    if cp == 1:
+        return 0
+    return 2 * act * micro_batch * (seq - seq // cp) * (cfg.n_heads // tp) * cfg.head_dim
+
+
+def cp_mask_bytes(seq: int, micro_batch: int, cp: int, act: int) -> int:
+    """The (b, 1, s/cp, s) additive attention mask of a cp rank, one per forward, shared by every layer."""
+    return 0 if cp == 1 else act * micro_batch * (seq // cp) * seq
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_bytes(work: Workload, tp: int, micro_batch: int, recompute: Recompute) -> float:
-    cfg, sp = work.model, tp > 1
+def _layer_bytes(work: Workload, tp: int, micro_batch: int, recompute: Recompute, cp: int = 1) -> float:
+    """One layer on s/cp local tokens, plus the gathered K/V SDPA saves when it is not recomputed."""
+    cfg, sp, s = work.model, tp > 1, work.seq_len // cp
+    kv = cp_kv_bytes(cfg, work.seq_len, micro_batch, tp, cp, work.precision.act) if recompute == "none" else 0
     if work.activations == "korthikanti":
-        return korthikanti_layer_bytes(work.seq_len, micro_batch, cfg.hidden, cfg.n_heads, tp=tp, sp=sp,
-                                       recompute=recompute, flash=work.kernel == "flash")
-    return tessera_layer_bytes(cfg, work.seq_len, micro_batch, tp=tp, sp=sp, recompute=recompute,
-                               act_bytes=work.precision.act, kernel=work.kernel)
+        return kv + korthikanti_layer_bytes(s, micro_batch, cfg.hidden, cfg.n_heads, tp=tp, sp=sp,
+                                            recompute=recompute, flash=work.kernel == "flash")
+    return kv + tessera_layer_bytes(cfg, s, micro_batch, tp=tp, sp=sp, recompute=recompute,
+                                    act_bytes=work.precision.act, kernel=work.kernel)
 
 
 def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     """Peak bytes on one rank of pipeline rank `rank`, by part: model states, activations, buffers."""
     cfg, prec = work.model, work.precision
-    s, b, act = work.seq_len, lay.micro_batch, prec.act
+    s, b, act = work.seq_len // lay.cp, lay.micro_batch, prec.act  # this rank's tokens
     params = rank_params(cfg, lay, rank)
     out = model_state_bytes(params, lay, prec)
     per_layer = layer_bytes(work, lay, lay.recompute)
@@ -175,13 +195,16 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     else:
         in_flight = max(1.0, float(lay.pp - rank)) if m >= lay.pp else 1.0
     out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
+    if lay.cp > 1:
+        out["cp_mask"] = cp_mask_bytes(work.seq_len, b, lay.cp, act) * in_flight
     if last:
         out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act)
         out["logits"] = s * b * (cfg.vocab_size // lay.tp) * (act + FP32)
     # Transients: the rematerialized layer during its backward; ZeRO gather/reduce buffers of one layer.
     out["recompute_buffer"] = float(full_layer - per_layer if lay.recompute != "none" else 0)
     z = lay.zero_stage
-    out["comm_buffers"] = params.largest_layer * (prec.grad + (2 * prec.param if z == 3 else 0))
+    # ZeRO-3 holds the unit being computed plus `prefetch` units gathered ahead
+    out["comm_buffers"] = params.largest_layer * (prec.grad + ((1 + lay.prefetch) * prec.param if z == 3 else 0))
     return out
 
 
@@ -198,6 +221,8 @@ def peak_memory(work: Workload, lay: Layout) -> tuple[float, int, dict[str, floa
 
 __all__ = [
     "RankParams",
+    "cp_kv_bytes",
+    "cp_mask_bytes",
     "layer_bytes",
     "layer_params",
     "model_state_bytes",

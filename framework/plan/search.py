@@ -34,8 +34,17 @@ class SearchSpace:
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    nvme_offload: tuple[bool, ...] = (False,)
+    """(False, True) also tries every sharded layout with its AdamW states on NVMe."""
+    prefetch: int = 1
+    """FSDP units gathered ahead under ZeRO-3 (parallel.fsdp_prefetch)."""
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     max_virtual: int = 8
+    cp_degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Context-parallel degrees tried where each rank keeps >= `min_cp_tokens` tokens of the sequence."""
+    min_cp_tokens: int = 4096
+    """Below this many local tokens a cp rank's attention and K/V gathers are latency-bound (Llama 3 ran 8k
+    per rank at 128k context); such cp degrees are not enumerated."""
     memory_margin: float = 0.1
     """Fraction of GPU memory kept free (allocator fragmentation, CUDA context, NCCL buffers)."""
 
@@ -57,7 +66,7 @@ class PlanResult:
     def top(self, k: int) -> list[Estimate]:
         """The best estimate of each of the k best distinct (tp, pp, ep) layouts."""
         out: list[Estimate] = []
-        seen: set[tuple[int, int, int]] = set()
+        seen: set[tuple[int, int, int, int]] = set()
         for est in self.feasible:
             if est.layout.key() not in seen:
                 seen.add(est.layout.key())
@@ -66,13 +75,13 @@ class PlanResult:
                 break
         return out
 
-    def rank_of(self, tp: int, pp: int, ep: int = 1) -> int | None:
-        """1-based rank of the (tp, pp, ep) layout among distinct layouts, or None when none of it fits."""
-        keys: list[tuple[int, int, int]] = []
+    def rank_of(self, tp: int, pp: int, ep: int = 1, cp: int = 1) -> int | None:
+        """1-based rank of the (tp, pp, ep, cp) layout among distinct layouts, or None when none of it fits."""
+        keys: list[tuple[int, int, int, int]] = []
         for est in self.feasible:
             if est.layout.key() not in keys:
                 keys.append(est.layout.key())
-        return keys.index((tp, pp, ep)) + 1 if (tp, pp, ep) in keys else None
+        return keys.index((tp, pp, ep, cp)) + 1 if (tp, pp, ep, cp) in keys else None
 
 
 def usable_bytes(hw: Hardware, space: SearchSpace) -> float:
@@ -95,28 +104,34 @@ def _schedules(lay: Layout, work: Workload, space: SearchSpace) -> Iterator[tupl
             yield name, 1
 
 
-def degrees(work: Workload, gpus: int, hw: Hardware) -> Iterator[tuple[int, int, int, int]]:
-    """(tp, pp, dp, ep) with tp·pp·dp = gpus, tp within a node, pp dividing n_layers."""
-    cfg = work.model
+def degrees(work: Workload, gpus: int, hw: Hardware, space: SearchSpace | None = None
+            ) -> Iterator[tuple[int, int, int, int, int]]:
+    """(tp, pp, dp, ep, cp) with tp·pp·cp·dp = gpus, tp within a node, pp dividing n_layers."""
+    cfg, space = work.model, space or SearchSpace()
+    cps = [c for c in space.cp_degrees if c == 1 or (work.seq_len // c >= space.min_cp_tokens
+                                                     and not cfg.moe.enabled)]
     for tp in divisors(hw.gpus_per_node):
         for pp in divisors(cfg.n_layers):
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            for ep in divisors(cfg.moe.n_experts) if cfg.moe.enabled else [1]:
-                yield tp, pp, dp, ep
+            for cp in cps:
+                if gpus % (tp * pp * cp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                for ep in divisors(cfg.moe.n_experts) if cfg.moe.enabled else [1]:
+                    yield tp, pp, dp, ep, cp
 
 
 def candidates(work: Workload, gpus: int, hw: Hardware, space: SearchSpace) -> Iterator[Layout]:
     """Every layout of the search space for `gpus` GPUs (structurally invalid ones included, to count them)."""
-    for tp, pp, dp, ep in degrees(work, gpus, hw):
+    for tp, pp, dp, ep, cp in degrees(work, gpus, hw, space):
         for mbs in space.micro_batches:
-            base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch=mbs)
+            base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, micro_batch=mbs)
             for schedule, v in _schedules(base, work, space):
                 for zero in space.zero_stages:
                     for rc in space.recompute:
-                        yield dataclasses.replace(base, schedule=schedule, virtual=v, zero_stage=zero,
-                                                  recompute=rc)  # type: ignore[arg-type]
+                        for nvme in space.nvme_offload if zero > 0 else (False,):
+                            yield dataclasses.replace(base, schedule=schedule, virtual=v, zero_stage=zero,
+                                                      recompute=rc, nvme_offload=nvme,  # type: ignore[arg-type]
+                                                      prefetch=space.prefetch)
 
 
 def _reason_key(problem: str) -> str:
@@ -161,8 +176,9 @@ def plan(work: Workload, gpus: int, hw: Hardware, space: SearchSpace | None = No
 def fits_somewhere(work: Workload, gpus: int, hw: Hardware, space: SearchSpace) -> Layout | None:
     """A layout of `gpus` GPUs that is valid and fits memory, trying the leanest settings first."""
     limit = usable_bytes(hw, space)
-    for tp, pp, dp, ep in degrees(work, gpus, hw):
-        lay = Layout(tp=tp, pp=pp, dp=dp, ep=ep, zero_stage=3 if dp > 1 else 1, recompute="full", micro_batch=1)
+    for tp, pp, dp, ep, cp in degrees(work, gpus, hw, space):
+        lay = Layout(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero_stage=3 if dp * cp > 1 else 1, recompute="full",
+                     micro_batch=1)
         if layout_problem(work, lay, hw) is None and peak_memory(work, lay)[0] <= limit:
             return lay
     return None
@@ -176,9 +192,10 @@ def smallest_cluster(work: Workload, hw: Hardware, space: SearchSpace | None = N
     for tp in divisors(hw.gpus_per_node):
         for pp in divisors(work.model.n_layers):
             for dp in divisors(work.global_batch):
-                n = tp * pp * dp
-                if n <= max_gpus and (n % hw.gpus_per_node == 0 or hw.gpus_per_node % n == 0):
-                    sizes.add(n)
+                for cp in space.cp_degrees:
+                    n = tp * pp * dp * cp
+                    if n <= max_gpus and (n % hw.gpus_per_node == 0 or hw.gpus_per_node % n == 0):
+                        sizes.add(n)
     for n in sorted(sizes):
         lay = fits_somewhere(work, n, hw, space)
         if lay is not None:

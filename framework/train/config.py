@@ -47,6 +47,12 @@ class TrainConfig:
     eval_batches: int = 4
     deterministic: bool = True
     """Deterministic algorithms (bitwise-reproducible runs on CPU)."""
+    compile: bool = False
+    """torch.compile each transformer block (framework/train/compile.py); layouts it is not proved for are
+    refused at config load."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """inductor: generated kernels (the speed-up); aot_eager: AOT autograd without codegen (cheap to compile,
+    for checks); eager: dynamo only."""
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -58,8 +64,16 @@ class TrainConfig:
                 f"train.global_batch_size={self.global_batch_size} must be a positive multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}; set it to e.g. "
                 f"{max(1, self.global_batch_size // self.micro_batch_size) * self.micro_batch_size}")
+        for name in ("lr", "eps", "grad_clip", "min_lr_ratio", "weight_decay", "beta1", "beta2", "decay_fraction"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be a finite number")
         if self.lr <= 0:
             raise ConfigError(f"train.lr={self.lr} must be > 0; a typical value is 3e-4")
+        if self.eps <= 0:
+            raise ConfigError(f"train.eps={self.eps} must be > 0 (Adam divides by sqrt(v) + eps); e.g. 1e-8")
+        if self.eval_interval < 0 or self.eval_batches < 1:
+            raise ConfigError(f"train.eval_interval={self.eval_interval} must be >= 0 (0: no evaluation) and "
+                              f"train.eval_batches={self.eval_batches} >= 1")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]; e.g. 0.1")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:

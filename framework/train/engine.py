@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.train.compile import compile_blocks
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
@@ -104,6 +105,8 @@ class LocalEngine:
         self.train_cfg = train_cfg
         self.documents = documents
         self.model = build_model(model_cfg, seed=train_cfg.seed, device=device)
+        if train_cfg.compile:
+            compile_blocks(self.model.layers, train_cfg.compile_backend)
         self.model_parts: list[nn.Module] = [self.model]
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(self.model_parts, train_cfg, device)]
         self.dp_rank, self.dp_size = 0, 1

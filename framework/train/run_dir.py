@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -120,7 +121,7 @@ class RunDir:
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         with self.metrics_file.open("a") as f:
-            f.write(json.dumps(record, sort_keys=False) + "\n")
+            f.write(json.dumps(strict_json(record), sort_keys=False, allow_nan=False) + "\n")
             f.flush()
 
     def read_metrics(self, kind: str | None = "train") -> list[dict[str, Any]]:
@@ -133,6 +134,24 @@ class RunDir:
                 if kind is None or rec.get("type") == kind:
                     out.append(rec)
         return out
+
+
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with every non-finite float (top level or in a list) written as null, and its value named in
+    `"nonfinite": {"key": "nan" | "inf" | "-inf"}`, so strict JSON readers accept the line (docs/METRICS.md)."""
+    out: dict[str, Any] = {}
+    bad: dict[str, str] = {}
+    for key, value in record.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key], bad[key] = None, str(value)
+        elif isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+            out[key] = [None if isinstance(v, float) and not math.isfinite(v) else v for v in value]
+            bad[key] = "list"
+        else:
+            out[key] = value
+    if bad:
+        out["nonfinite"] = bad
+    return out
 
 
 def _atomic_write(path: Path, text: str) -> None:

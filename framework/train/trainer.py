@@ -8,6 +8,7 @@ after the resumed step are dropped so the file always reads as one run.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -23,7 +24,9 @@ import torch.distributed as dist
 from framework.checkpoint.guard import Verdict
 from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
-from framework.errors import ConfigError
+from framework.errors import ConfigError, DivergenceError
+from framework.locks import DirLock
+from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
 from framework.train.engine import Engine, LocalEngine, resolve_device
 from framework.train.run_dir import RunDir, get_logger, setup_logging
@@ -63,7 +66,8 @@ class TrainResult:
     mean_step_time_s: float = 0.0
     eval: dict[str, float] = field(default_factory=dict)
     exit_code: int = 0
-    """checkpoint.requeue_exit_code after a SIGTERM/SIGUSR1 stop (the checkpoint has committed), else 0."""
+    """checkpoint.requeue_exit_code after a SIGTERM/SIGUSR1 stop, 130 after SIGINT (the checkpoint has committed
+    either way), else 0."""
 
     @property
     def first_loss(self) -> float:
@@ -100,7 +104,9 @@ def build_engine(cfg: Config, device: torch.device, documents: DocumentMasking |
     _, world = _world()
     p = cfg.parallel
     if world == 1 and p.tp == p.pp == p.ep == p.dp_replicate == 1 and p.dp_shard in (-1, 1):
-        return LocalEngine(cfg.model, cfg.train, device, documents)
+        local = LocalEngine(cfg.model, cfg.train, device, documents)
+        local.optimizers = offload_optimizers(local.optimizers, p.nvme_offload, device)  # NVMe offload (issue 19)
+        return local
     try:
         from framework.parallel.engine import build_parallel_engine  # type: ignore[import-not-found]
     except ImportError as err:
@@ -157,6 +163,14 @@ class Trainer:
                 f"({data.vocab_size}); set model.vocab_size={data.vocab_size} or larger")
         return data
 
+    def _data_build(self) -> str | None:
+        """The fingerprint of the data build's manifest (None for synthetic data): resume rules compare it."""
+        build_dir = getattr(self.data, "build_dir", None)
+        manifest = Path(build_dir) / "manifest.json" if build_dir else None
+        if manifest is None or not manifest.is_file():
+            return None
+        return str(json.loads(manifest.read_text()).get("fingerprint"))
+
     def resume(self) -> bool:
         """Load the newest valid checkpoint (and checkpoint.resume); truncate metrics after it. True if resumed."""
         if not self.cfg.checkpoint.resume:
@@ -172,7 +186,7 @@ class Trainer:
 
     def _load(self, path: Path) -> dict[str, Any]:
         meta = self.ft.manager.load(path, self.engine.model_parts, self.engine.optimizers, to_dict(self.cfg),
-                                    self.data.fingerprint)
+                                    self.data.fingerprint, data_build=self._data_build())
         self.step = int(meta["step"])
         self.loader.load_state_dict(meta["loader"])
         self.ft.guard.load_state_dict(meta.get("guard"))
@@ -180,15 +194,29 @@ class Trainer:
         return meta
 
     def rollback(self) -> None:
-        """After `guard.max_consecutive` skipped steps: reload the last checkpoint, skip the bad data window."""
+        """After `guard.max_consecutive` skipped steps: reload the last checkpoint, skip the bad data window.
+
+        Raises:
+            DivergenceError: past checkpoint.guard.max_rollbacks, or at a second rollback to the same checkpoint.
+        """
         bad_step, consumed = self.step, self.loader.consumed_samples
         path = self.ft.manager.resume_point()
         guard = self.ft.guard
-        counters = guard.skipped_total, guard.rollbacks
+        target = path.name if path else ""
+        refusal = guard.rollback_refusal(target)
+        if refusal is not None:
+            self.log_record({"type": "guard_stop", "step": self.step, "rollbacks": guard.rollbacks,
+                             "skipped_total": guard.skipped_total, "reason": refusal})
+            raise DivergenceError(
+                f"the loss guard skipped {guard.cfg.max_consecutive} steps in a row up to step {bad_step} again and "
+                f"stops the run: {refusal}. Training diverges whatever data it skips: lower train.lr (now "
+                f"{self.cfg.train.lr:g}) or raise train.warmup_steps, check the data, then resume (the checkpoints "
+                f"are intact); metrics.jsonl has a guard_stop record")
+        counters = guard.skipped_total, guard.rollbacks, dict(guard.rollback_targets)
         if path is not None:
             self._load(path)
-        guard.skipped_total, guard.rollbacks = counters  # cumulative over the run, not restored
-        guard.rolled_back()
+        guard.skipped_total, guard.rollbacks, guard.rollback_targets = counters  # cumulative over the run
+        guard.rolled_back(target)
         window = [self.loader.consumed_samples, consumed]
         self.loader.load_state_dict({"consumed_samples": consumed})  # continue after the offending samples
         log.warning("guard: %d bad steps in a row up to step %d; rolled back to %s and skipped samples [%d, %d)",
@@ -266,11 +294,17 @@ class Trainer:
         """Checkpoint this step (in the background with checkpoint.async_save unless `blocking`)."""
         meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
                 "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict(),
-                "engine": self.engine.extra_state()}
+                "data_build": self._data_build(), "engine": self.engine.extra_state()}
+        if self.ft.guard.skipping:  # taken right after a skipped step: never `latest`, never a rollback target
+            meta["guard_suspect"] = True
+            log.warning("checkpoint of step %d is taken while the loss guard is skipping steps: it is kept but "
+                        "marked suspect and will not be resumed from or rolled back to", self.step)
         self.ft.manager.save(self.step, self.engine.model_parts, self.engine.optimizers, meta, blocking=blocking)
 
     def _should_save(self) -> bool:
         interval = self.cfg.checkpoint.interval
+        if self.ft.guard.skipping and self.step != self.cfg.train.steps:
+            return False  # the weights may be diverging: the next accepted step's interval save will do
         return (interval > 0 and self.step % interval == 0) or (
             self.step == self.cfg.train.steps and self.cfg.checkpoint.save_final)
 
@@ -287,18 +321,32 @@ class Trainer:
         return t_save
 
     def _stop_for_requeue(self, result: TrainResult) -> float:
-        """A stop signal reached some rank: make sure this step is committed, then report the requeue code."""
+        """A stop signal reached some rank: make sure this step is committed, then report the exit code."""
         t_save = 0.0
         if self.ft.manager.last_saved_step != self.step:
             t_save = self._timed_save(blocking=True)
         self.ft.manager.wait()
         result.exit_code = self.ft.exit_code
-        log.warning("stopping at step %d on %s: checkpoint committed; exit code %d (requeue)", self.step,
-                    self.ft.stop_reason, result.exit_code)
+        why = "requeue" if result.exit_code == self.cfg.checkpoint.requeue_exit_code else "interrupted: not requeued"
+        log.warning("stopping at step %d on %s: checkpoint committed; exit code %d (%s); run the same command "
+                    "again to resume", self.step, self.ft.stop_reason, result.exit_code, why)
         return t_save
 
     def train(self, stop_at: int | None = None) -> TrainResult:
-        """Run (or resume) to `train.steps` — or stop early after step `stop_at`; returns a summary."""
+        """Run (or resume) to `train.steps` — or stop early after step `stop_at`; returns a summary.
+
+        Raises:
+            ConfigError: another job is training in this run directory (its lock names the holder).
+        """
+        lock = DirLock(self.run_dir.path / ".lock", what="training job", error=ConfigError)
+        if self.rank == 0:  # one lock per job: rank 0 holds it for all ranks
+            lock.acquire()
+        try:
+            return self._train(stop_at)
+        finally:
+            lock.release()
+
+    def _train(self, stop_at: int | None) -> TrainResult:
         if self.rank == 0:
             self.run_dir.write_config(dump_config(self.cfg))
         self.ft.manager.remove_partial_saves()
@@ -308,6 +356,11 @@ class Trainer:
         log.info("training %s from step %d to %d on %d rank(s), %s", self.cfg.run.name, self.step,
                  self.cfg.train.steps, self.world, self.device)
         end = min(self.cfg.train.steps, stop_at) if stop_at is not None else self.cfg.train.steps
+        if self.step >= end:
+            log.info("%s is already at step %d (target %d): nothing to train", self.cfg.run.name, self.step, end)
+            for sink in self.sinks:
+                sink.close()
+            return result
         if self.step == 0 and self.cfg.eval.at_start and self.downstream.tasks:  # the untrained baseline
             self.log_record({"type": "eval", "step": 0, **self.downstream.evaluate(self.engine, self.cfg.model, 0)})
         with self.ft.running():

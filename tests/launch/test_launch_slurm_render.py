@@ -117,3 +117,29 @@ def test_cli_overrides_may_follow_the_options(capsys: pytest.CaptureFixture[str]
     script = capsys.readouterr().out
     assert "train configs/smoke/tiny.yaml train.lr=0.01 parallel.tp=2\n" in script
     assert "= 4 ranks = tp 2 x pp 1 x dp_replicate 1 x dp_shard 2." in script
+
+
+def test_node_local_paths_warn_on_multi_node_jobs(tmp_path: Path) -> None:
+    from launch.slurm import filesystem_type, node_local_paths
+
+    mounts = "/dev/sda1 / ext4 rw 0 0\nserver:/home /shared nfs4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n"
+    assert filesystem_type(Path("/shared/runs/x"), mounts) == "nfs4"
+    assert node_local_paths({"run.dir": Path("/shared/runs/x")}, mounts) == []
+    (local,) = node_local_paths({"run.dir": Path("/scratch/runs/x")}, mounts)
+    assert "run.dir=/scratch/runs/x looks node-local (ext4)" in local
+    (temp,) = node_local_paths({"data.cache_dir": Path("/tmp/cache")}, mounts)
+    assert "a temporary directory" in temp
+
+
+def test_cpus_per_rank_defaults_to_the_nodes_cores(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import launch.slurm
+    from framework.cli import main
+
+    monkeypatch.setattr(launch.slurm, "node_cpus", lambda partition: 32)
+    assert main(["launch", "slurm", "configs/smoke/tiny.yaml", "--nodes", "2", "--procs-per-node", "4",
+                 "--time", "30", "--dry-run", "run.dir=/tmp/x", "--stop-at", "5"]) == 0
+    out = capsys.readouterr()
+    assert "train configs/smoke/tiny.yaml run.dir=/tmp/x --stop-at 5" in out.out
+    assert "--cpus-per-task=8" in out.out and "OMP_NUM_THREADS=8" in out.out
+    assert "run.dir=/tmp/x looks node-local" in out.err

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from framework.config import Config, load_config
-from framework.parallel.mesh import AXES, ParallelDims
+from framework.parallel.mesh import ParallelDims
 from framework.train.documents import resolve_documents
 from models.documents import DocumentMasking
 
@@ -112,7 +112,8 @@ def extra_overrides(layout: dict[str, Any]) -> tuple[str, ...]:
 
 
 def layout_world(layout: dict[str, Any]) -> int:
-    return int(layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp_shard", 1) * layout.get("dp_replicate", 1))
+    return int(layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp_shard", 1) * layout.get("dp_replicate", 1)
+               * layout.get("cp", 1))
 
 
 def pack_rounds(layouts: list[dict[str, Any]], world: int = 8) -> list[list[dict[str, Any]]]:
@@ -223,8 +224,6 @@ def reference_and_tolerance(layout: dict[str, Any], atol: float
 
 def run_round(rank: int, world: int, layouts: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> dict[int, Any]:
     """Run layouts side by side on disjoint rank ranges; every rank builds every mesh (collective calls)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     from framework.parallel.engine import ParallelEngine
 
     torch.set_num_threads(1)
@@ -233,8 +232,7 @@ def run_round(rank: int, world: int, layouts: list[dict[str, Any]], extra: tuple
     for i, layout in enumerate(layouts):
         cfg = make_config(layout_overrides(layout) + extra)
         dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
-        ranks = torch.arange(offset, offset + dims.world_size).view(dims.shape)
-        meshes.append(DeviceMesh("cpu", ranks, mesh_dim_names=AXES))
+        meshes.append(dims.build_mesh("cpu", torch.arange(offset, offset + dims.world_size)))
         if offset <= rank < offset + dims.world_size:
             mine = (i, cfg, dims)
         offset += dims.world_size

@@ -9,7 +9,7 @@ import pytest
 
 from framework.cli import main
 from framework.errors import ParallelismError
-from launch.local import build_command, layout_world, validate
+from launch.local import layout_world, rank_command, rank_envs, validate
 
 TINY = "configs/smoke/tiny.yaml"
 
@@ -18,12 +18,16 @@ def test_bad_layout_is_refused_before_launch() -> None:
     with pytest.raises(ParallelismError, match="world size is 3"):
         validate(TINY, ["parallel.tp=2", "parallel.dp_shard=2"], 3)
     assert main(["launch", "local", "--nproc", "3", TINY, "parallel.tp=4"]) == 2
+    for bad in (0, -2):
+        with pytest.raises(ParallelismError, match=f"--nproc {bad} must be >= 1"):
+            validate(TINY, [], bad)
 
 
 def test_command_and_layout_world() -> None:
-    cmd = build_command(8, ["train", TINY, "parallel.tp=2"], python="py")
-    assert cmd[:5] == ["py", "-m", "launch.torchrun", "--standalone", "--nproc-per-node=8"]
-    assert cmd[-3:] == ["train", TINY, "parallel.tp=2"]
+    assert rank_command(["train", TINY, "parallel.tp=2"], python="py") == [
+        "py", "-m", "framework.cli", "train", TINY, "parallel.tp=2"]
+    envs = rank_envs(2, 1, 12345)
+    assert [(e["RANK"], e["WORLD_SIZE"], e["MASTER_PORT"]) for e in envs] == [("0", "2", "12345"), ("1", "2", "12345")]
     assert layout_world("configs/smoke/smoke.yaml", []) == 8
 
 

@@ -38,6 +38,8 @@ def _matrix() -> list[dict[str, Any]]:
     out.append({"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1, "zero_stage": 0})
     # data.document_mask: the mask from full-sequence tokens under TP + SP (fills this spawn's last round).
     out.append({"tp": 2, "dp_shard": 1, "zero_stage": 0, "data.document_mask": True})
+    # A tied model on one rank through the parallel engine (the matrix's one free slot).
+    out.append({"dp_shard": 1, "zero_stage": 0, "model.tied_embeddings": True})
     return out
 
 
@@ -51,6 +53,8 @@ def _extras() -> list[dict[str, Any]]:
     # Tied embeddings: a 2-stage pipeline swaps the embedding/head gradients, a V keeps both on rank 0.
     out.append({"tp": 2, "pp": 2, "dp_shard": 2, "model.tied_embeddings": True})
     out.append({"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "model.tied_embeddings": True})
+    # Without pipeline stages the one part holds both ends: to_empty must not untie them (fills a free slot).
+    out.append({"dp_shard": 2, "zero_stage": 3, "model.tied_embeddings": True})
     # Deeper pipelines: first and last stage on pp ranks 0 and 3 swap gradients point-to-point (plain and looped).
     out.append({"pp": 4, "dp_shard": 1, "pp_schedule": "1F1B", "model.tied_embeddings": True})
     out.append({"pp": 4, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "model.tied_embeddings": True,
