@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,6 +89,15 @@ class Decoder(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Decoder:
+        # The RoPE table stays fp32 when the parameters are cast (model.to(torch.bfloat16)): apply_rope multiplies
+        # in fp32, and a 16-bit table would lose precision in its angles and be copied back to fp32 at every call.
+        rope = self.rope
+        out = super()._apply(fn, recurse)
+        if self.rope.dtype != rope.dtype and rope.device.type != "meta":
+            self.rope = rope.to(device=self.rope.device)
+        return out  # type: ignore[return-value]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, device: torch.device | None = None) -> None:

@@ -86,7 +86,7 @@ class DownstreamEval:
                             f"a corpus build; this run's data has none (synthetic?) — use data.kind=stdlib or "
                             f"give JSONL task files")
         items = stdlib_task.build_nextline_task(data.build_dir, val_fraction, n_items=self.cfg.stdlib_items,
-                                                seed=self.cfg.seed)
+                                                seed=self.cfg.seed, max_choice_tokens=self.seq_len // 2)
         path = run_dir / "eval_tasks" / f"{stdlib_task.NAME}.jsonl"
         if rank == 0:
             stdlib_task.write_task(items, path)  # for inspection; every rank built the same items in memory

@@ -20,14 +20,19 @@ from framework.errors import DataError
 NAME = "stdlib-nextline"
 
 
-def _candidates(lines: list[str], min_chars: int) -> list[int]:
-    return [i for i, line in enumerate(lines) if len(line.strip()) >= min_chars]
+def _candidates(lines: list[str], min_chars: int, fits: Any) -> list[int]:
+    return [i for i, line in enumerate(lines) if len(line.strip()) >= min_chars and fits(line)]
 
 
 def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: int = 400, seed: int = 0,
                         sources: list[str] | None = None, context_lines: int = 6, min_chars: int = 12,
-                        n_choices: int = 4, distractors: str = "same_file") -> list[dict[str, Any]]:
-    """Task items (the JSONL objects of framework/infer/tasks.py) from the held-out documents of `sources`."""
+                        n_choices: int = 4, distractors: str = "same_file", max_choice_tokens: int | None = None
+                        ) -> list[dict[str, Any]]:
+    """Task items (the JSONL objects of framework/infer/tasks.py) from the held-out documents of `sources`.
+
+    `max_choice_tokens`: only lines of at most that many tokens become targets or distractors, so every choice
+    fits the run's sequence length beside some context (the trainer passes data.seq_len // 2).
+    """
     from data_pipeline.indexed import IndexedTokens
     from data_pipeline.prepare import read_manifest, val_mask
     from data_pipeline.tokenizer import Tokenizer
@@ -37,12 +42,15 @@ def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: 
     names = sources or sorted(manifest["sources"])
     sp = Tokenizer(build_dir / Path(manifest["tokenizer"]["path"]).name)
     eos = sp.eos_id
+
+    def fits(line: str) -> bool:
+        return max_choice_tokens is None or len(sp.encode(line)) <= max_choice_tokens
     docs, where = [], []
     for name in names:
         tokens = IndexedTokens(build_dir / name)
         for i in np.flatnonzero(val_mask(np.load(build_dir / f"{name}.hash.npy"), val_fraction)).tolist():
             lines = sp.decode([int(t) for t in tokens[i] if int(t) != eos]).split("\n")
-            docs.append((lines, _candidates(lines, min_chars)))
+            docs.append((lines, _candidates(lines, min_chars, fits)))
             where.append((name, i))
     pool = [lines[j] for lines, cand in docs for j in cand]
     rng = random.Random(seed)

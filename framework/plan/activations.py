@@ -3,7 +3,7 @@
 Two formulas, both plain functions of the shape:
 
 * `tessera_layer_bytes` — Tessera's own block (`models.layers`: RMSNorm or LayerNorm, grouped-query attention
-  with RoPE and the key/value heads repeated to the query heads, SDPA, SwiGLU or GELU MLP), derived tensor by
+  with RoPE, SDPA reading the key/value heads where they lie (enable_gqa), SwiGLU or GELU MLP), derived tensor by
   tensor from what autograd actually keeps (`tessera_layer_terms` lists them by name) and checked byte for byte
   against saved-tensor measurements on CPU (`framework.plan.measure`, tests/plan).
 * `korthikanti_layer_bytes` — Korthikanti et al. 2022 (Reducing activation recomputation in large transformer
@@ -80,13 +80,15 @@ def tessera_layer_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int
     rows = s * b
     norm_rows = rows // t if sp else rows
     a_t = cfg.n_heads // t
-    # The block repeats key/value heads up to the query heads before SDPA, so k and v reach SDPA h/t wide.
     h_t = a_t * cfg.head_dim
+    # SDPA reads the key/value heads where they lie (enable_gqa): the fused kernels save k and v kv-heads wide
+    # (one replicated head per rank when tp > n_kv_heads); the math kernel repeats them to the query heads.
+    kv_t = max(cfg.kv_heads // t, 1) * cfg.head_dim
     terms = _norm_terms("attention_norm", cfg, norm_rows, h, p)
     terms.append(SavedTerm("attention.input", p * rows * h))  # shared by wq, wk, wv
     if kernel == "flash":
-        terms += [SavedTerm("attention.q", p * rows * h_t), SavedTerm("attention.k", p * rows * h_t),
-                  SavedTerm("attention.v", p * rows * h_t),
+        terms += [SavedTerm("attention.q", p * rows * h_t), SavedTerm("attention.k", p * rows * kv_t),
+                  SavedTerm("attention.v", p * rows * kv_t),
                   SavedTerm("attention.out", p * rows * h_t, selective=True),  # also wo's input (same storage)
                   SavedTerm("attention.logsumexp", FP32 * a_t * s * b, selective=True)]
     else:

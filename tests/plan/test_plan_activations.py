@@ -21,11 +21,12 @@ from models.decoder import build_model
 
 def test_tessera_block_hand_computed() -> None:
     # test-tiny: h=64, a=4 (kv 2), f=128; s=32, b=2, fp32. No recompute, flash kernel:
-    # 10 sbh (norm inputs/normalized/outputs x2, q, k, v, out) + 4 sbf (SwiGLU) elements of 4 bytes,
-    # 2 sb fp32 rstd, a·s·b fp32 logsumexp.
+    # 8 sbh (norm inputs/normalized/outputs x2, q, out) + 2 sb·kv·e (k and v at their 2 heads: SDPA's GQA reads
+    # them in place) + 4 sbf (SwiGLU) elements of 4 bytes, 2 sb fp32 rstd, a·s·b fp32 logsumexp.
     cfg = model_config("test-tiny")
     sbh, sbf, sb = 32 * 2 * 64, 32 * 2 * 128, 32 * 2
-    assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4) == 4 * (10 * sbh + 4 * sbf + 2 * sb + 4 * sb)
+    sbkv = sbh // 2
+    assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4) == 4 * (8 * sbh + 2 * sbkv + 4 * sbf + 2 * sb + 4 * sb)
     # math SDPA: scaled q and k, v, a fresh output copy for wo (4 sbh as with flash), and the s x s
     # probabilities a·s·s·b instead of the logsumexp.
     assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4, kernel="math") == 4 * (
@@ -38,7 +39,7 @@ def test_tessera_block_hand_computed() -> None:
         sbh + sbh + 2 * 32 * 2 * 32 + 4 * 32 * 32 * 2 + sbh + sbh + 2 * sbf + sbh)
     assert tessera_layer_bytes(cfg, 32, 2, act_bytes=4, recompute="full") == 4 * sbh
     # bf16: the norm keeps an fp32 upcast of its input, the rest is 2 bytes.
-    assert tessera_layer_bytes(cfg, 32, 2, act_bytes=2) == 2 * 4 * sbh + 2 * (8 * sbh + 4 * sbf) + 4 * (
+    assert tessera_layer_bytes(cfg, 32, 2, act_bytes=2) == 2 * 4 * sbh + 2 * (6 * sbh + 2 * sbkv + 4 * sbf) + 4 * (
         2 * sb + 4 * sb)
 
 
@@ -48,8 +49,10 @@ def test_tessera_block_tp_sp() -> None:
     sbh = s * b * 4096
     sb, sbf_t, sbh_t = s * b, s * b * 14336 // t, sbh // t
     # bf16 (2 bytes). Per norm: fp32 input 4 sbh + fp32 rstd 4 sb + normalized 2 sbh; the gathered inputs of the
-    # column-parallel projections 2 sbh each; q, k, v, out 2 sbh/t each; logsumexp 4 (a/t) sb; SwiGLU 4 x 2 sbf/t.
-    tail = 4 * 2 * sbh_t + 4 * (32 // t) * sb + 4 * 2 * sbf_t + 2 * 2 * sbh
+    # column-parallel projections 2 sbh each; q, out 2 sbh/t each; k, v 2 sb·kv/t each (kv 1024 wide: SDPA's GQA);
+    # logsumexp 4 (a/t) sb; SwiGLU 4 x 2 sbf/t.
+    sbkv_t = s * b * 1024 // t
+    tail = 2 * 2 * sbh_t + 2 * 2 * sbkv_t + 4 * (32 // t) * sb + 4 * 2 * sbf_t + 2 * 2 * sbh
     assert tessera_layer_bytes(cfg, s, b, tp=t) == 2 * (4 * sbh + 4 * sb + 2 * sbh) + tail
     # sequence parallel shards only the norm region.
     assert tessera_layer_bytes(cfg, s, b, tp=t, sp=True) == 2 * (4 * sbh_t + 4 * sb // t + 2 * sbh_t) + tail
