@@ -20,8 +20,8 @@ from framework.errors import DataError
 NAME = "stdlib-nextline"
 
 
-def _candidates(lines: list[str], min_chars: int, fits: Any) -> list[int]:
-    return [i for i, line in enumerate(lines) if len(line.strip()) >= min_chars and fits(line)]
+def _candidates(lines: list[str], min_chars: int) -> list[int]:
+    return [i for i, line in enumerate(lines) if len(line.strip()) >= min_chars]
 
 
 def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: int = 400, seed: int = 0,
@@ -30,8 +30,8 @@ def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: 
                         ) -> list[dict[str, Any]]:
     """Task items (the JSONL objects of framework/infer/tasks.py) from the held-out documents of `sources`.
 
-    `max_choice_tokens`: only lines of at most that many tokens become targets or distractors, so every choice
-    fits the run's sequence length beside some context (the trainer passes data.seq_len // 2).
+    `max_choice_tokens`: an item with a longer choice is passed over, so every choice fits the run's sequence
+    length beside some context (the trainer passes data.seq_len // 2). Only the chosen lines are tokenized.
     """
     from data_pipeline.indexed import IndexedTokens
     from data_pipeline.prepare import read_manifest, val_mask
@@ -50,7 +50,7 @@ def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: 
         tokens = IndexedTokens(build_dir / name)
         for i in np.flatnonzero(val_mask(np.load(build_dir / f"{name}.hash.npy"), val_fraction)).tolist():
             lines = sp.decode([int(t) for t in tokens[i] if int(t) != eos]).split("\n")
-            docs.append((lines, _candidates(lines, min_chars, fits)))
+            docs.append((lines, _candidates(lines, min_chars)))
             where.append((name, i))
     pool = [lines[j] for lines, cand in docs for j in cand]
     rng = random.Random(seed)
@@ -69,6 +69,8 @@ def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: 
             if pick.strip() != real.strip() and pick not in others and fresh:
                 others.append(pick)
         choices = [real, *others[:n_choices - 1]]
+        if not all(fits(c) for c in choices):
+            continue
         rng.shuffle(choices)
         context = "\n".join(lines[max(0, j - context_lines):j]) + "\n"
         items.append({"context": context, "choices": choices, "label": choices.index(real),

@@ -4,7 +4,6 @@ KV cache equals recomputation, batching equals one prompt at a time, sampling is
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yam
 PROMPTS = [[5, 17, 9, 300, 41, 7], [88], [3, 3, 3, 120]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _train_and_export(tmp: Path, *overrides: str) -> tuple[Path, Path]:
