@@ -40,7 +40,14 @@ from framework.parallel.precision import (
 )
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
-from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mesh, fsdp_mp_policy, set_micro_batch_sync
+from framework.parallel.zero import (
+    ReplicatedGradSync,
+    apply_fsdp,
+    fsdp_mesh,
+    fsdp_mp_policy,
+    set_micro_batch_sync,
+    zeropp_axes,
+)
 from framework.train.compile import compile_blocks
 from framework.train.config import TrainConfig
 from framework.train.engine import _DTYPES, autocast, cross_entropy
@@ -109,7 +116,7 @@ class ParallelEngine:
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
         self._found_inf = self._unscaled = False
-        self.comm = CommLogger(mesh_axes(mesh, AXES)) if pcfg.comm_log else None
+        self.comm = CommLogger(mesh_axes(mesh, AXES) | zeropp_axes(self.model_parts)) if pcfg.comm_log else None
 
     def _comm(self) -> contextlib.AbstractContextManager[Any]:
         return self.comm.active() if self.comm is not None else contextlib.nullcontext()

@@ -93,6 +93,10 @@ class ParallelDims:
         if cfg.cpu_offload and self.dp_shard == 1:
             raise ParallelismError(
                 "parallel.cpu_offload=true needs FSDP sharding (parallel.dp_shard > 1); raise dp_shard or disable it")
+        from framework.parallel.zero import zeropp_layout_problem  # zero.py imports this module
+
+        if problem := zeropp_layout_problem(cfg, self):
+            raise ParallelismError(problem)
         if model is not None:
             self._validate_model(cfg, model)
 
