@@ -159,6 +159,19 @@ def wrap_quantized_weights(modules: list[nn.Module], shard_size: int, block: int
     return plain
 
 
+def plain_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
+    """A `register_state_dict_post_hook` for the root: checkpoints hold the plain fp32 shards, never the wrapper
+    (loading copies into the wrapper in place, so a quantized and a plain run read each other's checkpoints)."""
+    from torch.distributed.tensor import DTensor
+
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor) and isinstance(value._local_tensor, QuantizedAllGatherWeight):
+            state_dict[key] = DTensor.from_local(value._local_tensor._inner, value.device_mesh, value.placements,
+                                                 run_check=False, shape=value.shape, stride=value.stride())
+        elif isinstance(value, QuantizedAllGatherWeight):
+            state_dict[key] = value._inner
+
+
 class QuantizedReduceScatter(ReduceScatter):
     """qgZ: an int8 block-quantized reduce-scatter by all-to-all, for `FSDPModule.set_custom_reduce_scatter`.
 

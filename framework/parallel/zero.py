@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import ParallelDims
-from framework.parallel.quant import QuantizedReduceScatter, wrap_quantized_weights
+from framework.parallel.quant import QuantizedReduceScatter, plain_state_dict_hook, wrap_quantized_weights
 from models.decoder import Decoder
 
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,6 +81,7 @@ def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, mp_p
     shard_size = dp_mesh.size(dp_mesh.ndim - 1)
     if cfg.zero_quantized_weights:  # qwZ: before fully_shard, so FSDP shards the subclass and finds its hooks
         wrap_quantized_weights([model], shard_size, cfg.zero_quant_block_size)
+        model.register_state_dict_post_hook(plain_state_dict_hook)
     # ZeRO-3 reshards after forward: to the whole shard group, or with hpZ to a node's secondary shard.
     reshard: bool | int = False
     if cfg.zero_stage == 3:

@@ -4,8 +4,9 @@ loss parity with the unquantized run.
 One spawn of 4 gloo ranks seen as 2 "nodes" x 2 (parallel.zero_hpz_partition_size=2: ranks {0,1} and {2,3}),
 ZeRO-3 over dp_shard=4, bf16 (the default bf16 all-gather is the baseline), 5 steps of each case:
 plain, qwZ, hpZ, qgZ one hop, qgZ two hops with hpZ, and qwZ + qgZ together (qwZ with hpZ is refused, see
-`test_zeropp_keys_refused`). The last step's bytes come from the comm logger (framework/parallel/comm.py), which
-sees every collective at the dispatcher with the buffer it really moves.
+`test_zeropp_keys_refused`), then qwZ + qgZ resumed from its step-3 checkpoint (plain fp32 shards on disk).
+The last step's bytes come from the comm logger (framework/parallel/comm.py), which sees every collective at
+the dispatcher with the buffer it really moves.
 
 ZeRO++ (Wang et al. 2023, sec. 3-4) in this accounting, per rank per step, W = 4 shard ranks, s = 2 per node,
 n = W / s nodes, B = parallel.zero_quant_block_size, ring factor f(k) = (k - 1) / k; with G = parameter
@@ -23,6 +24,7 @@ measured/formula ratio must be within 5% of 1.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +36,7 @@ from framework.parallel.mesh import ParallelDims
 from framework.parallel.quant import packed_numel
 from framework.testing import run_distributed
 
-W, S, STEPS, BLOCK = 4, 2, 5, 256
+W, S, STEPS, BLOCK, SAVE_AT = 4, 2, 5, 256, 3
 BASE = ("parallel.dp_shard=4", "parallel.zero_stage=3", "parallel.comm_log=true", "train.precision=bf16",
         f"parallel.zero_quant_block_size={BLOCK}")
 CASES: dict[str, tuple[str, ...]] = {
@@ -50,27 +52,44 @@ LOSS_TOL = 2e-3
 block's absmax; through the matmuls these errors average out: measured gaps are 1e-5 .. 5e-4."""
 
 
-def _worker(rank: int, world: int) -> dict[str, Any]:
-    from framework.parallel.engine import build_parallel_engine
+def _steps(engine: Any, cfg: Any, start: int, stop: int, save: list[Path] | None = None) -> list[tuple[float, float]]:
+    """Train steps [start, stop); with `save` = [root], checkpoint before step SAVE_AT and append its path."""
+    from framework.checkpoint.dcp import save_checkpoint
     from framework.train.schedule import lr_at
 
+    data = batches(cfg, STEPS)
+    out = []
+    for step in range(start, stop):
+        if step == STEPS - 1:
+            engine.comm.reset()
+        if save is not None and step == SAVE_AT:
+            save.append(save_checkpoint(save[0], step, engine.model_parts, engine.optimizers, {}))
+        loss = engine.forward_backward(rank_batch(data[step], engine.dp_rank, engine.dp_size,
+                                                  cfg.train.micro_batch_size))
+        norm = engine.clip_grad_norm(cfg.train.grad_clip)
+        engine.optimizer_step(lr_at(cfg.train, step))
+        out.append((loss, norm))
+    return out
+
+
+def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    from framework.checkpoint.dcp import load_checkpoint
+    from framework.parallel.engine import build_parallel_engine
+
     out: dict[str, Any] = {}
+    save = [Path(root)]
     for name, overrides in CASES.items():
         cfg = make_config((*BASE, *overrides))
-        data = batches(cfg, STEPS)
         engine = build_parallel_engine(cfg, torch.device("cpu"))
-        steps = []
-        for step in range(STEPS):
-            if step == STEPS - 1:
-                engine.comm.reset()
-            loss = engine.forward_backward(rank_batch(data[step], engine.dp_rank, engine.dp_size,
-                                                      cfg.train.micro_batch_size))
-            norm = engine.clip_grad_norm(cfg.train.grad_clip)
-            engine.optimizer_step(lr_at(cfg.train, step))
-            steps.append((loss, norm))
+        steps = _steps(engine, cfg, 0, STEPS, save if name == "qwz_qgz" else None)
         comm = engine.comm
         out[name] = {"steps": steps, "wire": dict(comm.wire), "buffers": {k: sorted(v, key=str) for k, v in
                                                                          comm.buffers.items()}}
+    # Resume: the checkpoint holds plain fp32 shards (no wrapper); reloaded, the quantized run goes on exactly.
+    cfg = make_config((*BASE, *CASES["qwz_qgz"]))
+    resumed = build_parallel_engine(cfg, torch.device("cpu"))
+    load_checkpoint(save[1], resumed.model_parts, resumed.optimizers)
+    out["resumed"] = _steps(resumed, cfg, SAVE_AT, STEPS)
     return out
 
 
@@ -93,8 +112,8 @@ def _f(k: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, Any]:
-    return run_distributed(_worker, W, timeout_s=600)[0]
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_distributed(_worker, W, timeout_s=600, root=str(tmp_path_factory.mktemp("zeropp_ckpt")))[0]
 
 
 def test_zeropp_wire_bytes_per_axis_match_formulas_and_buffers_are_int8(runs: dict[str, Any]) -> None:
@@ -152,6 +171,7 @@ def test_zeropp_loss_parity_with_the_unquantized_run(runs: dict[str, Any]) -> No
         assert max(gaps) > 0, f"{name} equals the unquantized run bit for bit: the quantized path did not run"
         norms = [norm for _, norm in runs[name]["steps"]]
         assert all(abs(a / b - 1) < 0.02 for a, (_, b) in zip(norms, plain)), (name, norms)
+    assert runs["resumed"] == runs["qwz_qgz"]["steps"][SAVE_AT:]  # resumed from step 3's checkpoint: exact
 
 
 def test_zeropp_keys_refused() -> None:
