@@ -117,6 +117,8 @@ def zeropp_layout_problem(cfg: ParallelConfig, dims: ParallelDims) -> str:
         # FSDP2 refuses to reshard DTensor (tp) parameters to a smaller mesh; the quantized paths are checked
         # against the plain one on dense, tp=1 layouts only (tests/parallel/test_zeropp.py).
         return f"ZeRO++ is proven on tp=1 dense layouts only (got tp={dims.tp}, ep={dims.ep})"
+    if cfg.zero_quantized_gradients and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        return f"parallel.zero_quantized_gradients needs FSDP2's set_custom_reduce_scatter (torch {torch.__version__})"
     s = cfg.zero_hpz_partition_size
     if s > 1 and (shard % s or s == shard):
         return (f"parallel.zero_hpz_partition_size={s} must divide the data-sharding group dp_shard x cp = {shard} "
