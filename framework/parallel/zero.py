@@ -113,6 +113,10 @@ def zeropp_layout_problem(cfg: ParallelConfig, dims: ParallelDims) -> str:
     shard = dims.dp_shard * dims.cp
     if shard == 1:
         return "ZeRO++ compresses FSDP's collectives and needs dp_shard x cp > 1"
+    if cfg.cpu_offload or dims.pp > 1 or cfg.zero_quantized_weights and cfg.nvme_offload.enabled:
+        return ("ZeRO++ is not proven with parallel.cpu_offload, pp > 1, or qwZ with parallel.nvme_offload "
+                f"(got cpu_offload={cfg.cpu_offload}, pp={dims.pp}, nvme_offload={cfg.nvme_offload.enabled}); "
+                "drop one of them")
     if dims.tp > 1 or dims.ep > 1:
         # FSDP2 refuses to reshard DTensor (tp) parameters to a smaller mesh; the quantized paths are checked
         # against the plain one on dense, tp=1 layouts only (tests/parallel/test_zeropp.py).

@@ -4,7 +4,7 @@ loss parity with the unquantized run.
 One spawn of 4 gloo ranks seen as 2 "nodes" x 2 (parallel.zero_hpz_partition_size=2: ranks {0,1} and {2,3}),
 ZeRO-3 over dp_shard=4, bf16 (the default bf16 all-gather is the baseline), 5 steps of each case:
 plain, qwZ, hpZ, qgZ one hop, qgZ two hops with hpZ, and qwZ + qgZ together (qwZ with hpZ is refused, see
-`test_zeropp_keys_refused`), then qwZ + qgZ resumed from its step-3 checkpoint (plain fp32 shards on disk).
+`test_zeropp_keys_refused`), qwZ + qgZ on ZeRO-1, then qwZ + qgZ resumed from its step-3 checkpoint (plain fp32 shards on disk).
 The last step's bytes come from the comm logger (framework/parallel/comm.py), which sees every collective at
 the dispatcher with the buffer it really moves.
 
@@ -46,6 +46,8 @@ CASES: dict[str, tuple[str, ...]] = {
     "qgz": ("parallel.zero_quantized_gradients=true",),
     "qgz_hpz": ("parallel.zero_quantized_gradients=true", f"parallel.zero_hpz_partition_size={S}"),
     "qwz_qgz": ("parallel.zero_quantized_weights=true", "parallel.zero_quantized_gradients=true"),
+    "zero1_qwz_qgz": ("parallel.zero_quantized_weights=true", "parallel.zero_quantized_gradients=true",
+                      "parallel.zero_stage=1"),
 }
 LOSS_TOL = 2e-3
 """|loss - plain loss| over 5 steps (loss ~6.2, so 3e-4 relative). int8 rounds each element to 1/254 of its
@@ -134,6 +136,8 @@ def test_zeropp_wire_bytes_per_axis_match_formulas_and_buffers_are_int8(runs: di
                     ("dp_shard_intra", "all_to_all"): r * q * _f(S),
                     ("dp_shard_inter", "all_to_all"): r / S * q * _f(n)},
         "qwz_qgz": {("dp_shard", "all_gather"): g * q * _f(W), ("dp_shard", "all_to_all"): r * q * _f(W)},
+        # ZeRO-1: parameters stay gathered through backward, so one gather per unit per step
+        "zero1_qwz_qgz": {("dp_shard", "all_gather"): g_fwd * q * _f(W), ("dp_shard", "all_to_all"): r * q * _f(W)},
     }
     for name, want in expected.items():
         got = {k: v for k, v in runs[name]["wire"].items() if k[1] != "all_reduce"}  # loss / norm scalars
@@ -164,7 +168,7 @@ def test_zeropp_wire_bytes_per_axis_match_formulas_and_buffers_are_int8(runs: di
 def test_zeropp_loss_parity_with_the_unquantized_run(runs: dict[str, Any]) -> None:
     plain = runs["plain"]["steps"]
     assert runs["hpz"]["steps"] == plain  # the secondary shard is a slice of the same bf16 gather: exact
-    for name in ("qwz", "qgz", "qgz_hpz", "qwz_qgz"):
+    for name in ("qwz", "qgz", "qgz_hpz", "qwz_qgz", "zero1_qwz_qgz"):
         losses = [loss for loss, _ in runs[name]["steps"]]
         gaps = [abs(a - b) for a, (b, _) in zip(losses, plain)]
         assert max(gaps) < LOSS_TOL, (name, gaps)
@@ -189,6 +193,9 @@ def test_zeropp_keys_refused() -> None:
         ParallelDims.from_config(cfg.parallel, 4, cfg.model)
     cfg = make_config(("parallel.zero_quantized_weights=true", "parallel.tp=2"))
     with pytest.raises(ParallelismError, match="tp=1"):
+        ParallelDims.from_config(cfg.parallel, 4, cfg.model)
+    cfg = make_config(("parallel.zero_quantized_gradients=true", "parallel.pp=2"))
+    with pytest.raises(ParallelismError, match="not proven with parallel.cpu_offload, pp > 1"):
         ParallelDims.from_config(cfg.parallel, 4, cfg.model)
     cfg = make_config(("parallel.zero_hpz_partition_size=2", "parallel.zero_stage=3", "parallel.cp=2",
                        "parallel.dp_shard=2"))
