@@ -60,9 +60,9 @@ def _worker(rank: int, world: int, steps: int, partial: str) -> dict[str, Any]:
     from parallel_parity import make_config, rank_batch
 
     from framework.parallel.comm import CommLogger, mesh_axes
-    from framework.parallel.engine import build_parallel_engine
     from framework.parallel.mesh import AXES
     from framework.parallel.zero import zeropp_axes
+    from framework.train.parallel_engine import build_parallel_engine
     from framework.train.schedule import lr_at
 
     out: dict[str, Any] = {}

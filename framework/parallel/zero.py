@@ -113,7 +113,7 @@ def zeropp_layout_problem(cfg: ParallelConfig, dims: ParallelDims) -> str:
     shard = dims.dp_shard * dims.cp
     if shard == 1:
         return "ZeRO++ compresses FSDP's collectives and needs dp_shard x cp > 1"
-    if cfg.cpu_offload or dims.pp > 1 or cfg.zero_quantized_weights and cfg.nvme_offload.enabled:
+    if cfg.cpu_offload or dims.pp > 1 or (cfg.zero_quantized_weights and cfg.nvme_offload.enabled):
         return ("ZeRO++ is not proven with parallel.cpu_offload, pp > 1, or qwZ with parallel.nvme_offload "
                 f"(got cpu_offload={cfg.cpu_offload}, pp={dims.pp}, nvme_offload={cfg.nvme_offload.enabled}); "
                 "drop one of them")

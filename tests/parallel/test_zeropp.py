@@ -4,7 +4,8 @@ loss parity with the unquantized run.
 One spawn of 4 gloo ranks seen as 2 "nodes" x 2 (parallel.zero_hpz_partition_size=2: ranks {0,1} and {2,3}),
 ZeRO-3 over dp_shard=4, bf16 (the default bf16 all-gather is the baseline), 5 steps of each case:
 plain, qwZ, hpZ, qgZ one hop, qgZ two hops with hpZ, and qwZ + qgZ together (qwZ with hpZ is refused, see
-`test_zeropp_keys_refused`), qwZ + qgZ on ZeRO-1, then qwZ + qgZ resumed from its step-3 checkpoint (plain fp32 shards on disk).
+`test_zeropp_keys_refused`), qwZ + qgZ on ZeRO-1, then qwZ + qgZ resumed from its step-3 checkpoint (plain
+fp32 shards on disk).
 The last step's bytes come from the comm logger (framework/parallel/comm.py), which sees every collective at
 the dispatcher with the buffer it really moves.
 
@@ -76,7 +77,7 @@ def _steps(engine: Any, cfg: Any, start: int, stop: int, save: list[Path] | None
 
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     from framework.checkpoint.dcp import load_checkpoint
-    from framework.parallel.engine import build_parallel_engine
+    from framework.train.parallel_engine import build_parallel_engine
 
     out: dict[str, Any] = {}
     save = [Path(root)]
@@ -195,7 +196,7 @@ def test_zeropp_keys_refused() -> None:
     with pytest.raises(ParallelismError, match="tp=1"):
         ParallelDims.from_config(cfg.parallel, 4, cfg.model)
     cfg = make_config(("parallel.zero_quantized_gradients=true", "parallel.pp=2"))
-    with pytest.raises(ParallelismError, match="not proven with parallel.cpu_offload, pp > 1"):
+    with pytest.raises(ParallelismError, match=r"not proven with parallel.cpu_offload, pp > 1"):
         ParallelDims.from_config(cfg.parallel, 4, cfg.model)
     cfg = make_config(("parallel.zero_hpz_partition_size=2", "parallel.zero_stage=3", "parallel.cp=2",
                        "parallel.dp_shard=2"))

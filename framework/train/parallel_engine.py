@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
+from framework.parallel.compile import compile_blocks
 from framework.parallel.config import V_SCHEDULES, ParallelConfig, min_micro_batches, schedule_micro_batch_problem
 from framework.parallel.context import ContextParallel
 from framework.parallel.expert import MoEParallel
@@ -48,9 +49,8 @@ from framework.parallel.zero import (
     set_micro_batch_sync,
     zeropp_axes,
 )
-from framework.train.compile import compile_blocks
 from framework.train.config import TrainConfig
-from framework.train.engine import _DTYPES, autocast, cross_entropy
+from framework.train.local_engine import _DTYPES, autocast, cross_entropy
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import Decoder
