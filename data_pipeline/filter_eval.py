@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_pipeline.filters import PROFILES, FiltersConfig, apply_filters
+from data_pipeline.filters import kept_lines as filters_kept_lines
 from data_pipeline.normalize import NormalizeConfig, normalize
 
 _LABEL = re.compile(r"^(?P<id>\S+)\s+(?P<verdict>keep|drop|drop-lines\s+(?P<lines>[\d,\-]+))\s*(#.*)?$")
@@ -109,19 +110,8 @@ def load_labelled(root: Path) -> list[LabelledDoc]:
 
 
 def kept_lines(text: str, out: str | None) -> list[bool]:
-    """Which lines of `text` survive in `out` (a subsequence of its lines), matched greedily in order."""
-    lines = text.split("\n")
-    if out is None:
-        return [False] * len(lines)
-    want = out.split("\n")
-    kept, j = [], 0
-    for line in lines:
-        hit = j < len(want) and want[j] == line
-        kept.append(hit)
-        j += hit
-    if j != len(want):
-        raise ValueError(f"filter output is not a subsequence of the input's lines (line {want[j]!r})")
-    return kept
+    """Which lines of `text` survive in `out` (None: the document was dropped)."""
+    return [False] * (text.count("\n") + 1) if out is None else filters_kept_lines(text, out)
 
 
 def score(docs: list[LabelledDoc], filters: tuple[str, ...], cfg: FiltersConfig | None = None,

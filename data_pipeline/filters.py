@@ -354,19 +354,40 @@ def resolve_filters(names: list[str] | None, profile: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def apply_filters(text: str, names: tuple[str, ...], cfg: FiltersConfig,
-                  trimmed: dict[str, int] | None = None) -> Verdict:
+def kept_lines(text: str, out: str) -> list[bool]:
+    """Which lines of `text` survive in `out`, a subsequence of its lines (what line rules leave), matched in
+    order."""
+    want = out.split("\n")
+    kept, j = [], 0
+    for line in text.split("\n"):
+        hit = j < len(want) and want[j] == line
+        kept.append(hit)
+        j += hit
+    if j != len(want):
+        raise ValueError(f"filter output is not a subsequence of the input's lines (line {want[j]!r})")
+    return kept
+
+
+def apply_filters(text: str, names: tuple[str, ...], cfg: FiltersConfig, trimmed: dict[str, int] | None = None,
+                  removed: dict[str, str] | None = None) -> Verdict:
     """Run `names` in order; the first failing rule drops the document (and is the one accounted).
 
     Args:
         trimmed: When given, characters a kept document lost to each filter's line rules are added under
             "<filter>.lines" (c4 drops lines and keeps the rest).
+        removed: When given, the lines each line rule removed, joined, under the same "<filter>.lines" key (so
+            their tokens can be counted once the tokenizer exists).
     """
     for name in names:
         result, reason = _FUNCS[name](text, getattr(cfg, name))
         if result is None:
             return None, reason
-        if trimmed is not None and len(result) != len(text):
-            trimmed[f"{name}.lines"] = trimmed.get(f"{name}.lines", 0) + len(text) - len(result)
+        if len(result) != len(text):
+            key = f"{name}.lines"
+            if trimmed is not None:
+                trimmed[key] = trimmed.get(key, 0) + len(text) - len(result)
+            if removed is not None:
+                gone = [ln for ln, k in zip(text.split("\n"), kept_lines(text, result), strict=True) if not k]
+                removed[key] = "\n".join(filter(None, [removed.get(key, ""), *gone]))
         text = result
     return text, None
