@@ -275,7 +275,7 @@ def _finish(cfg: BuildConfig, out: Path, work: Path, corpus: _Corpus, status: di
         if len(IndexedTokens(out / src.name)) != len(all_hashes):
             raise DataError(f"{src.name}: token file and hash list disagree; delete {work} and rebuild")
         stats = [json.loads(Path(p + ".stats.json").read_text()) for p in prefixes]
-        removed = count_removed_tokens(work / "ingest" / src.name / REMOVED_SAMPLE, tok)
+        removed = count_removed_tokens(sorted((work / "ingest" / src.name).glob(REMOVED_SAMPLE)), tok)
         sources[src.name] = _source_entry(all_counts[src.name], status.get(src.name, []), stats, removed)
         digest.update(f"{src.name}:{sources[src.name]['tokens']['kept']}:".encode() + all_hashes.tobytes())
     manifest = {"version": 1, "kind": "build", "config": to_dict(cfg), "sources": sources,

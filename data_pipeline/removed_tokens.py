@@ -46,20 +46,22 @@ class RemovedSample:
         tmp.replace(path)
 
 
-def count_removed_tokens(path: Path, tok: Any) -> dict[str, Any]:
-    """{"filtered": {rule: tokens}, "trimmed": {rule.lines: tokens}, "estimated": [rules]} from a saved sample
-    (empty when the build predates it). `tok` is the build's Tokenizer."""
+def count_removed_tokens(paths: list[Path], tok: Any) -> dict[str, Any]:
+    """{"filtered": {rule: tokens}, "trimmed": {rule.lines: tokens}, "estimated": [rules]} from saved samples
+    (several files, e.g. one per ingest task of a split source, add up: each part's count or estimate is unbiased
+    for its part); empty when the build predates them. `tok` is the build's Tokenizer."""
     out: dict[str, Any] = {"filtered": {}, "trimmed": {}, "estimated": []}
-    if not path.is_file():
-        return out
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            lines = r["reason"].endswith(".lines")
-            tokens = sum(len(ids) - lines for ids in tok.encode_docs(r["pieces"])) if r["pieces"] else 0
-            if len(r["pieces"]) < r["seen"]:
-                sample_chars = sum(map(len, r["pieces"]))
-                tokens = round(tokens * r["chars"] / max(1, sample_chars))
-                out["estimated"].append(r["reason"])
-            out["trimmed" if lines else "filtered"][r["reason"]] = int(tokens)
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                r = json.loads(line)
+                lines = r["reason"].endswith(".lines")
+                tokens = sum(len(ids) - lines for ids in tok.encode_docs(r["pieces"])) if r["pieces"] else 0
+                if len(r["pieces"]) < r["seen"]:
+                    tokens = round(tokens * r["chars"] / max(1, sum(map(len, r["pieces"]))))
+                    if r["reason"] not in out["estimated"]:
+                        out["estimated"].append(r["reason"])
+                part = out["trimmed" if lines else "filtered"]
+                part[r["reason"]] = part.get(r["reason"], 0) + int(tokens)
+    out["estimated"].sort()
     return out

@@ -39,8 +39,9 @@ from data_pipeline.removed_tokens import RemovedSample
 _CHUNK = 256  # records per worker task
 FILTERED_SAMPLES = 20
 """Documents kept per filter rule in ingest/<source>/filtered.jsonl, to see what a rule removes."""
-REMOVED_SAMPLE = "removed_sample.jsonl"
-"""ingest/<source>/: a seeded sample of the removed text per rule (data_pipeline/removed_tokens.py)."""
+REMOVED_SAMPLE = "removed_sample*.jsonl"
+"""ingest/<source>/: seeded samples of the removed text per rule (data_pipeline/removed_tokens.py); one file per
+ingest unit (removed_sample.jsonl, or removed_sample-<task>.jsonl where a source's ingest is split): they add up."""
 
 
 def shard_name(k: int) -> str:
@@ -222,7 +223,7 @@ def ingest_source(cfg: BuildConfig, src: SourceConfig, work: Path) -> dict[str, 
                         removed_sample.add(cause, text)
                 bar.update(len(results))
         writer.flush()
-        removed_sample.save(out / REMOVED_SAMPLE)
+        removed_sample.save(out / "removed_sample.jsonl")
     finally:
         samples.close()
         if rejects is not None:

@@ -74,9 +74,16 @@ def test_a_large_rule_is_estimated_from_its_sample(built) -> None:  # type: igno
         sample.add("c4.lines", c)
     sample.save(root / "small.jsonl")
     tok = Tokenizer(root / "out" / manifest["tokenizer"]["path"])
-    got = count_removed_tokens(root / "small.jsonl", tok)
+    got = count_removed_tokens([root / "small.jsonl"], tok)
     exact = sum(len(sp.encode(c)) for c in cut)
     assert got["estimated"] == ["c4.lines"] and abs(got["trimmed"]["c4.lines"] - exact) <= 0.15 * exact
-    assert (root / "out" / "work" / "ingest" / "web" / REMOVED_SAMPLE).is_file()
+    assert len(list((root / "out" / "work" / "ingest" / "web").glob(REMOVED_SAMPLE))) == 1
+    halves = [RemovedSample(seed=1, size=8), RemovedSample(seed=2, size=30)]  # a split ingest's two parts add up
+    for i, c in enumerate(cut):
+        halves[i % 2].add("c4.lines", c)
+    for i, h in enumerate(halves):
+        h.save(root / f"half-{i}.jsonl")
+    got = count_removed_tokens([root / "half-0.jsonl", root / "half-1.jsonl"], tok)
+    assert got["estimated"] == ["c4.lines"] and abs(got["trimmed"]["c4.lines"] - exact) <= 0.15 * exact
     assert "~" in format_stats({**manifest, "sources": {"web": {**manifest["sources"]["web"], "tokens": {
         **manifest["sources"]["web"]["tokens"], "trimmed": got["trimmed"], "estimated": got["estimated"]}}}})
