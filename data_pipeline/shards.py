@@ -48,6 +48,8 @@ from framework.errors import DataError
 EDGE = np.dtype([("b", "<i8"), ("a", "<i8"), ("j", "<f4")])
 KEYS_PER_RANGE = 16
 """Band keys per key range, per `partition_docs`: a pairs task sorts about 16 P keys (16 bytes each)."""
+VERIFY_CHUNK = 1 << 16
+"""Candidate pairs verified at once: the shingles of at most 2^17 documents are held."""
 _U64 = 1 << 64
 
 
@@ -319,7 +321,9 @@ def _verify_part(job: tuple[int, int]) -> None:
             h, off = shingle_hashes(index.texts(ranks), mh.ngram)
             return [h[off[i]:off[i + 1]] for i in range(len(ranks))]
 
-        edges["j"] = verify_pairs(np.stack([edges["a"], edges["b"]], axis=1), shingles_of)
+        for start in range(0, len(edges), VERIFY_CHUNK):  # bounded: the shingles of one chunk's documents
+            chunk = edges[start:start + VERIFY_CHUNK]
+            chunk["j"] = verify_pairs(np.stack([chunk["a"], chunk["b"]], axis=1), shingles_of)
         edges = edges[edges["j"] >= mh.verify_threshold]
     write_json_atomic(verify_path(index.work, q).with_suffix(".json"), {"candidate_pairs": int(ba.shape[1])})
     save_npy_atomic(verify_path(index.work, q), edges)
