@@ -236,7 +236,7 @@ def minhash_stage(index: CorpusIndex, task: int, tasks: int) -> None:
         for stage in ("minhash", "bands"):
             shard.file(stage, "").parent.mkdir(parents=True, exist_ok=True)
         jobs.append((k, exact_removed(index, shard.rank, shard.rank + shard.n)))
-    run_pool(_minhash_shard, jobs, index.cfg.workers, "minhash")
+    run_pool(_minhash_shard, jobs, index.cfg.workers, "minhash", "shard")
 
 
 def _minhash_shard(job: tuple[int, np.ndarray]) -> None:

@@ -354,12 +354,12 @@ def _finish_source(out: Path, n_units: int) -> None:
     write_json_atomic(out / "counts.json", _plain(total))
 
 
-def run_pool(fn: Any, jobs: list[Any], workers: int, desc: str) -> None:
+def run_pool(fn: Any, jobs: list[Any], workers: int, desc: str, unit: str = "unit") -> None:
     """Run a stage's units in worker processes; a worker that dies (e.g. OOM-killed) fails the stage loudly
     (BrokenProcessPool) instead of hanging, and the rerun redoes only the unfinished units."""
     if not jobs:
         return
-    bar = Progress(desc, "unit", total=len(jobs))
+    bar = Progress(desc, unit, total=len(jobs))
     if workers == 1 or len(jobs) == 1:
         for job in jobs:
             fn(job)
@@ -410,4 +410,4 @@ def tokenize_shards(cfg: BuildConfig, model: Path, shards: Sequence[tuple[Path, 
             jobs.append((jsonl, prefix, str(model), status_of(k)))
     if jobs:
         import_megatron_builder()  # once in the parent: forked workers inherit it instead of paying ~4.5 s each
-    run_pool(_tokenize_task, jobs, cfg.workers, "tokenize")
+    run_pool(_tokenize_task, jobs, cfg.workers, "tokenize", "shard")
