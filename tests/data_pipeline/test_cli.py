@@ -28,9 +28,9 @@ def test_data_build_stats_and_tokenizer_train(tmp_path: Path, capsys: pytest.Cap
     cfg.write_text(f"output_dir: {tmp_path / 'out'}\nshard_docs: 16\nsources:\n"
                    f"  - {{name: words, path: {src}, profile: minimal}}\n"
                    f"tokenizer: {{vocab_size: 300, sample_chars: 100000}}\n")
-    assert main(["data", "build", str(cfg), "--stages", "ingest,minhash", "--task", "0", "--tasks", "1"]) == 0
+    assert main(["data", "build", str(cfg), "--stages", "ingest,exact,minhash", "--task", "0", "--tasks", "1"]) == 0
     captured = capsys.readouterr()
-    assert "stages ingest,minhash done" in captured.out
+    assert "stages ingest,exact,minhash done" in captured.out
     assert "] ingest words: 41 records, 40 kept after filters, 1 malformed" in captured.err, captured.err
     assert main(["data", "build", str(cfg), "workers=1"]) == 0
     captured = capsys.readouterr()
