@@ -29,6 +29,7 @@ datatrove and datasketch are not Tessera dependencies; run with a separate envir
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pickle
@@ -283,9 +284,19 @@ def measure(rows: dict[str, dict[str, Any]], name: str, bench: DedupBenchmark,
           f"\n  {'':38s} stages (CPU s): " + ", ".join(f"{k} {v:.2f}" for k, v in st.cpu.items()), flush=True)
 
 
+def warm_up(texts: list[str], skip: set[str]) -> None:
+    """Every tool once on a few documents, untimed: imports, numpy's first allocations, Tessera's power table."""
+    run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED), Stages())
+    if "datasketch" not in skip and importlib.util.find_spec("datasketch"):
+        run_datasketch(texts, Stages(), [])
+    if "datatrove" not in skip and importlib.util.find_spec("datatrove"):
+        run_datatrove(texts, Stages())
+
+
 def bench_corpus(bench: DedupBenchmark, skip: set[str]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     texts, n = bench.texts, len(bench.texts)
+    warm_up(texts[:200], skip)
     plain = MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=False, verify_threshold=None)
     measure(rows, "tessera plain", bench, lambda st: run_tessera(texts, plain, st))
     measure(rows, "tessera plain + verify", bench,
