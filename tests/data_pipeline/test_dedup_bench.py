@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import pytest
 
 from data_pipeline.dedup_eval import (
@@ -95,4 +94,19 @@ def test_loader_bench_dry_asserts_equal_batches(capsys: pytest.CaptureFixture[st
     loader = _bench("loader_throughput")
     assert loader.main(["--dry"]) == 0
     assert "all asserted equal" in capsys.readouterr().out
-    assert np.__name__  # numpy imported by the bench too
+
+
+def test_scaling_bench_corpus_and_config(tmp_path: Path) -> None:
+    import yaml
+
+    from data_pipeline.build_config import load_build_config
+
+    scaling = _bench("build_scaling")
+    scaling.write_corpus(tmp_path / "c", 60, sources=2, files=3, seed=0)
+    files = sorted((tmp_path / "c").rglob("*.jsonl"))
+    lines = [json.loads(x)["text"] for f in files for x in f.read_text().splitlines()]
+    assert len(lines) == 60 and len({*lines}) < 60  # exact copies are in
+    cfg_path = tmp_path / "b.yaml"
+    cfg_path.write_text(yaml.safe_dump(scaling.config(tmp_path / "out", tmp_path / "c", 2)))
+    cfg = load_build_config(cfg_path)
+    assert [s.name for s in cfg.sources] == ["s0", "s1"] and cfg.workers == 1
