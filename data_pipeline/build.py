@@ -1,8 +1,9 @@
 """`run_build`: raw sources -> normalize/filter -> exact dedup -> near dedup -> tokenizer -> .bin/.idx + manifest.
 
 Stages run in order and each resumes: rerunning an interrupted build skips finished work and never writes a
-finished output twice. The manifest is written last; its presence marks a complete build. Shardable stages
-(minhash, tokenize) take `task`/`tasks` so a SLURM job array can split them across nodes; the others run once.
+finished output twice. The manifest is written last; its presence marks a complete build. The sharded stages
+(SHARDED) take `task`/`tasks` so a SLURM job array splits them across nodes, each task's share running in worker
+processes; near, tokenizer and manifest run in task 0 only. The output never depends on the task count.
 Before any stage, every source and the tokenizer file are checked (`check_build`), and a config edited since
 the last run redoes exactly the units of work it affects (`invalidate`).
 """
@@ -21,7 +22,6 @@ import numpy as np
 
 from data_pipeline.build_config import BuildConfig
 from data_pipeline.cache import MANIFEST, write_json_atomic
-from data_pipeline.dedup import cluster_signatures, exact_keep
 from data_pipeline.indexed import IndexedTokens, merge_indexed
 from data_pipeline.ingest import (
     hf_columns,
@@ -31,17 +31,10 @@ from data_pipeline.ingest import (
     resolve_format,
 )
 from data_pipeline.invalidate import describe_changes, invalidate
-from data_pipeline.minhash import shingle_hashes
+from data_pipeline.minhash import mix64
 from data_pipeline.progress import log
-from data_pipeline.stages import (
-    ingest_source,
-    list_shards,
-    minhash_shards,
-    read_shard_texts,
-    read_shard_where,
-    save_npy_atomic,
-    tokenize_shards,
-)
+from data_pipeline.shards import CorpusIndex, exact_stage, minhash_stage, near_stage, pairs_stage, verify_stage
+from data_pipeline.stages import ingest_stage, read_shard_texts, tokenize_shards
 from data_pipeline.tokenizer import (
     CL100K_PATTERN,
     Tokenizer,
@@ -55,105 +48,15 @@ from framework.config.core import to_dict
 from framework.errors import ConfigError, DataError
 from framework.locks import build_locks
 
-STAGES = ("ingest", "exact", "minhash", "near", "tokenizer", "tokenize", "manifest")
-
-
-class _Corpus:
-    """Flat view over every ingested shard: global document index <-> (source, shard, row)."""
-
-    def __init__(self, cfg: BuildConfig, work: Path) -> None:
-        self.work = work
-        self.shards: list[tuple[str, Path, int]] = []  # (source, shard path, first global index)
-        self.priority_parts, n = [], 0
-        for src in cfg.sources:
-            for shard in list_shards(work, "ingest", src.name, ".hash.npy"):
-                count = len(np.load(shard, mmap_mode="r"))
-                self.shards.append((src.name, shard, n))
-                self.priority_parts.append(np.full(count, src.priority, dtype=np.int64))
-                n += count
-        self.n = n
-        self.starts = np.array([s[2] for s in self.shards] + [n], dtype=np.int64)
-        self._cache: dict[int, list[str]] = {}
-
-    def priority(self) -> np.ndarray:
-        return np.concatenate(self.priority_parts) if self.priority_parts else np.zeros(0, dtype=np.int64)
-
-    def load(self, suffix_from: str, suffix_to: str, stage: str) -> np.ndarray:
-        parts = []
-        for name, shard, _ in self.shards:
-            path = self.work / stage / name / shard.name.replace(suffix_from, suffix_to)
-            if not path.is_file():
-                raise DataError(f"{path} is missing: the {stage} stage has not finished for every shard; run "
-                                f"`tessera data build CONFIG --stages {stage}` (all tasks) first")
-            parts.append(np.load(path, mmap_mode="r"))
-        return np.concatenate(parts) if parts else np.zeros(0)
-
-    def texts(self, ids: np.ndarray) -> list[str]:
-        out = []
-        for i in ids.tolist():
-            s = int(np.searchsorted(self.starts, i, side="right")) - 1
-            if s not in self._cache:
-                if len(self._cache) > 8:
-                    self._cache.pop(next(iter(self._cache)))
-                self._cache[s] = read_shard_texts(self.shards[s][1].with_name(
-                    self.shards[s][1].name.replace(".hash.npy", ".jsonl")))
-            out.append(self._cache[s][i - int(self.starts[s])])
-        return out
-
-    def names(self, ids: np.ndarray) -> list[str]:
-        """`source:where` of documents (where: the file and line it was read from)."""
-        out, wheres = [], {}
-        for i in ids.tolist():
-            s = int(np.searchsorted(self.starts, i, side="right")) - 1
-            if s not in wheres:
-                wheres[s] = read_shard_where(self.shards[s][1].with_name(
-                    self.shards[s][1].name.replace(".hash.npy", ".jsonl")))
-            out.append(f"{self.shards[s][0]}:{wheres[s][i - int(self.starts[s])]}")
-        return out
-
-    def split(self, flat: np.ndarray) -> dict[str, list[np.ndarray]]:
-        """A flat per-document array cut back into per-source lists of per-shard arrays."""
-        out: dict[str, list[np.ndarray]] = {}
-        for k, (name, _, start) in enumerate(self.shards):
-            out.setdefault(name, []).append(np.asarray(flat[start:int(self.starts[k + 1])]))
-        return out
-
-
-def _exact(cfg: BuildConfig, corpus: _Corpus, work: Path) -> np.ndarray:
-    path = work / "exact_keep.npy"
-    if not path.is_file():
-        hashes = corpus.load(".hash.npy", ".hash.npy", "ingest")
-        keep = exact_keep(hashes, corpus.priority()) if cfg.dedup.exact else np.ones(corpus.n, dtype=bool)
-        save_npy_atomic(path, keep)
-    return np.load(path)
-
-
-def _near(cfg: BuildConfig, corpus: _Corpus, work: Path, exact: np.ndarray) -> np.ndarray:
-    path = work / "near_keep.npy"
-    if path.is_file():
-        return np.load(path)
-    keep = np.ones(corpus.n, dtype=bool)
-    if cfg.dedup.near and corpus.n:
-        ids = np.flatnonzero(exact)  # exact duplicates are already gone
-        sig = corpus.load(".hash.npy", ".sig.npy", "minhash")[ids]
-        mh = cfg.dedup.minhash
-
-        def shingles_of(local: np.ndarray) -> list[np.ndarray]:
-            h, off = shingle_hashes(corpus.texts(ids[local]), mh.ngram)
-            return [h[off[k]:off[k + 1]] for k in range(len(local))]
-
-        result = cluster_signatures(sig, mh, priority=corpus.priority()[ids], shingles_of=shingles_of)
-        keep[ids[~result.keep]] = False
-        names = corpus.names(ids)
-        write_json_atomic(work.parent / "cluster_report.json", result.report(names=names))
-    save_npy_atomic(path, keep)
-    return keep
+STAGES = ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenizer", "tokenize", "manifest")
+SHARDED = ("ingest", "exact", "minhash", "pairs", "verify", "tokenize")
+"""Stages whose work `--task K --tasks N` splits; the others (near, tokenizer, manifest) run in one task."""
 
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 
 
-def _tokenizer(cfg: BuildConfig, corpus: _Corpus, out: Path, keep: np.ndarray) -> Path:
+def _tokenizer(cfg: BuildConfig, index: CorpusIndex, out: Path) -> Path:
     """The build's tokenizer file (out/tokenizer.model or out/tokenizer.json): reused, copied, converted or
     trained. Made in a temporary folder and moved in only once it loads, so a failed step leaves nothing that a
     later run would take for a finished tokenizer."""
@@ -168,12 +71,7 @@ def _tokenizer(cfg: BuildConfig, corpus: _Corpus, out: Path, keep: np.ndarray) -
         if tc.model:
             made = _given_tokenizer(cfg, tmp)
         else:
-            kept = np.flatnonzero(keep)
-            rng = np.random.default_rng(cfg.seed)
-            order = kept[rng.permutation(len(kept))]  # a uniform sample over sources, in proportion to documents
-            texts = (t for start in range(0, len(order), 512)
-                     for t in corpus.texts(np.sort(order[start:start + 512])))
-            lines = sample_lines(texts, tc.sample_chars, seed=cfg.seed)
+            lines = sample_lines(_sample_texts(cfg, index), tc.sample_chars, seed=cfg.seed)
             if tc.type == "hf_bpe":
                 made = train_hf_bpe(lines, tmp / "tokenizer.json", vocab_size=tc.vocab_size,
                                     special_tokens=tc.special_tokens)
@@ -187,6 +85,37 @@ def _tokenizer(cfg: BuildConfig, corpus: _Corpus, out: Path, keep: np.ndarray) -
         return out / made.name
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _existing_tokenizer(out: Path) -> Path:
+    for name in TOKENIZER_FILES:
+        if (out / name).is_file():
+            return out / name
+    raise DataError(f"{out} has no tokenizer yet; run `tessera data build CONFIG --stages tokenizer` (one task) "
+                    f"first")
+
+
+def _sample_texts(cfg: BuildConfig, index: CorpusIndex) -> list[str]:
+    """A uniform sample of the kept documents, about twice `tokenizer.sample_chars`, in random order: each kept
+    document is taken iff a seeded mix of its hash falls under p = 2 x sample_chars / characters after filters
+    (one pass over the shards; memory bounded by the sample, not the corpus)."""
+    total = sum(json.loads((index.work / "ingest" / s.name / "counts.json").read_text())["chars"]["after_filters"]
+                for s in cfg.sources)
+    p = min(1.0, 2 * cfg.tokenizer.sample_chars / max(1, total))
+    cut = np.uint64(min(_U64_MAX, int(p * 2.0 ** 64)))
+    salt = mix64(np.array([cfg.seed + 0x5EED], dtype=np.uint64))[0]
+    picked: list[str] = []
+    for shard in index.shards:
+        hashes = np.load(shard.file("ingest", ".hash.npy"))
+        rows = np.flatnonzero((index.status(shard) == 0) & (mix64(hashes ^ salt) <= cut))
+        if len(rows):
+            texts = read_shard_texts(shard.jsonl)
+            picked.extend(texts[i] for i in rows.tolist())
+    order = np.random.default_rng(cfg.seed).permutation(len(picked))
+    return [picked[i] for i in order.tolist()]
+
+
+_U64_MAX = (1 << 64) - 1
 
 
 def _name_specials(folder: Path, tc: Any) -> None:
@@ -254,25 +183,34 @@ def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[
     return {"documents": docs, "tokens": tokens, "chars": chars, "notes": counts.get("notes", {})}
 
 
-def _finish(cfg: BuildConfig, out: Path, work: Path, corpus: _Corpus, status: dict[str, list[np.ndarray]],
-            all_counts: dict[str, dict[str, Any]], model: Path) -> dict[str, Any]:
+def _finish(cfg: BuildConfig, out: Path, index: CorpusIndex, all_counts: dict[str, dict[str, Any]],
+            model: Path) -> dict[str, Any]:
     tok = Tokenizer(model)
     info = tok.info()
     digest = hashlib.sha256(info.sha256.encode())
     sources: dict[str, Any] = {}
     for src in cfg.sources:
-        shards = list_shards(work, "tokens", src.name, ".idx")
-        prefixes = [str(p)[:-4] for p in shards]
+        shards = [s for s in index.shards if s.source == src.name]
+        prefixes = [str(s.file("tokens", "")) for s in shards]
         merge_indexed(prefixes, out / src.name, tok.vocab_size)
-        hashes = [np.load(p)[s == 0] for p, s in zip(
-            list_shards(work, "ingest", src.name, ".hash.npy"), status.get(src.name, []), strict=True)]
-        all_hashes = np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64)
-        save_npy_atomic(out / f"{src.name}.hash.npy", all_hashes)
-        if len(IndexedTokens(out / src.name)) != len(all_hashes):
-            raise DataError(f"{src.name}: token file and hash list disagree; delete {work} and rebuild")
+        status = [index.status(s) for s in shards]
+        kept = sum(int((st == 0).sum()) for st in status)
+        hashes_out = np.lib.format.open_memmap(out / f"{src.name}.hash.npy.tmp", mode="w+", dtype=np.uint64,
+                                               shape=(kept,))
+        at = 0
         stats = [json.loads(Path(p + ".stats.json").read_text()) for p in prefixes]
-        sources[src.name] = _source_entry(all_counts[src.name], status.get(src.name, []), stats)
-        digest.update(f"{src.name}:{sources[src.name]['tokens']['kept']}:".encode() + all_hashes.tobytes())
+        sources[src.name] = _source_entry(all_counts[src.name], status, stats)
+        digest.update(f"{src.name}:{sources[src.name]['tokens']['kept']}:".encode())
+        for s, st in zip(shards, status, strict=True):
+            h = np.load(s.file("ingest", ".hash.npy"))[st == 0]
+            hashes_out[at:at + len(h)] = h
+            at += len(h)
+            digest.update(h.tobytes())
+        hashes_out.flush()
+        del hashes_out
+        (out / f"{src.name}.hash.npy.tmp").replace(out / f"{src.name}.hash.npy")
+        if len(IndexedTokens(out / src.name)) != kept:
+            raise DataError(f"{src.name}: token file and hash list disagree; delete {out / 'work'} and rebuild")
     manifest = {"version": 1, "kind": "build", "config": to_dict(cfg), "sources": sources,
                 "tokenizer": {**info.__dict__, "path": model.name, "kind": tok.kind}, "fingerprint": digest.hexdigest()}
     write_json_atomic(out / MANIFEST, manifest)
@@ -321,13 +259,20 @@ def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0
 
     Args:
         cfg: The build configuration.
-        stages: Which stages to run (a SLURM array runs `minhash` or `tokenize` alone, per task).
-        task: This task's index among `tasks` for the shardable stages.
-        tasks: Number of tasks sharing the shardable stages.
+        stages: Which stages to run (a SLURM array runs one sharded stage per job: docs/DATA.md, "Sharding").
+        task: This task's index among `tasks` for the sharded stages (the others run only in task 0).
+        tasks: Number of tasks sharing the sharded stages.
     """
     out = Path(cfg.output_dir)
     check_build(cfg)
-    _locks = build_locks(out, stages, task)  # held until this function returns (framework/locks.py)
+    locks = build_locks(out, stages, task)  # framework/locks.py
+    try:
+        return _run_stages(cfg, out, stages, task, tasks)
+    finally:
+        locks.release()
+
+
+def _run_stages(cfg: BuildConfig, out: Path, stages: Sequence[str], task: int, tasks: int) -> dict[str, Any]:
     changed = invalidate(cfg, out)
     if changed:
         log(f"build {out}: config differs from the last run there; redoing {describe_changes(changed)}")
@@ -335,26 +280,25 @@ def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0
         return dict(json.loads((out / MANIFEST).read_text()))
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    all_counts = {}
-    for i, src in enumerate(cfg.sources):
-        if "ingest" in stages and i % tasks == task:
-            all_counts[src.name] = ingest_source(cfg, src, work)
-    if "minhash" in stages and cfg.dedup.near:
-        minhash_shards(cfg, work, task, tasks)
-    if not {"exact", "near", "tokenizer", "tokenize", "manifest"} & set(stages):
+    if "ingest" in stages:
+        ingest_stage(cfg, work, task, tasks)
+    if set(stages) <= {"ingest"}:
         return {}
-    corpus = _Corpus(cfg, work)
-    exact = _exact(cfg, corpus, work)
-    near = _near(cfg, corpus, work, exact) if "near" in stages or (work / "near_keep.npy").is_file() else None
-    if near is None:
+    index = CorpusIndex(cfg, work)
+    for stage, run in (("exact", exact_stage), ("minhash", minhash_stage), ("pairs", pairs_stage),
+                       ("verify", verify_stage)):
+        if stage in stages:
+            run(index, task, tasks)
+    if "near" in stages and cfg.dedup.near and task == 0:
+        near_stage(index, out)
+    if not {"tokenizer", "tokenize", "manifest"} & set(stages):
         return {}
-    status_flat = np.where(~exact, 1, np.where(~near, 2, 0)).astype(np.int8)
-    status = corpus.split(status_flat)
-    model = _tokenizer(cfg, corpus, out, status_flat == 0)
+    model = _tokenizer(cfg, index, out) if "tokenizer" in stages and task == 0 else _existing_tokenizer(out)
     if "tokenize" in stages:
-        tokenize_shards(cfg, work, model, status, task, tasks)
-    if "manifest" not in stages:
+        tokenize_shards(cfg, model, [(s.jsonl, s.file("tokens", "")) for s in index.shards],
+                        lambda k: index.status(index.shards[k]), task, tasks)
+    if "manifest" not in stages or task != 0:
         return {}
-    for src in cfg.sources:
-        all_counts.setdefault(src.name, json.loads((work / "ingest" / src.name / "counts.json").read_text()))
-    return _finish(cfg, out, work, corpus, status, all_counts, model)
+    all_counts = {src.name: json.loads((work / "ingest" / src.name / "counts.json").read_text())
+                  for src in cfg.sources}
+    return _finish(cfg, out, index, all_counts, model)

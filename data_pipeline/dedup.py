@@ -18,8 +18,8 @@ from data_pipeline.minhash import (
     candidate_pairs,
     jaccard,
     signatures,
-    union_find,
 )
+from framework.errors import ConfigError
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -29,6 +29,13 @@ class DedupConfig:
     near: bool = True
     """MinHash LSH near-duplicate removal."""
     minhash: MinHashConfig = field(default_factory=MinHashConfig)
+    partition_docs: int = 1 << 19
+    """Documents per partition of the sharded exact and near stages: a task holds about this many documents'
+    hashes, band keys or candidate pairs at once (docs/DATA.md, "Sharding"); the result does not depend on it."""
+
+    def validate(self) -> None:
+        if self.partition_docs < 1:
+            raise ConfigError(f"dedup.partition_docs={self.partition_docs} must be >= 1 (default {1 << 19})")
 
 
 def _preference(priority: np.ndarray) -> np.ndarray:
@@ -58,71 +65,125 @@ class NearDedupResult:
     keep: np.ndarray
     """Bool mask: False for documents removed as near duplicates."""
     cluster: np.ndarray
-    """Component label of every document (its smallest member index); singletons label themselves."""
+    """Cluster label of every document: a removed document's kept representative, else the document itself — a
+    star around one kept document, so a label never chains documents that are not each near the representative."""
     candidates: int
     verified: int
+    similarity: np.ndarray | None = None
+    """Per document: the verified Jaccard of a removed document with its representative (NaN for kept ones, and
+    without verification)."""
 
     def report(self, limit: int = 50, names: Sequence[str] | None = None) -> dict[str, Any]:
-        """Cluster sizes and the largest clusters (kept and removed members), JSON-able."""
-        labels, sizes = np.unique(self.cluster, return_counts=True)
-        multi = labels[sizes > 1]
-        hist = np.bincount(sizes[sizes > 1]) if len(multi) else np.zeros(0, dtype=np.int64)
-        top = multi[np.argsort(-sizes[sizes > 1], kind="stable")][:limit]
+        """Cluster sizes and the largest clusters (the kept representative and what was removed for it)."""
+        removed = np.flatnonzero(~self.keep)
+        sim = self.similarity if self.similarity is not None else np.full(len(self.keep), np.nan)
         show = (lambda i: names[i]) if names is not None else (lambda i: int(i))
-        clusters = []
-        for lab in top:
-            members = np.flatnonzero(self.cluster == lab)
-            clusters.append({"size": len(members), "kept": [show(i) for i in members[self.keep[members]]],
-                             "removed": [show(i) for i in members[~self.keep[members]]][:20]})
-        return {"clusters": len(multi), "removed": int((~self.keep).sum()), "candidate_pairs": self.candidates,
-                "verified_pairs": self.verified, "size_histogram": {str(s): int(c) for s, c in enumerate(hist) if c},
-                "largest": clusters}
+        return star_report(removed, self.cluster[removed], sim[removed], show, candidates=self.candidates,
+                           verified=self.verified, limit=limit)
 
 
-def greedy_keep(n: int, edges: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """Which documents survive: in preference order, a document is removed iff it has an edge to a kept one.
+def star_report(removed: np.ndarray, rep: np.ndarray, sim: np.ndarray, show: Callable[[int], Any], *,
+                candidates: int, verified: int, limit: int = 50) -> dict[str, Any]:
+    """The cluster report: clusters are stars (a kept representative and the documents removed for it), with
+    their size histogram and the `limit` largest, each removed member with its Jaccard to the representative."""
+    reps, sizes = np.unique(rep, return_counts=True)
+    hist = np.bincount(sizes + 1) if len(reps) else np.zeros(0, dtype=np.int64)
+    top = reps[np.argsort(-sizes, kind="stable")][:limit]
+    order = np.argsort(rep, kind="stable")
+    clusters = []
+    for r in top.tolist():
+        lo, hi = np.searchsorted(rep[order], [r, r + 1])
+        members = order[lo:hi]
+        clusters.append({"size": int(hi - lo + 1), "kept": show(r), "removed": [
+            {"doc": show(int(removed[m])), "jaccard": None if np.isnan(sim[m]) else round(float(sim[m]), 4)}
+            for m in members[:20].tolist()]})
+    return {"clusters": len(reps), "removed": len(removed), "candidate_pairs": int(candidates),
+            "verified_pairs": int(verified), "size_histogram": {str(s): int(c) for s, c in enumerate(hist) if c},
+            "largest": clusters}
 
-    Removing all but one member of a union-find component would drop documents connected only through a
-    chain (A~B, B~C, yet A and C far apart); this rule removes a document only next to a kept one, so with
-    verified edges every removed document has Jaccard >= threshold with a kept member of its cluster.
+
+def assign_removals(b: np.ndarray, a: np.ndarray, lo: int, hi: int,
+                    removed_before: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Which documents of the rank range [lo, hi) are removed, and for which kept document.
+
+    Documents are numbered by keep-preference rank (0 is kept first). Edges (b, a) are verified pairs with a < b,
+    sorted by (b, a), every b in [lo, hi); `removed_before(ranks)` says which documents of rank < lo were removed
+    (decided already). The rule, in rank order: a document is removed iff it has an edge to a kept document of
+    better rank, and it is assigned to the best-ranked such document (its representative). Returns (indexes into
+    the edges of the assignments, sorted by b) — one per removed document — and the mask of removed ranks in
+    [lo, hi).
     """
-    keep = np.ones(n, dtype=bool)
-    if not len(edges):
-        return keep
-    neighbours: dict[int, list[int]] = {}
-    for i, j in edges.tolist():
-        neighbours.setdefault(i, []).append(j)
-        neighbours.setdefault(j, []).append(i)
-    for doc in sorted(neighbours, key=lambda d: rank[d]):
-        if any(keep[o] and rank[o] < rank[doc] for o in neighbours[doc]):
-            keep[doc] = False
-    return keep
+    removed = np.zeros(hi - lo, dtype=bool)
+    chosen: list[int] = []
+    if not len(b):
+        return np.zeros(0, dtype=np.int64), removed
+    early = a < lo
+    gone = np.zeros(len(a), dtype=bool)
+    gone[early] = removed_before(a[early])
+    starts = np.flatnonzero(np.diff(b, prepend=b[0] - 1))
+    ends = np.append(starts[1:], len(b))
+    if not (~early).any():  # every representative candidate decided already: vectorized
+        kept_edge = np.flatnonzero(~gone)
+        pos = np.searchsorted(kept_edge, starts)
+        has = pos < len(kept_edge)
+        has[has] = kept_edge[pos[has]] < ends[has]
+        first = kept_edge[pos[has]]
+        removed[b[first] - lo] = True
+        return first.astype(np.int64), removed
+    al, bl, gl = a.tolist(), b.tolist(), gone.tolist()
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        for k in range(s, e):
+            if not (gl[k] if al[k] < lo else removed[al[k] - lo]):
+                removed[bl[k] - lo] = True
+                chosen.append(k)
+                break
+    return np.asarray(chosen, dtype=np.int64), removed
+
+
+def preference_rank(priority: np.ndarray) -> np.ndarray:
+    """Rank of every document in keep-preference order: higher priority first, then earlier."""
+    return _preference(priority)
 
 
 def cluster_signatures(sig: np.ndarray, cfg: MinHashConfig, *, priority: np.ndarray | None = None,
                        shingles_of: Callable[[np.ndarray], Sequence[np.ndarray]] | None = None
                        ) -> NearDedupResult:
-    """Band the signatures, verify candidate pairs (when configured), cluster, keep one per cluster.
+    """Band the signatures, verify candidate pairs (when configured), remove documents next to kept ones.
 
     Args:
         sig: (n, bands * rows) MinHash signatures.
         cfg: MinHash settings (bands, rows, probe, verify_threshold).
-        priority: Per document; each removal keeps the higher-priority (then earlier) document.
+        priority: Per document; a removed document always has a kept one of higher priority (then earlier).
         shingles_of: Shingle hashes of the given documents; required for verification.
     """
     n = sig.shape[0]
-    pairs = candidate_pairs(band_keys(sig, cfg.bands, cfg.rows, cfg.probe))
-    edges = pairs
+    rank = _preference(np.zeros(n) if priority is None else np.asarray(priority))
+    by_rank = np.argsort(rank)
+    pairs = candidate_pairs(band_keys(sig[by_rank], cfg.bands, cfg.rows, cfg.probe))  # in rank space
+    edges, sims = pairs, np.full(len(pairs), np.nan)
     if cfg.verify_threshold is not None and len(pairs):
         if shingles_of is None:
             raise ValueError("shingles_of is needed to verify candidate pairs")
-        involved = np.unique(pairs)
-        sets = {i: np.unique(h) for i, h in zip(involved.tolist(), shingles_of(involved), strict=True)}
-        ok = [jaccard(sets[i], sets[j]) >= cfg.verify_threshold for i, j in pairs.tolist()]
-        edges = pairs[np.asarray(ok, dtype=bool)]
-    labels = union_find(n, map(tuple, edges))
-    keep = greedy_keep(n, edges, _preference(np.zeros(n) if priority is None else np.asarray(priority)))
-    return NearDedupResult(keep=keep, cluster=labels, candidates=len(pairs), verified=len(edges))
+        sims = verify_pairs(pairs, lambda r: shingles_of(by_rank[r]))
+        edges, sims = pairs[sims >= cfg.verify_threshold], sims[sims >= cfg.verify_threshold]
+    order = np.lexsort((edges[:, 0], edges[:, 1]))
+    b, a, sims = edges[order, 1], edges[order, 0], sims[order]
+    chosen, removed = assign_removals(b, a, 0, n, lambda r: np.zeros(len(r), dtype=bool))
+    keep = np.ones(n, dtype=bool)
+    keep[by_rank[removed]] = False
+    cluster = np.arange(n, dtype=np.int64)
+    cluster[by_rank[b[chosen]]] = by_rank[a[chosen]]
+    similarity = np.full(n, np.nan)
+    similarity[by_rank[b[chosen]]] = sims[chosen]
+    return NearDedupResult(keep=keep, cluster=cluster, candidates=len(pairs), verified=len(edges),
+                           similarity=similarity)
+
+
+def verify_pairs(pairs: np.ndarray, shingles_of: Callable[[np.ndarray], Sequence[np.ndarray]]) -> np.ndarray:
+    """Exact shingle Jaccard of each pair (m, 2) of document ids; `shingles_of(ids)` gives their shingle hashes."""
+    involved = np.unique(pairs)
+    sets = {i: np.unique(h) for i, h in zip(involved.tolist(), shingles_of(involved), strict=True)}
+    return np.array([jaccard(sets[i], sets[j]) for i, j in pairs.tolist()], dtype=np.float64)
 
 
 def near_dedup(texts: Sequence[str], cfg: MinHashConfig, priority: np.ndarray | None = None) -> NearDedupResult:

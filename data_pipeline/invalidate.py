@@ -4,9 +4,10 @@ changed, and says which. The dependency table (docs/DATA.md):
 
     ingest/<s>    source s's own settings (path, format, fields, split, glob, its filters and their
                   parameters, its effective normalization) and shard_docs
+    exact         every ingest key, every priority, dedup.exact and dedup.partition_docs
     minhash/<s>   ingest/<s> and the signature settings (ngram, bands, rows)
-    exact         every ingest key, every priority, dedup.exact
-    near          exact, every minhash key, dedup.near and the rest of dedup.minhash
+    bands/<s>     minhash/<s>, exact (exact duplicates get no band keys) and probe
+    near          exact, every bands key, dedup.near and the rest of dedup (pairs, verify and near)
     tokenizer     a given tokenizer file's bytes; or (trained) near, the tokenizer settings and seed
     tokenize/<s>  tokenizer and near (the kept documents of every source can change with any source's filter)
     manifest      all of the above
@@ -27,8 +28,9 @@ from data_pipeline.filters import resolve_filters
 from framework.config.core import to_dict
 
 STAMPS = "stamps.json"
-INGEST_VERSION = 2
-"""Bump when ingest's output for the same settings changes (a new filter rule, the per-document `where`)."""
+INGEST_VERSION = 3
+"""Bump when ingest's output for the same settings changes (a new filter rule, the per-document `where`; 3: ingest
+units and sorted hashes)."""
 
 
 def file_sha256(path: str | Path) -> str:
@@ -50,10 +52,12 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
             "v": INGEST_VERSION, "source": own, "filters": names, "shard_docs": cfg.shard_docs,
             "params": {n: to_dict(getattr(cfg.filters, n)) for n in names},
             "normalize": to_dict(cfg.source_normalize(src))})
-        keys[f"minhash/{src.name}"] = config_key([keys[f"ingest/{src.name}"], mh["ngram"], mh["bands"], mh["rows"]])
     ingest = [[s.name, s.priority, keys[f"ingest/{s.name}"]] for s in cfg.sources]
-    keys["exact"] = config_key([ingest, cfg.dedup.exact])
-    keys["near"] = config_key([keys["exact"], [keys[f"minhash/{s.name}"] for s in cfg.sources],
+    keys["exact"] = config_key([ingest, cfg.dedup.exact, cfg.dedup.partition_docs])
+    for src in cfg.sources:
+        keys[f"minhash/{src.name}"] = config_key([keys[f"ingest/{src.name}"], mh["ngram"], mh["bands"], mh["rows"]])
+        keys[f"bands/{src.name}"] = config_key([keys[f"minhash/{src.name}"], keys["exact"], mh["probe"]])
+    keys["near"] = config_key([keys["exact"], [keys[f"bands/{s.name}"] for s in cfg.sources],
                                to_dict(cfg.dedup)])
     tok = to_dict(cfg.tokenizer)
     if tok.get("model"):
@@ -71,11 +75,13 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
 def _outputs(unit: str, out: Path) -> list[Path]:
     work = out / "work"
     stage, _, source = unit.partition("/")
-    if stage in ("ingest", "minhash"):
+    if stage in ("ingest", "minhash", "bands"):
         return [work / stage / source]
     if stage == "tokenize":
         return [work / "tokens" / source]
-    return {"exact": [work / "exact_keep.npy"], "near": [work / "near_keep.npy", out / "cluster_report.json"],
+    return {"exact": [work / "exact"],
+            "near": [work / "pairs", work / "verify", work / "near", out / "cluster_report.json",
+                     out / "near_duplicates.jsonl"],
             "tokenizer": [out / p for p in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json")],
             "manifest": [out / MANIFEST]}[stage]
 

@@ -76,7 +76,7 @@ class _Powers:
 _POWERS = _Powers()
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer: spreads every input bit over the whole word."""
     with np.errstate(over="ignore"):
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -104,7 +104,7 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     doc_starts = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum([len(e) + 1 for e in encoded], out=doc_starts[1:])
     first_word = np.searchsorted(starts, doc_starts)
-    return _mix64(raw), first_word
+    return mix64(raw), first_word
 
 
 def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
@@ -189,30 +189,51 @@ def band_keys(sig: np.ndarray, bands: int, rows: int, probe: bool = False) -> np
     return np.concatenate(out, axis=1)
 
 
-def candidate_pairs(keys: np.ndarray, small_group: int = 8) -> np.ndarray:
-    """Pairs (i, j), i < j, of documents sharing a key in any column; shape (m, 2), unique.
+def flat_keys(keys: np.ndarray) -> np.ndarray:
+    """One 64-bit key per (document, band column), the column folded in, so a single sorted list of keys holds
+    every band (equal values in different bands never meet): shape (n * columns,), row-major."""
+    cols = np.arange(keys.shape[1], dtype=np.uint64) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        return mix64(keys ^ (cols[None, :] * _SHINGLE_MULT)).ravel()
 
-    Within a group of at most `small_group` documents every pair is listed; in larger groups each member is
-    paired with the group's first (enough for union-find, and it keeps pathological buckets linear).
+
+def group_pairs(keys: np.ndarray, ids: np.ndarray, small_group: int = 8) -> np.ndarray:
+    """Pairs (i, j), i < j, of ids sharing a key; shape (m, 2), unique, sorted.
+
+    Within a group of at most `small_group` ids every pair is listed; in larger groups each member is paired with
+    the group's smallest id (enough for union-find, and it keeps pathological buckets linear). The pairs depend
+    only on which ids share which keys, so any partition of the key space gives the same pairs.
     """
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(keys) < 2:
+        return np.zeros((0, 2), dtype=np.int64)
+    order = np.lexsort((ids, keys))
+    ks, members_all = keys[order], ids[order]
+    starts = np.concatenate([[0], np.flatnonzero(ks[1:] != ks[:-1]) + 1])
+    sizes = np.diff(np.concatenate([starts, [len(ks)]]))
     pairs = []
-    n = keys.shape[0]
-    for col in range(keys.shape[1]):
-        order = np.argsort(keys[:, col], kind="stable")
-        ks = keys[order, col]
-        starts = np.concatenate([[0], np.flatnonzero(ks[1:] != ks[:-1]) + 1])
-        sizes = np.diff(np.concatenate([starts, [n]]))
-        for size in np.unique(sizes[(sizes > 1) & (sizes <= small_group)]):
-            members = order[starts[sizes == size][:, None] + np.arange(size)]  # (groups, size)
-            ii, jj = np.triu_indices(int(size), 1)
-            pairs.append(np.stack([members[:, ii].ravel(), members[:, jj].ravel()], axis=1))
-        for s, size in zip(starts[sizes > small_group], sizes[sizes > small_group], strict=True):
-            members = np.sort(order[s:s + size])
-            pairs.append(np.stack([np.full(size - 1, members[0]), members[1:]], axis=1))
+    for size in np.unique(sizes[(sizes > 1) & (sizes <= small_group)]):
+        members = members_all[starts[sizes == size][:, None] + np.arange(size)]  # (groups, size), ids ascending
+        ii, jj = np.triu_indices(int(size), 1)
+        pairs.append(np.stack([members[:, ii].ravel(), members[:, jj].ravel()], axis=1))
+    big = sizes > small_group
+    if big.any():
+        firsts = np.repeat(members_all[starts[big]], sizes[big] - 1)
+        rest = np.ones(len(ks), dtype=bool)
+        rest[starts] = False
+        in_big = np.repeat(big, sizes)
+        pairs.append(np.stack([firsts, members_all[rest & in_big]], axis=1))
     if not pairs:
         return np.zeros((0, 2), dtype=np.int64)
-    allp = np.sort(np.concatenate(pairs).astype(np.int64), axis=1)
+    allp = np.concatenate(pairs)
+    allp = allp[allp[:, 0] != allp[:, 1]]  # one document repeating a key (two columns folded alike)
     return np.unique(allp, axis=0)
+
+
+def candidate_pairs(keys: np.ndarray, small_group: int = 8) -> np.ndarray:
+    """Pairs (i, j), i < j, of documents sharing a key in any column of `keys` (n, columns); see `group_pairs`."""
+    n = keys.shape[0]
+    return group_pairs(flat_keys(keys), np.repeat(np.arange(n, dtype=np.int64), keys.shape[1]), small_group)
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:

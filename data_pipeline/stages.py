@@ -1,13 +1,16 @@
 """The shardable stages of a build, each resumable: a unit of work is skipped when its output exists.
 
 Layout under `<output_dir>/work/`:
-    ingest/<source>/shard-K.jsonl, shard-K.hash.npy   normalized, filtered documents ("t") with where each came
-                                                      from ("w": file:line or file), and their hashes
-    ingest/<source>/counts.json                       per-source accounting; written last = source done
-    ingest/<source>/rejects.jsonl                     malformed records with their reason
-    ingest/<source>/filtered.jsonl                    the first documents each filter rule removed (samples)
-    minhash/<source>/shard-K.sig.npy                  MinHash signatures (uint32, docs x bands*rows)
-    tokens/<source>/shard-K.{bin,idx}, .stats.json    tokens of kept documents (megatron-core's builder)
+    ingest/<source>/shard-U-K.jsonl, .hash.npy      normalized, filtered documents ("t") of ingest unit U with
+                                                    where each came from ("w": file:line or file), their hashes
+                                                    (.hash.npy) and the hashes sorted with their rows (.hsort.npy)
+    ingest/<source>/unit-U.counts.json              the unit's accounting; written last = unit done
+    ingest/<source>/unit-U.rejects.jsonl            malformed records with their reason
+    ingest/<source>/unit-U.filtered.jsonl           the first documents each filter rule removed (samples)
+    ingest/<source>/counts.json, filtered.jsonl,    the source's sums over its units (and its units' rejects in
+        rejects.jsonl                               order); counts.json written last = source done
+    tokens/<source>/shard-U-K.{bin,idx}, .stats.json  tokens of kept documents (megatron-core's builder)
+The dedup stages between them live in data_pipeline/shards.py.
 Every file is written under a temporary name and renamed, so a killed build leaves no half-written output.
 """
 
@@ -15,9 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
@@ -29,8 +31,16 @@ from data_pipeline.build_config import BuildConfig, SourceConfig
 from data_pipeline.cache import write_json_atomic
 from data_pipeline.filters import apply_filters, resolve_filters
 from data_pipeline.indexed import IndexedWriter, import_megatron_builder
-from data_pipeline.ingest import read_records
-from data_pipeline.minhash import signatures
+from data_pipeline.ingest import (
+    Record,
+    input_files,
+    list_text_files,
+    read_jsonl,
+    read_parquet,
+    read_records,
+    read_text_tree,
+    resolve_format,
+)
 from data_pipeline.normalize import NormalizeConfig, doc_hash, normalize
 from data_pipeline.progress import Progress, log
 
@@ -69,7 +79,20 @@ def list_shards(work: Path, stage: str, source: str, suffix: str) -> list[Path]:
 _W: dict[str, Any] = {}  # per-worker state set by the pool initializer (fork start: inherited cheaply)
 
 
+def die_with_parent() -> None:
+    """Pool initializer: the kernel kills this worker when the process that forked it dies (SIGKILL, OOM), so a
+    killed build leaves no orphaned workers behind (Linux prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _init_filter_worker(norm: NormalizeConfig, cfg: BuildConfig, names: tuple[str, ...]) -> None:
+    die_with_parent()
     _W["norm"], _W["cfg"], _W["names"] = norm, cfg, names
 
 
@@ -95,14 +118,13 @@ def _filter_chunk(texts: list[str]) -> list[Result]:
     return out
 
 
-def _chunks(src: SourceConfig, counts: dict[str, Any], rejects: Any, wheres: deque[list[str]]
-            ) -> Iterator[list[str]]:
+def _chunks(src: SourceConfig, records: Iterator[Record], counts: dict[str, Any], rejects: Any,
+            wheres: deque[list[str]]) -> Iterator[list[str]]:
     """Chunks of document texts (their `where`s appended to `wheres`); malformed records are counted (and written
     to `rejects`) here."""
     chunk: list[str] = []
     where: list[str] = []
-    for rec in read_records(src.path, src.format, src.text_field, src.glob, src.hf_builder, src.split,
-                            src.encoding_fallback):
+    for rec in records:
         counts["in"] += 1
         if rec.text is None:
             _malformed(counts, str(rec.reason), len(rec.raw or ""))
@@ -143,8 +165,8 @@ def _ordered(pool: ProcessPoolExecutor, chunks: Iterator[list[str]], depth: int)
 
 
 class _ShardWriter:
-    def __init__(self, out: Path, shard_docs: int) -> None:
-        self.out, self.shard_docs, self.k = out, shard_docs, 0
+    def __init__(self, out: Path, prefix: str, shard_docs: int) -> None:
+        self.out, self.prefix, self.shard_docs, self.k = out, prefix, shard_docs, 0
         self.texts: list[tuple[str, str]] = []
 
     def add(self, text: str, where: str) -> None:
@@ -155,13 +177,15 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self.texts:
             return
-        name = shard_name(self.k)
+        name = f"{self.prefix}-{self.k:05d}"
         tmp = self.out / f"{name}.jsonl.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             for t, w in self.texts:
                 f.write(json.dumps({"t": t, "w": w}, ensure_ascii=False) + "\n")
-        save_npy_atomic(self.out / f"{name}.hash.npy",
-                        np.array([doc_hash(t) for t, _ in self.texts], dtype=np.uint64))
+        hashes = np.array([doc_hash(t) for t, _ in self.texts], dtype=np.uint64)
+        save_npy_atomic(self.out / f"{name}.hash.npy", hashes)
+        order = np.argsort(hashes, kind="stable")  # hash-prefix partitions of the exact stage slice this
+        save_npy_atomic(self.out / f"{name}.hsort.npy", np.stack([hashes[order], order.astype(np.uint64)]))
         tmp.replace(self.out / f"{name}.jsonl")
         self.k, self.texts = self.k + 1, []
 
@@ -172,92 +196,181 @@ def new_counts() -> dict[str, Any]:
                       "trimmed": Counter()}}
 
 
-def ingest_source(cfg: BuildConfig, src: SourceConfig, work: Path) -> dict[str, Any]:
-    """Stage 1 for one source; returns its counts (and skips the work when they were already written)."""
-    out = work / "ingest" / src.name
-    done = out / "counts.json"
-    if done.is_file():
-        counts: dict[str, Any] = json.loads(done.read_text())
-        return counts
-    shutil.rmtree(out, ignore_errors=True)  # a partial earlier attempt: redo this source from scratch
-    out.mkdir(parents=True)
+Unit = list[Path] | None
+"""The files one ingest unit reads (None: the whole source, for sources that cannot be split)."""
+
+
+def source_units(src: SourceConfig, shard_docs: int) -> list[Unit]:
+    """A source cut into units of ingest work, independent of the task count: one per file of a jsonl or parquet
+    directory, `shard_docs` files of a text tree, the whole source for HF datasets and a single file."""
+    path = Path(os.path.expanduser(src.path))
+    fmt = resolve_format(path, src.format)
+    if src.hf_builder is not None or fmt == "hf" or path.is_file():
+        return [None]
+    if fmt == "text":
+        files = list_text_files(path, src.glob)
+        return [files[i:i + shard_docs] for i in range(0, len(files), shard_docs)]
+    return [[f] for f in input_files(path, fmt)]
+
+
+def _unit_records(src: SourceConfig, unit: Unit) -> Iterator[Record]:
+    if unit is None:
+        yield from read_records(src.path, src.format, src.text_field, src.glob, src.hf_builder, src.split,
+                                src.encoding_fallback)
+        return
+    fmt = resolve_format(src.path, src.format)
+    for f in unit:
+        if fmt == "text":
+            yield from read_text_tree(f, "*", src.encoding_fallback)
+        elif fmt == "parquet":
+            yield from read_parquet(f, src.text_field)
+        else:
+            yield from read_jsonl(f, src.text_field)
+
+
+def unit_name(u: int) -> str:
+    return f"unit-{u:05d}"
+
+
+def ingest_stage(cfg: BuildConfig, work: Path, task: int = 0, tasks: int = 1) -> None:
+    """Stage 1: every source's units, numbered across sources in config order; this task does unit g with
+    g % tasks == task. A source's counts.json is written by whichever task finishes its last unit."""
+    g = 0
+    for src in cfg.sources:
+        out = work / "ingest" / src.name
+        units = source_units(src, cfg.shard_docs)
+        mine = [u for u in range(len(units)) if (g + u) % tasks == task]
+        g += len(units)
+        if (out / "counts.json").is_file():
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        todo = [u for u in mine if not (out / f"{unit_name(u)}.counts.json").is_file()]
+        if todo:
+            _ingest_units(cfg, src, out, units, todo)
+        if all((out / f"{unit_name(u)}.counts.json").is_file() for u in range(len(units))):
+            _finish_source(out, len(units))
+
+
+def _ingest_units(cfg: BuildConfig, src: SourceConfig, out: Path, units: list[Unit], todo: list[int]) -> None:
+    names = resolve_filters(src.filters, src.profile)
+    bar = Progress(f"ingest {src.name}", "doc")
+    total = new_counts()
+    with ProcessPoolExecutor(cfg.workers, mp_context=get_context("fork"), initializer=_init_filter_worker,
+                             initargs=(cfg.source_normalize(src), cfg, names)) as pool:
+        for u in todo:
+            for old in [*out.glob(f"shard-{u:05d}-*"), *out.glob(f"{unit_name(u)}.*")]:
+                old.unlink()  # a partial earlier attempt at this unit: redo it from scratch
+            counts = _ingest_unit(cfg, src, out, u, units[u], pool, bar)
+            _merge_counts(total, counts)
+    chars = total["chars"]
+    bar.close(f"{total['in']:,} records, {total['kept']:,} kept after filters, "
+              f"{sum(total['malformed'].values()):,} malformed in {len(todo)} of {len(units)} units; characters "
+              f"{chars['in']:,} -> {chars['after_filters']:,} "
+              f"({100 * chars['after_filters'] / max(1, chars['in']):.1f}%)")
+
+
+def _ingest_unit(cfg: BuildConfig, src: SourceConfig, out: Path, u: int, unit: Unit, pool: ProcessPoolExecutor,
+                 bar: Progress) -> dict[str, Any]:
     counts = new_counts()
     chars = counts["chars"]
-    names = resolve_filters(src.filters, src.profile)
-    writer = _ShardWriter(out, cfg.shard_docs)
-    rejects = open(out / "rejects.jsonl", "w", encoding="utf-8") if cfg.rejects else None
-    samples = open(out / "filtered.jsonl", "w", encoding="utf-8")
+    writer = _ShardWriter(out, f"shard-{u:05d}", cfg.shard_docs)
+    rejects = open(out / f"{unit_name(u)}.rejects.jsonl", "w", encoding="utf-8") if cfg.rejects else None
+    samples = open(out / f"{unit_name(u)}.filtered.jsonl", "w", encoding="utf-8")
     wheres: deque[list[str]] = deque()
-    bar = Progress(f"ingest {src.name}", "doc")
     try:
-        with ProcessPoolExecutor(cfg.workers, mp_context=get_context("fork"), initializer=_init_filter_worker,
-                                 initargs=(cfg.source_normalize(src), cfg, names)) as pool:
-            chunks = _chunks(src, counts, rejects, wheres)
-            for results in _ordered(pool, chunks, depth=4 * cfg.workers):
-                for (kept, reason, n_chars, trimmed), where in zip(results, wheres.popleft(), strict=True):
-                    if reason is not None and reason.startswith("malformed:"):
-                        _malformed(counts, reason.split(":", 1)[1], n_chars)
-                        continue
-                    chars["in"] += n_chars
-                    if kept is None:
-                        counts["filtered"][reason] += 1
-                        chars["filtered"][reason] += n_chars
-                        if counts["filtered"][reason] <= FILTERED_SAMPLES:
-                            samples.write(json.dumps({"reason": reason, "where": where, "chars": n_chars},
-                                                     ensure_ascii=False) + "\n")
-                    else:
-                        counts["kept"] += 1
-                        chars["after_filters"] += len(kept)
-                        chars["trimmed"].update(trimmed)
-                        writer.add(kept, where)
-                bar.update(len(results))
+        chunks = _chunks(src, _unit_records(src, unit), counts, rejects, wheres)
+        for results in _ordered(pool, chunks, depth=4 * cfg.workers):
+            for (kept, reason, n_chars, trimmed), where in zip(results, wheres.popleft(), strict=True):
+                if reason is not None and reason.startswith("malformed:"):
+                    _malformed(counts, reason.split(":", 1)[1], n_chars)
+                    continue
+                chars["in"] += n_chars
+                if kept is None:
+                    counts["filtered"][reason] += 1
+                    chars["filtered"][reason] += n_chars
+                    if counts["filtered"][reason] <= FILTERED_SAMPLES:
+                        samples.write(json.dumps({"reason": reason, "where": where, "chars": n_chars},
+                                                 ensure_ascii=False) + "\n")
+                else:
+                    counts["kept"] += 1
+                    chars["after_filters"] += len(kept)
+                    chars["trimmed"].update(trimmed)
+                    writer.add(kept, where)
+            bar.update(len(results))
         writer.flush()
     finally:
         samples.close()
         if rejects is not None:
             rejects.close()
-    for part in (counts, chars):
-        for k, v in part.items():
-            if isinstance(v, Counter):
-                part[k] = dict(sorted(v.items()))
     counts["shards"] = writer.k
-    bar.close(f"{counts['in']:,} records, {counts['kept']:,} kept after filters, "
-              f"{sum(counts['malformed'].values()):,} malformed; characters {chars['in']:,} -> "
-              f"{chars['after_filters']:,} ({100 * chars['after_filters'] / max(1, chars['in']):.1f}%)")
-    write_json_atomic(done, counts)
+    write_json_atomic(out / f"{unit_name(u)}.counts.json", _plain(counts))
     return counts
 
 
-# ---- minhash signatures, one shard per task ----
-
-def _signature_task(args: tuple[Path, Path, Any]) -> None:
-    shard, out, mh = args
-    save_npy_atomic(out, signatures(read_shard_texts(shard), mh))
-
-
-def minhash_shards(cfg: BuildConfig, work: Path, task: int = 0, tasks: int = 1) -> None:
-    """Signatures of every ingested shard (this task's share: shards with index % tasks == task)."""
-    jobs = []
-    for src in cfg.sources:
-        for i, shard in enumerate(list_shards(work, "ingest", src.name, ".jsonl")):
-            out = work / "minhash" / src.name / shard.name.replace(".jsonl", ".sig.npy")
-            if i % tasks == task and not out.is_file():
-                out.parent.mkdir(parents=True, exist_ok=True)
-                jobs.append((shard, out, cfg.dedup.minhash))
-    _run_pool(_signature_task, jobs, cfg.workers, "minhash")
+def _plain(counts: dict[str, Any]) -> dict[str, Any]:
+    out = dict(counts)
+    out["chars"] = dict(counts["chars"])
+    for part in (out, out["chars"]):
+        for k, v in part.items():
+            if isinstance(v, Counter | dict) and k != "chars":
+                part[k] = dict(sorted(v.items()))
+    return out
 
 
-def _run_pool(fn: Any, jobs: list[Any], workers: int, desc: str) -> None:
-    """Run shard jobs in worker processes; a worker that dies (e.g. OOM-killed) fails the stage loudly
-    (BrokenProcessPool) instead of hanging, and the rerun redoes only the unfinished shards."""
+def _merge_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
+    for key in ("in", "kept", "shards"):
+        total[key] = total.get(key, 0) + part.get(key, 0)
+    for key in ("filtered", "malformed", "notes"):
+        total[key].update(part[key])
+    tc, pc = total["chars"], part["chars"]
+    for key in ("in", "after_filters"):
+        tc[key] += pc[key]
+    for key in ("filtered", "malformed", "trimmed"):
+        tc[key].update(pc[key])
+
+
+def _finish_source(out: Path, n_units: int) -> None:
+    """A source's counts.json (the sum over its units) and filtered.jsonl (the first samples per rule, in order)."""
+    total = new_counts()
+    total["shards"] = 0
+    per_rule: Counter[str] = Counter()
+    tmp = out / "filtered.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for u in range(n_units):
+            _merge_counts(total, json.loads((out / f"{unit_name(u)}.counts.json").read_text()))
+            for line in (out / f"{unit_name(u)}.filtered.jsonl").read_text(encoding="utf-8").splitlines():
+                reason = json.loads(line)["reason"]
+                per_rule[reason] += 1
+                if per_rule[reason] <= FILTERED_SAMPLES:
+                    f.write(line + "\n")
+    tmp.replace(out / "filtered.jsonl")
+    rejects = [out / f"{unit_name(u)}.rejects.jsonl" for u in range(n_units)]
+    if any(p.is_file() for p in rejects):
+        with open(out / "rejects.jsonl.tmp", "wb") as f:
+            for p in rejects:
+                if p.is_file():
+                    f.write(p.read_bytes())
+        (out / "rejects.jsonl.tmp").replace(out / "rejects.jsonl")
+    write_json_atomic(out / "counts.json", _plain(total))
+
+
+def run_pool(fn: Any, jobs: list[Any], workers: int, desc: str) -> None:
+    """Run a stage's units in worker processes; a worker that dies (e.g. OOM-killed) fails the stage loudly
+    (BrokenProcessPool) instead of hanging, and the rerun redoes only the unfinished units."""
     if not jobs:
         return
-    bar = Progress(desc, "shard", total=len(jobs))
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("fork")) as pool:
-        futures = [pool.submit(fn, job) for job in jobs]
-        for fut in as_completed(futures):
-            fut.result()
+    bar = Progress(desc, "unit", total=len(jobs))
+    if workers == 1 or len(jobs) == 1:
+        for job in jobs:
+            fn(job)
             bar.update()
+    else:
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("fork"),
+                                 initializer=die_with_parent) as pool:
+            futures = [pool.submit(fn, job) for job in jobs]
+            for fut in as_completed(futures):
+                fut.result()
+                bar.update()
     bar.close()
 
 
@@ -285,16 +398,16 @@ def _tokenize_task(args: tuple[Path, Path, str, np.ndarray]) -> None:
         **{k: int(tokens[i]) for i, k in enumerate(names)}, "chars": {k: int(chars[i]) for i, k in enumerate(names)}})
 
 
-def tokenize_shards(cfg: BuildConfig, work: Path, model: Path, status: dict[str, list[np.ndarray]],
-                    task: int = 0, tasks: int = 1) -> None:
-    """Tokens of each shard's kept documents, with EOS after each, into a partial .bin/.idx."""
+def tokenize_shards(cfg: BuildConfig, model: Path, shards: Sequence[tuple[Path, Path]],
+                    status_of: Callable[[int], np.ndarray], task: int = 0, tasks: int = 1) -> None:
+    """Tokens of each shard's kept documents, with EOS after each, into a partial .bin/.idx (this task's shards:
+    index k with k % tasks == task). `shards` are (ingest jsonl, tokens prefix); `status_of(k)` the documents'
+    outcomes of shard k (0 kept, 1 exact, 2 near duplicate)."""
     jobs = []
-    for src in cfg.sources:
-        for i, shard in enumerate(list_shards(work, "ingest", src.name, ".jsonl")):
-            prefix = work / "tokens" / src.name / shard.name.replace(".jsonl", "")
-            if i % tasks == task and not Path(str(prefix) + ".stats.json").is_file():
-                prefix.parent.mkdir(parents=True, exist_ok=True)
-                jobs.append((shard, prefix, str(model), status[src.name][i]))
+    for k, (jsonl, prefix) in enumerate(shards):
+        if k % tasks == task and not Path(str(prefix) + ".stats.json").is_file():
+            prefix.parent.mkdir(parents=True, exist_ok=True)
+            jobs.append((jsonl, prefix, str(model), status_of(k)))
     if jobs:
         import_megatron_builder()  # once in the parent: forked workers inherit it instead of paying ~4.5 s each
-    _run_pool(_tokenize_task, jobs, cfg.workers, "tokenize")
+    run_pool(_tokenize_task, jobs, cfg.workers, "tokenize")

@@ -116,13 +116,13 @@ def test_bad_records_everywhere_are_counted_and_the_invariant_holds(built) -> No
 def test_interrupted_build_resumes_without_rewriting(built) -> None:  # type: ignore[no-untyped-def]
     tmp_path, sources, _, straight = built
     cfg = _config(tmp_path, sources, "resumed")
-    assert run_build(cfg, stages=("ingest", "minhash")) == {}
+    assert run_build(cfg, stages=("ingest", "exact", "minhash")) == {}
     work = tmp_path / "resumed" / "work"
     shards = sorted((work / "ingest").rglob("shard-*.jsonl"))
     stamps = {p: p.stat().st_mtime_ns for p in shards}
-    sigs = sorted((work / "minhash").rglob("*.sig.npy"))
+    sigs = sorted((work / "bands").rglob("*.keys.npy"))
     sigs[0].unlink()  # as if killed while writing this one (temporary files are never read)
-    (sigs[0].parent / "shard-00000.sig.npy.tmp-1.npy").write_bytes(b"partial garbage")
+    (sigs[0].parent / (sigs[0].name + ".tmp-1.npy")).write_bytes(b"partial garbage")
     resumed = run_build(cfg)
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # finished work was not redone
     assert sigs[0].is_file()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data_pipeline.dedup import exact_keep, greedy_keep, near_dedup
+from data_pipeline.dedup import assign_removals, exact_keep, near_dedup
 from data_pipeline.dedup_eval import make_benchmark, recall_precision, true_jaccard
 from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, shingle_hashes, signatures, word_hashes
 
@@ -60,9 +60,15 @@ def test_bands_and_probe_find_one_row_differences() -> None:
     assert candidate_pairs(band_keys(sig, 14, 8, probe=True)).tolist() == [[0, 1]]
 
 
-def test_greedy_keep_never_removes_through_a_chain() -> None:
-    edges = np.array([[0, 1], [1, 2]])  # 0~1, 1~2, but 0 and 2 unrelated
-    assert greedy_keep(3, edges, np.arange(3)).tolist() == [True, False, True]
+def test_removal_never_goes_through_a_chain_and_names_its_kept_document() -> None:
+    b, a = np.array([1, 2, 3, 3]), np.array([0, 1, 0, 2])  # 0~1, 1~2, 0~3, 2~3 (ranks; 0 and 2 unrelated)
+    chosen, removed = assign_removals(b, a, 0, 4, lambda r: np.zeros(len(r), dtype=bool))
+    assert removed.tolist() == [False, True, False, True]  # 2 is kept: its only better neighbour 1 was removed
+    assert list(zip(b[chosen].tolist(), a[chosen].tolist(), strict=True)) == [(1, 0), (3, 0)]  # best-ranked kept
+    # The same edges split over two rank ranges, [0, 2) decided first: the same answer.
+    first = assign_removals(b[:1], a[:1], 0, 2, lambda r: np.zeros(len(r), dtype=bool))[1]
+    chosen2, removed2 = assign_removals(b[1:], a[1:], 2, 4, lambda r: first[r])
+    assert removed2.tolist() == [False, True] and (a[1:][chosen2] == 0).all()
 
 
 def test_recall_and_precision_on_generated_near_duplicates() -> None:

@@ -22,9 +22,12 @@ def _files(build: Path) -> dict[str, Path]:
     """One file per unit of work, whose rewrite shows the unit ran."""
     w = build / "work"
     return {"ingest/a": w / "ingest/a/counts.json", "ingest/b": w / "ingest/b/counts.json",
-            "minhash/a": w / "minhash/a/shard-00000.sig.npy", "minhash/b": w / "minhash/b/shard-00000.sig.npy",
-            "exact": w / "exact_keep.npy", "near": w / "near_keep.npy", "tokenizer": build / "tokenizer.model",
-            "tokenize/a": w / "tokens/a/shard-00000.stats.json", "tokenize/b": w / "tokens/b/shard-00000.stats.json",
+            "minhash/a": w / "minhash/a/shard-00000-00000.sig.npy",
+            "minhash/b": w / "minhash/b/shard-00000-00000.sig.npy",
+            "exact": w / "exact/part-00000.npy", "near": w / "near/summary.json",
+            "tokenizer": build / "tokenizer.model",
+            "tokenize/a": w / "tokens/a/shard-00000-00000.stats.json",
+            "tokenize/b": w / "tokens/b/shard-00000-00000.stats.json",
             "manifest": build / "manifest.json"}
 
 

@@ -1,0 +1,392 @@
+"""The corpus as ingest shards, and the sharded dedup stages: exact, minhash, pairs, verify, near.
+
+Every document has a rank: its place in keep-preference order (sources by `priority`, highest first, then in
+config order; within a source, ingest order). Dedup works in rank space, so "keep the preferred copy" is "keep the
+smaller rank", and every output is a pure function of the ingested shards — never of how many tasks ran.
+
+Each sharded stage splits its work into units (partitions of the hash space, shards, key ranges, rank ranges)
+numbered independently of the task count; task K of N does the units u with u % N == K, in worker processes, and
+skips a unit whose output exists. A stage that needs another stage's output from every task raises DataError
+naming it when that output is missing (each stage of a SLURM build is its own array job). Layout under `work/`:
+
+    ingest/<s>/shard-U-K.hsort.npy  (2, m) uint64: the shard's document hashes sorted, and their rows
+    exact/part-P.npy                ranks of exact duplicates among the hashes of prefix range P (of E), sorted
+    minhash/<s>/shard-U-K.sig.npy   MinHash signatures (uint32, docs x bands*rows) of every document
+    bands/<s>/shard-U-K.keys.npy    (2, m) uint64: band keys (band folded in) sorted, and their rows; exact
+                                    duplicates left out (the minhash stage writes both)
+    pairs/range-R.npy               (2, m) int64: candidate pairs [worse rank; better rank] of key range R (of R_n),
+                                    sorted
+    verify/part-Q.npy               (b, a, j): verified edges, worse rank b in rank range Q (of Q_n), sorted by
+                                    (b, a), with their Jaccard j; part-Q.json: candidate pairs examined
+    near/part-Q.npy                 (b, a, j): each removed document b of rank range Q with its representative a
+    near/summary.json               the near stage's counts; written last: near dedup done
+
+Partition counts follow `dedup.partition_docs` (P): E = Q_n = ceil(n / P) and R_n = ceil(n * keys per document /
+(16 P)); a task holds one unit's data (docs/DATA.md, "Sharding", gives the memory per task).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_pipeline.build_config import BuildConfig
+from data_pipeline.cache import write_json_atomic
+from data_pipeline.dedup import assign_removals, star_report, verify_pairs
+from data_pipeline.minhash import band_keys, flat_keys, group_pairs, shingle_hashes, signatures
+from data_pipeline.progress import log
+from data_pipeline.stages import list_shards, read_shard_texts, read_shard_where, run_pool, save_npy_atomic
+from framework.errors import DataError
+
+EDGE = np.dtype([("b", "<i8"), ("a", "<i8"), ("j", "<f4")])
+KEYS_PER_RANGE = 16
+"""Band keys per key range, per `partition_docs`: a pairs task sorts about 16 P keys (16 bytes each)."""
+_U64 = 1 << 64
+
+
+@dataclass(frozen=True)
+class Shard:
+    source: str
+    jsonl: Path
+    n: int
+    rank: int
+    """Rank of the shard's first document (its documents have consecutive ranks)."""
+
+    def file(self, stage: str, suffix: str) -> Path:
+        return self.jsonl.parents[2] / stage / self.source / self.jsonl.name.replace(".jsonl", suffix)
+
+
+class CorpusIndex:
+    """Every ingested shard with its rank range; O(shards) memory."""
+
+    def __init__(self, cfg: BuildConfig, work: Path) -> None:
+        self.cfg, self.work = cfg, work
+        by_source: dict[str, list[tuple[Path, int]]] = {}
+        for src in cfg.sources:
+            if not (work / "ingest" / src.name / "counts.json").is_file():
+                raise DataError(f"source {src.name!r} has not finished ingest ({work / 'ingest' / src.name}/"
+                                f"counts.json is missing); run `tessera data build CONFIG --stages ingest` for "
+                                f"every task first")
+            by_source[src.name] = [(p, int(np.load(p.with_name(p.name.replace(".jsonl", ".hash.npy")),
+                                                   mmap_mode="r").shape[0]))
+                                   for p in list_shards(work, "ingest", src.name, ".jsonl")]
+        order = sorted(range(len(cfg.sources)), key=lambda i: (-cfg.sources[i].priority, i))
+        rank, first_rank = 0, {}
+        for i in order:
+            first_rank[i] = rank
+            rank += sum(n for _, n in by_source[cfg.sources[i].name])
+        self.n = rank
+        self.shards: list[Shard] = []
+        for i, src in enumerate(cfg.sources):
+            r = first_rank[i]
+            for path, n in by_source[src.name]:
+                self.shards.append(Shard(src.name, path, n, r))
+                r += n
+        self.by_rank = np.argsort([s.rank for s in self.shards], kind="stable")
+        self.rank_starts = np.array([self.shards[k].rank for k in self.by_rank], dtype=np.int64)
+        self._texts: OrderedDict[int, list[str]] = OrderedDict()
+        self._wheres: OrderedDict[int, list[str]] = OrderedDict()
+
+    def parts(self, per: int) -> int:
+        return max(1, math.ceil(self.n / per))
+
+    def shard_of(self, ranks: np.ndarray) -> np.ndarray:
+        """Index into `shards` of the shard holding each rank."""
+        return self.by_rank[np.searchsorted(self.rank_starts, ranks, side="right") - 1]
+
+    def _cached(self, cache: OrderedDict[int, list[str]], k: int, read: Any) -> list[str]:
+        if k not in cache:
+            if len(cache) >= 16:
+                cache.popitem(last=False)
+            cache[k] = read(self.shards[k].jsonl)
+        cache.move_to_end(k)
+        return cache[k]
+
+    def texts(self, ranks: np.ndarray) -> list[str]:
+        """Texts of documents by rank (each shard read once per call, a few kept in a small cache)."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        out: list[str] = [""] * len(ranks)
+        shard = self.shard_of(ranks)
+        for k in np.unique(shard).tolist():
+            texts = self._cached(self._texts, k, read_shard_texts)
+            for pos in np.flatnonzero(shard == k).tolist():
+                out[pos] = texts[int(ranks[pos]) - self.shards[k].rank]
+        return out
+
+    def name(self, rank: int) -> str:
+        """`source:where` of a document (where: the file and line it was read from)."""
+        k = int(self.shard_of(np.array([rank]))[0])
+        return f"{self.shards[k].source}:{self._cached(self._wheres, k, read_shard_where)[rank - self.shards[k].rank]}"
+
+    def status(self, shard: Shard) -> np.ndarray:
+        """Per document of `shard`: 0 kept, 1 exact duplicate, 2 near duplicate (needs exact and near done)."""
+        st = np.zeros(shard.n, dtype=np.int8)
+        st[exact_removed(self, shard.rank, shard.rank + shard.n) - shard.rank] = 1
+        if self.cfg.dedup.near:
+            st[near_removed(self, shard.rank, shard.rank + shard.n) - shard.rank] = 2
+        return st
+
+
+def _missing(path: Path, stage: str) -> DataError:
+    return DataError(f"{path} is missing: the {stage} stage has not finished for every task; run `tessera data "
+                     f"build CONFIG --stages {stage}` (all tasks) first")
+
+
+def _load(path: Path, stage: str) -> np.ndarray:
+    if not path.is_file():
+        raise _missing(path, stage)
+    return np.load(path, mmap_mode="r")
+
+
+def _slice(sorted_row: np.ndarray, lo: int, hi: int | None) -> tuple[int, int]:
+    """Index bounds of the values in [lo, hi) of a sorted array (hi None: to the end)."""
+    i0 = int(np.searchsorted(sorted_row, np.uint64(lo) if sorted_row.dtype == np.uint64 else lo))
+    if hi is None:
+        return i0, len(sorted_row)
+    return i0, int(np.searchsorted(sorted_row, np.uint64(hi) if sorted_row.dtype == np.uint64 else hi))
+
+
+def _hash_range(p: int, parts: int) -> tuple[int, int | None]:
+    """The p-th of `parts` equal ranges of the 64-bit hash space (the last one open-ended)."""
+    return (p * _U64) // parts, None if p == parts - 1 else ((p + 1) * _U64) // parts
+
+
+def _units(count: int, task: int, tasks: int, done: Any) -> list[int]:
+    return [u for u in range(count) if u % tasks == task and not done(u)]
+
+
+def _run_units(index: CorpusIndex, stage: str, count: int, path: Any, fn: Any, task: int, tasks: int) -> None:
+    """Units u < count of a stage with u % tasks == task whose output `path(work, u)` is missing, in workers."""
+    (index.work / stage).mkdir(exist_ok=True)
+    _CTX["index"] = index
+    jobs = [(u, count) for u in _units(count, task, tasks, lambda u: path(index.work, u).is_file())]
+    run_pool(fn, jobs, index.cfg.workers, stage)
+
+
+def _gather(index: CorpusIndex, stage: str, suffix: str, needs: str, lo: int, hi: int | None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """From every shard's sorted (2, m) file, the values in [lo, hi) of its first row and their ranks."""
+    values, ranks = [np.zeros(0, dtype=np.uint64)], [np.zeros(0, dtype=np.int64)]
+    for shard in index.shards:
+        a = _load(shard.file(stage, suffix), needs)
+        i0, i1 = _slice(a[0], lo, hi)
+        values.append(np.asarray(a[0, i0:i1]))
+        ranks.append(np.asarray(a[1, i0:i1]).astype(np.int64) + shard.rank)
+    return np.concatenate(values), np.concatenate(ranks)
+
+
+# ---- exact: hash-prefix partitions ----
+
+_CTX: dict[str, Any] = {}  # the index for forked workers (set before the pool starts)
+
+
+def exact_path(work: Path, p: int) -> Path:
+    return work / "exact" / f"part-{p:05d}.npy"
+
+
+def exact_stage(index: CorpusIndex, task: int, tasks: int) -> None:
+    """Exact duplicates per hash-prefix partition: one copy per hash kept (the best-ranked)."""
+    if not index.cfg.dedup.exact:
+        return
+    _run_units(index, "exact", index.parts(index.cfg.dedup.partition_docs), exact_path, _exact_part, task, tasks)
+
+
+def _exact_part(job: tuple[int, int]) -> None:
+    p, parts = job
+    h, r = _gather(_CTX["index"], "ingest", ".hsort.npy", "ingest", *_hash_range(p, parts))
+    order = np.lexsort((r, h))
+    h, r = h[order], r[order]
+    dup = np.zeros(len(h), dtype=bool)
+    dup[1:] = h[1:] == h[:-1]
+    save_npy_atomic(exact_path(_CTX["index"].work, p), np.sort(r[dup]))
+
+
+def exact_removed(index: CorpusIndex, lo: int, hi: int) -> np.ndarray:
+    """Ranks in [lo, hi) removed as exact duplicates."""
+    if not index.cfg.dedup.exact:
+        return np.zeros(0, dtype=np.int64)
+    out = []
+    for p in range(index.parts(index.cfg.dedup.partition_docs)):
+        a = _load(exact_path(index.work, p), "exact")
+        i0, i1 = _slice(a, lo, hi)
+        out.append(np.asarray(a[i0:i1]))
+    return np.sort(np.concatenate(out)).astype(np.int64)
+
+
+# ---- minhash: band keys of every shard, sorted ----
+
+def minhash_stage(index: CorpusIndex, task: int, tasks: int) -> None:
+    """MinHash signatures of each shard (all its documents; depend on the shard alone) and its band keys (exact
+    duplicates left out), sorted by key — this task's shards."""
+    if not index.cfg.dedup.near:
+        return
+    _CTX["index"] = index
+    jobs = []
+    for k in _units(len(index.shards), task, tasks, lambda k: index.shards[k].file("bands", ".keys.npy").is_file()):
+        shard = index.shards[k]
+        for stage in ("minhash", "bands"):
+            shard.file(stage, "").parent.mkdir(parents=True, exist_ok=True)
+        jobs.append((k, exact_removed(index, shard.rank, shard.rank + shard.n)))
+    run_pool(_minhash_shard, jobs, index.cfg.workers, "minhash")
+
+
+def _minhash_shard(job: tuple[int, np.ndarray]) -> None:
+    k, exact = job
+    index: CorpusIndex = _CTX["index"]
+    shard, mh = index.shards[k], index.cfg.dedup.minhash
+    sig_path = shard.file("minhash", ".sig.npy")
+    if not sig_path.is_file():
+        save_npy_atomic(sig_path, signatures(read_shard_texts(shard.jsonl), mh))
+    rows = np.setdiff1d(np.arange(shard.n), exact - shard.rank)
+    keys = band_keys(np.load(sig_path)[rows], mh.bands, mh.rows, mh.probe)
+    flat = flat_keys(keys)
+    own = np.repeat(rows.astype(np.uint64), keys.shape[1])
+    order = np.argsort(flat, kind="stable")
+    save_npy_atomic(shard.file("bands", ".keys.npy"), np.stack([flat[order], own[order]]))
+
+
+def key_ranges(index: CorpusIndex) -> int:
+    mh = index.cfg.dedup.minhash
+    per_doc = mh.bands * (mh.rows if mh.probe else 1)
+    return max(1, math.ceil(index.n * per_doc / (KEYS_PER_RANGE * index.cfg.dedup.partition_docs)))
+
+
+# ---- pairs: candidate pairs per key range ----
+
+def pairs_path(work: Path, r: int) -> Path:
+    return work / "pairs" / f"range-{r:05d}.npy"
+
+
+def pairs_stage(index: CorpusIndex, task: int, tasks: int) -> None:
+    """Candidate pairs of each key range: documents sharing a band key (see minhash.group_pairs)."""
+    if not index.cfg.dedup.near:
+        return
+    _run_units(index, "pairs", key_ranges(index), pairs_path, _pairs_range, task, tasks)
+
+
+def _pairs_range(job: tuple[int, int]) -> None:
+    r, ranges = job
+    index: CorpusIndex = _CTX["index"]
+    k, ranks = _gather(index, "bands", ".keys.npy", "minhash", *_hash_range(r, ranges))
+    pairs = group_pairs(k, ranks)
+    order = np.lexsort((pairs[:, 0], pairs[:, 1]))
+    save_npy_atomic(pairs_path(index.work, r), np.stack([pairs[order, 1], pairs[order, 0]]))
+
+
+# ---- verify: exact Jaccard of the candidate pairs of each rank range ----
+
+def verify_path(work: Path, q: int) -> Path:
+    return work / "verify" / f"part-{q:05d}.npy"
+
+
+def verify_stage(index: CorpusIndex, task: int, tasks: int) -> None:
+    """Unique candidate pairs whose worse document falls in each rank range, with their exact shingle Jaccard;
+    those reaching `verify_threshold` (all of them when it is null) are the edges."""
+    if not index.cfg.dedup.near:
+        return
+    _run_units(index, "verify", index.parts(index.cfg.dedup.partition_docs), verify_path, _verify_part, task, tasks)
+
+
+def _verify_part(job: tuple[int, int]) -> None:
+    q = job[0]
+    index: CorpusIndex = _CTX["index"]
+    ranges = key_ranges(index)
+    mh, per = index.cfg.dedup.minhash, index.cfg.dedup.partition_docs
+    found = []
+    for r in range(ranges):
+        a = _load(pairs_path(index.work, r), "pairs")
+        i0, i1 = _slice(a[0], q * per, (q + 1) * per)
+        found.append(np.asarray(a[:, i0:i1]))
+    ba = np.concatenate(found, axis=1) if found else np.zeros((2, 0), dtype=np.int64)
+    order = np.lexsort((ba[1], ba[0]))
+    ba = ba[:, order]
+    first = np.ones(ba.shape[1], dtype=bool)
+    first[1:] = (ba[0, 1:] != ba[0, :-1]) | (ba[1, 1:] != ba[1, :-1])
+    ba = ba[:, first]
+    edges = np.zeros(ba.shape[1], dtype=EDGE)
+    edges["b"], edges["a"] = ba[0], ba[1]
+    if mh.verify_threshold is None:
+        edges["j"] = np.nan
+    elif len(edges):
+        def shingles_of(ranks: np.ndarray) -> list[np.ndarray]:
+            h, off = shingle_hashes(index.texts(ranks), mh.ngram)
+            return [h[off[i]:off[i + 1]] for i in range(len(ranks))]
+
+        edges["j"] = verify_pairs(np.stack([edges["a"], edges["b"]], axis=1), shingles_of)
+        edges = edges[edges["j"] >= mh.verify_threshold]
+    write_json_atomic(verify_path(index.work, q).with_suffix(".json"), {"candidate_pairs": int(ba.shape[1])})
+    save_npy_atomic(verify_path(index.work, q), edges)
+
+
+# ---- near: who is removed for whom, in rank order ----
+
+def near_path(work: Path, q: int) -> Path:
+    return work / "near" / f"part-{q:05d}.npy"
+
+
+def near_stage(index: CorpusIndex, out: Path) -> dict[str, Any]:
+    """One task: walks the verified edges in rank order; a document is removed iff it has an edge to a kept
+    document of better rank, and is assigned to the best-ranked one. Memory: one bit per document plus one rank
+    range's edges. Writes near/part-Q.npy, the cluster report and near_duplicates.jsonl (every removed document
+    with its representative and their Jaccard)."""
+    work = index.work
+    summary_path = work / "near" / "summary.json"
+    if summary_path.is_file():
+        return dict(json.loads(summary_path.read_text()))
+    (work / "near").mkdir(exist_ok=True)
+    parts, per = index.parts(index.cfg.dedup.partition_docs), index.cfg.dedup.partition_docs
+    bits = np.zeros((index.n + 7) // 8 + 1, dtype=np.uint8)
+
+    def removed_before(r: np.ndarray) -> np.ndarray:
+        return ((bits[r >> 3] >> (r & 7).astype(np.uint8)) & 1).astype(bool)
+
+    candidates = verified = 0
+    for q in range(parts):
+        edges = _load(verify_path(work, q), "verify")
+        candidates += json.loads(verify_path(work, q).with_suffix(".json").read_text())["candidate_pairs"]
+        verified += len(edges)
+        lo = q * per
+        chosen, removed = assign_removals(np.asarray(edges["b"]), np.asarray(edges["a"]), lo,
+                                          min(index.n, lo + per), removed_before)
+        ranks = lo + np.flatnonzero(removed)
+        np.bitwise_or.at(bits, ranks >> 3, (1 << (ranks & 7)).astype(np.uint8))
+        if not near_path(work, q).is_file():
+            save_npy_atomic(near_path(work, q), np.asarray(edges[chosen]))
+    removed_all = [np.load(near_path(work, q)) for q in range(parts)]
+    assigned = np.concatenate(removed_all) if removed_all else np.zeros(0, dtype=EDGE)
+    report = star_report(assigned["b"], assigned["a"], assigned["j"].astype(np.float64), index.name,
+                         candidates=candidates, verified=verified)
+    write_json_atomic(out / "cluster_report.json", report)
+    _write_pairs_listing(index, out / "near_duplicates.jsonl", removed_all)
+    summary = {"removed": len(assigned), "candidate_pairs": candidates, "verified_pairs": verified}
+    write_json_atomic(summary_path, summary)
+    log(f"near: {candidates:,} candidate pairs, {verified:,} verified, {len(assigned):,} documents removed")
+    return summary
+
+
+def _write_pairs_listing(index: CorpusIndex, path: Path, parts: Sequence[np.ndarray]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for part in parts:
+            for b, a, j in part.tolist():
+                f.write(json.dumps({"removed": index.name(b), "kept": index.name(a),
+                                    "jaccard": None if math.isnan(j) else round(j, 4)}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def near_removed(index: CorpusIndex, lo: int, hi: int) -> np.ndarray:
+    """Ranks in [lo, hi) removed as near duplicates."""
+    per = index.cfg.dedup.partition_docs
+    out = [np.zeros(0, dtype=np.int64)]
+    for q in range(lo // per, (max(lo, hi - 1)) // per + 1):
+        b = _load(near_path(index.work, q), "near")["b"]
+        i0, i1 = _slice(b, lo, hi)
+        out.append(np.asarray(b[i0:i1]))
+    return np.concatenate(out)
