@@ -1,9 +1,9 @@
 """End-to-end build scaling: generated corpora, ingest to manifest, as 1, 2, 4, 8 array tasks.
 
-Every stage runs as its own processes, `tessera data build CFG --stages STAGE --task K --tasks N` for each task
-K of a sharded stage (one process for a stage that does not shard), each process's CPU seconds and peak RSS
-taken from the kernel (`os.wait4`), tasks one after another (their sum is what N nodes would spend; the wall of
-N parallel nodes is about the slowest task's). Per (documents, tasks): documents per CPU-second of the whole
+Every stage runs as its own processes, `tessera data build CFG --stages STAGE --task K --tasks N` for each
+task K of a sharded stage (`data_pipeline.build.SHARDED`; task 0 alone for the others), each process's CPU
+seconds and peak RSS taken from the kernel (`os.wait4`), tasks one after another (their sum is what N nodes
+would spend; the wall of N parallel nodes is about the slowest task's). Per (documents, tasks): documents per CPU-second of the whole
 build, per stage the tasks' CPU seconds and largest peak RSS, the bytes each stage left on disk, and a digest
 of manifest.json + every .bin/.idx — asserted equal across task counts (the same build whatever N).
 
@@ -31,18 +31,9 @@ from typing import Any
 
 import yaml
 
-from data_pipeline.build import STAGES
+from data_pipeline.build import SHARDED, STAGES
 from data_pipeline.dedup_eval import mutate
 from data_pipeline.stdlib_corpus import list_stdlib_files
-
-SHARDED = ("ingest", "minhash", "tokenize")
-"""Stages that take --task/--tasks before the sharded exact/near/components stages land (issue 17)."""
-
-
-def sharded_stages() -> tuple[str, ...]:
-    import data_pipeline.build as build
-
-    return tuple(getattr(build, "SHARDED_STAGES", SHARDED))
 
 
 def write_corpus(root: Path, docs: int, sources: int, files: int, seed: int) -> int:
@@ -132,12 +123,12 @@ def build(corpus: Path, out: Path, sources: int, tasks: int) -> dict[str, Any]:
     out.mkdir(parents=True)
     cfg_path = out.parent / f"{out.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(config(out, corpus, sources)))
-    sharded = sharded_stages()
+    sharded = tuple(SHARDED)
     stages: dict[str, Any] = {}
     disk_before = 0
     for stage in STAGES:
-        n = tasks if stage in sharded else 1
-        runs = [run_task(cfg_path, stage, k, n) for k in range(n)]
+        n = tasks if stage in sharded else 1  # the others run in task 0 only
+        runs = [run_task(cfg_path, stage, k, tasks) for k in range(n)]
         disk = du(out)
         stages[stage] = {"tasks": n, "cpu_s": sum(r["cpu_s"] for r in runs),
                          "max_task_cpu_s": max(r["cpu_s"] for r in runs),
@@ -163,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry:
         args.docs, args.tasks, args.sources, args.files = [600], [1, 2], 2, 2
     root = Path(args.root)
-    table: dict[str, Any] = {"sharded_stages": list(sharded_stages()), "load_before": os.getloadavg()[0],
+    table: dict[str, Any] = {"sharded_stages": list(SHARDED), "load_before": os.getloadavg()[0],
                              "process_start": process_start(), "runs": []}
     print(f"one stage process before any work: {table['process_start']['cpu_s']:.1f} CPU-s, "
           f"{table['process_start']['peak_rss_mb']:.0f} MB peak RSS; sharded stages {table['sharded_stages']}")

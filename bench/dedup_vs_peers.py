@@ -10,7 +10,7 @@ sha1 default; datatrove: its xxhash64 default).
 Rows, all in one process, one after another, on the same corpus:
   plain      : signatures + LSH + each tool's clustering, trusting the bands (the headline: plain vs plain).
                datasketch: `MinHash.bulk`, `MinHashLSH.insertion_session`, one `query` per document, then the
-               same edge clustering as Tessera's (union-find labels, remove a document only next to a kept one).
+               same edge clustering as Tessera's (remove a document only next to a kept one, labelled with it).
                datatrove: its four stages (signature, buckets, cluster, filter) with the local executor.
   + verify   : the candidate pairs verified by exact Jaccard >= 0.7 on the tool's own shingle sets, then the
                same edge clustering; for peers a post-pass (its CPU time is also shown alone). Tessera's
@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.dedup import NearDedupResult, greedy_keep
+from data_pipeline.dedup import NearDedupResult, assign_removals
 from data_pipeline.dedup_eval import DedupBenchmark, jaccard_histogram, make_corpus, recall_precision
-from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, jaccard, signatures, union_find
+from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, jaccard, signatures
 
 BANDS, ROWS, SEED, NGRAM, VERIFY = 14, 8, 1, 5, 0.7
 _DRY_GROUPS = {"code": "code:json/", "prose": "prose:LICENSE"}
@@ -85,10 +85,15 @@ def shingles(text: str, n: int = NGRAM) -> list[bytes]:
 
 
 def cluster_edges(n: int, edges: np.ndarray, candidates: int) -> NearDedupResult:
-    """The one edge clustering every row shares: union-find labels; remove a document only next to a kept one."""
-    edges = edges.reshape(-1, 2)
-    return NearDedupResult(keep=greedy_keep(n, edges, np.arange(n)), cluster=union_find(n, map(tuple, edges)),
-                           candidates=candidates, verified=len(edges))
+    """The one edge clustering every row shares, Tessera's rule (`dedup.assign_removals`): in document order, a
+    document is removed iff it has an edge to a kept earlier one, and labelled with that representative."""
+    edges = np.sort(edges.reshape(-1, 2), axis=1)
+    order = np.lexsort((edges[:, 0], edges[:, 1]))
+    b, a = edges[order, 1], edges[order, 0]
+    chosen, removed = assign_removals(b, a, 0, n, lambda r: np.zeros(len(r), dtype=bool))
+    cluster = np.arange(n, dtype=np.int64)
+    cluster[b[chosen]] = a[chosen]
+    return NearDedupResult(keep=~removed, cluster=cluster, candidates=candidates, verified=len(edges))
 
 
 def verify(pairs: np.ndarray, shingles_of: Callable[[int], Sequence[bytes]]) -> np.ndarray:
