@@ -3,9 +3,10 @@
 Every stage runs as its own processes, `tessera data build CFG --stages STAGE --task K --tasks N` for each
 task K of a sharded stage (`data_pipeline.build.SHARDED`; task 0 alone for the others), each process's CPU
 seconds and peak RSS taken from the kernel (`os.wait4`), tasks one after another (their sum is what N nodes
-would spend; the wall of N parallel nodes is about the slowest task's). Per (documents, tasks): documents per CPU-second of the whole
-build, per stage the tasks' CPU seconds and largest peak RSS, the bytes each stage left on disk, and a digest
-of manifest.json + every .bin/.idx — asserted equal across task counts (the same build whatever N).
+would spend; the wall of N parallel nodes is about the slowest task's). Per (documents, tasks): documents per
+CPU-second of the whole build, per stage the tasks' CPU seconds and largest peak RSS, the bytes each stage
+left on disk, and a digest of manifest.json + every .bin/.idx — asserted equal across task counts (the same
+build whatever N).
 
 Corpus: `--sources` jsonl sources of `--files` files each; documents of 60-400 words assembled from lines of
 the standard library (so each is distinct), plus exact copies (2%) and near copies (3%, truth J 0.6-0.95),
