@@ -1,19 +1,37 @@
-"""Near-dedup throughput and quality: Tessera's numpy MinHash LSH vs datatrove's MinHash pipeline vs datasketch.
+"""Near dedup, same work for every tool: Tessera's numpy MinHash LSH vs datasketch vs datatrove.
 
-All three use word 5-grams and 14 bands x 8 rows on the same corpus (standard-library .py chunks of 150-400
-words plus mutated copies with known Jaccard), measured in the same run on one core. Throughput counts every
-step end to end: shingling, signatures, banding, clustering (and, for Tessera, exact-Jaccard verification).
-docs/s is documents per CPU-second of the process and its children (fair on a shared machine) with wall
-seconds beside it.
+Same shingles: every tool hashes the same word 5-grams — lower-cased text, words = maximal runs of ASCII
+letters, digits, '_' and non-ASCII UTF-8 bytes (Tessera's rule, `data_pipeline.minhash`), joined by a space.
+datasketch gets them as bytes; datatrove gets the same splitter as its `WordTokenizer` and a `TextNormConfig`
+with every normalisation off (so its own number/punctuation folding does not change the shingle sets). Same
+banding: 14 bands x 8 rows, seed 1. Each tool keeps its own hash function (datasketch: xxh32, faster than its
+sha1 default; datatrove: its xxhash64 default).
 
-datatrove and datasketch are not Tessera dependencies; run this with a separate environment:
-    python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install numpy xxhash datasketch datatrove spacy
-    PYTHONPATH=. taskset -c 0 /tmp/benchvenv/bin/python bench/dedup_vs_peers.py --base 10000 --copies 2000
+Rows, all in one process, one after another, on the same corpus:
+  plain      : signatures + LSH + each tool's clustering, trusting the bands (the headline: plain vs plain).
+               datasketch: `MinHash.bulk`, `MinHashLSH.insertion_session`, one `query` per document, then the
+               same edge clustering as Tessera's (remove a document only next to a kept one, labelled with it).
+               datatrove: its four stages (signature, buckets, cluster, filter) with the local executor.
+  + verify   : the candidate pairs verified by exact Jaccard >= 0.7 on the tool's own shingle sets, then the
+               same edge clustering; for peers a post-pass (its CPU time is also shown alone). Tessera's
+               default (one-row multi-probe + verification) is its own row.
+docs/CPU-s: documents per CPU-second of the process (getrusage user + sys, children included), fair on a
+shared machine; wall seconds beside it. Ground truth and metrics: `data_pipeline.dedup_eval` (truth Jaccard on
+whitespace tokens with plain Python sets, independent of every tool's tokenizer).
+
+datatrove and datasketch are not Tessera dependencies; run with a separate environment:
+    python3 -m venv /tmp/benchvenv
+    /tmp/benchvenv/bin/pip install numpy "xxhash<4" datasketch datatrove regex tokenizers nltk
+    PYTHONPATH=. nice -n 19 /tmp/benchvenv/bin/python bench/dedup_vs_peers.py --docs 20000 --corpus code prose
+    ... --docs 1000000 for the headline size (CPU-hours for datatrove; --skip datatrove leaves it out)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
 import pickle
 import re
 import resource
@@ -21,16 +39,20 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from data_pipeline.dedup import NearDedupResult, near_dedup
-from data_pipeline.dedup_eval import DedupBenchmark, make_benchmark, recall_precision
-from data_pipeline.minhash import MinHashConfig, union_find
+from data_pipeline.dedup import NearDedupResult, assign_removals
+from data_pipeline.dedup_eval import DedupBenchmark, jaccard_histogram, make_corpus, recall_precision
+from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, jaccard, signatures
 
-_WORDS = re.compile(r"\w+")
+BANDS, ROWS, SEED, NGRAM, VERIFY = 14, 8, 1, 5, 0.7
+_DRY_GROUPS = {"code": "code:json/", "prose": "prose:LICENSE"}
+_BYTE_WORDS = re.compile(rb"[0-9A-Za-z_\x80-\xff]+")
 
 
 def cpu_seconds() -> float:
@@ -38,33 +60,140 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def shingles(text: str) -> set[bytes]:
-    w = _WORDS.findall(text.lower())
-    return {" ".join(w[i:i + 5]).encode() for i in range(max(1, len(w) - 4))}
+class Stages:
+    """CPU seconds per named stage (the profile of where a tool's time goes)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        c0 = cpu_seconds()
+        yield
+        self.cpu[name] = self.cpu.get(name, 0.0) + cpu_seconds() - c0
 
 
-def run_datasketch(texts: list[str]) -> NearDedupResult:
-    """The usual streaming use: query each document; a hit is a duplicate of a kept one, else insert it."""
+def words(text: str) -> list[bytes]:
+    """Tessera's words of `text` (see the module docstring), as bytes."""
+    return _BYTE_WORDS.findall(text.lower().encode("utf-8", "surrogatepass"))
+
+
+def shingles(text: str, n: int = NGRAM) -> list[bytes]:
+    """The distinct word n-grams, space-joined; a shorter text is one shingle (all its words), as in Tessera."""
+    w = words(text)
+    return list({b" ".join(w[i:i + n]) for i in range(max(1, len(w) - n + 1))})
+
+
+def cluster_edges(n: int, edges: np.ndarray, candidates: int) -> NearDedupResult:
+    """The one edge clustering every row shares, Tessera's rule (`dedup.assign_removals`): in document order, a
+    document is removed iff it has an edge to a kept earlier one, and labelled with that representative."""
+    edges = np.sort(edges.reshape(-1, 2), axis=1)
+    order = np.lexsort((edges[:, 0], edges[:, 1]))
+    b, a = edges[order, 1], edges[order, 0]
+    chosen, removed = assign_removals(b, a, 0, n, lambda r: np.zeros(len(r), dtype=bool))
+    cluster = np.arange(n, dtype=np.int64)
+    cluster[b[chosen]] = a[chosen]
+    return NearDedupResult(keep=~removed, cluster=cluster, candidates=candidates, verified=len(edges))
+
+
+def verify(pairs: np.ndarray, shingles_of: Callable[[int], Sequence[bytes]]) -> np.ndarray:
+    """The post-pass offered to each peer: the pairs whose exact Jaccard of shingle sets is >= VERIFY."""
+    sets: dict[int, frozenset[bytes]] = {}
+    for i in np.unique(pairs).tolist():
+        sets[i] = frozenset(shingles_of(i))
+    ok = []
+    for i, j in pairs.tolist():
+        a, b = sets[i], sets[j]
+        inter = len(a & b)
+        ok.append(inter >= VERIFY * (len(a) + len(b) - inter))
+    return pairs[np.asarray(ok, dtype=bool)].reshape(-1, 2)
+
+
+def shared_precision(texts: Sequence[str], result: NearDedupResult) -> float:
+    """Pair precision@0.7 in the tools' own shingles (exact, Python sets): what is left of the truth's figure
+    once the tokenizers' disagreement near 0.7 is taken out — LSH and clustering error alone."""
+    removed = np.flatnonzero(~result.keep)
+    if not len(removed):
+        return 1.0
+    cache: dict[int, frozenset[bytes]] = {}
+
+    def sh(i: int) -> frozenset[bytes]:
+        if i not in cache:
+            cache[i] = frozenset(shingles(texts[i]))
+        return cache[i]
+
+    order = np.argsort(result.cluster, kind="stable")
+    labels = result.cluster[order]
+    good = 0
+    for r in removed.tolist():
+        lo, hi = np.searchsorted(labels, result.cluster[r]), np.searchsorted(labels, result.cluster[r], "right")
+        for k in order[lo:hi].tolist():
+            if result.keep[k]:
+                inter = len(sh(r) & sh(k))
+                if inter >= VERIFY * (len(sh(r)) + len(sh(k)) - inter):
+                    good += 1
+                    break
+    return good / len(removed)
+
+
+def as_pairs(pairs: list[tuple[int, int]] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    return np.unique(np.sort(arr, axis=1), axis=0) if len(arr) else arr
+
+
+# ---------------------------------------------------------------------------------------------- Tessera
+
+
+def run_tessera(texts: list[str], cfg: MinHashConfig, st: Stages) -> NearDedupResult:
+    """near_dedup's steps one by one (same calls), so the profile shows each."""
+    kept: list[np.ndarray] = []
+    with st("shingles + signatures"):
+        sig = signatures(texts, cfg, keep_shingles=kept if cfg.verify_threshold is not None else None)
+    with st("band keys + candidate pairs"):
+        pairs = candidate_pairs(band_keys(sig, cfg.bands, cfg.rows, cfg.probe))
+    edges = pairs
+    if cfg.verify_threshold is not None and len(pairs):
+        with st("verification"):
+            involved = np.unique(pairs)
+            sets = {i: np.unique(kept[i]) for i in involved.tolist()}
+            ok = [jaccard(sets[i], sets[j]) >= cfg.verify_threshold for i, j in pairs.tolist()]
+            edges = pairs[np.asarray(ok, dtype=bool)]
+    with st("clustering"):
+        return cluster_edges(len(texts), edges, len(pairs))
+
+
+# ---------------------------------------------------------------------------------------------- datasketch
+
+
+def datasketch_pairs(texts: list[str], st: Stages, sh: list[list[bytes]]) -> np.ndarray:
+    import xxhash
     from datasketch import MinHash, MinHashLSH
 
-    lsh = MinHashLSH(num_perm=112, params=(14, 8))
-    keep = np.ones(len(texts), dtype=bool)
-    edges = []
-    for i, text in enumerate(texts):
-        m = MinHash(num_perm=112, seed=1)
-        m.update_batch(list(shingles(text)))
-        hits = lsh.query(m)
-        if hits:
-            keep[i] = False
-            edges.append((min(hits), i))
-        else:
-            lsh.insert(i, m)
-    return NearDedupResult(keep=keep, cluster=union_find(len(texts), edges), candidates=len(edges),
-                           verified=len(edges))
+    with st("shingles"):
+        sh.extend(shingles(t) for t in texts)
+    with st("MinHash.bulk"):
+        mhs = MinHash.bulk(sh, num_perm=BANDS * ROWS, seed=SEED, hashfunc=xxhash.xxh32_intdigest)
+    with st("LSH insertion session"):
+        lsh = MinHashLSH(num_perm=BANDS * ROWS, params=(BANDS, ROWS))
+        with lsh.insertion_session() as session:
+            for i, m in enumerate(mhs):
+                session.insert(i, m, check_duplication=False)
+    with st("LSH query"):
+        found = [(i, j) for i, m in enumerate(mhs) for j in lsh.query(m) if j != i]
+    return as_pairs(found)
 
 
-def run_datatrove(texts: list[str]) -> NearDedupResult:
-    """datatrove's four MinHash stages (signature, buckets, cluster, filter) with the local executor."""
+def run_datasketch(texts: list[str], st: Stages, sh: list[list[bytes]]) -> tuple[NearDedupResult, np.ndarray]:
+    pairs = datasketch_pairs(texts, st, sh)
+    with st("clustering"):
+        return cluster_edges(len(texts), pairs, len(pairs)), pairs
+
+
+# ---------------------------------------------------------------------------------------------- datatrove
+
+
+def run_datatrove(texts: list[str], st: Stages) -> tuple[NearDedupResult, np.ndarray]:
+    """datatrove's four MinHash stages with the local executor; also returns the candidate pairs (.dups)."""
     from datatrove.data import Document
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup.minhash import (
@@ -74,85 +203,186 @@ def run_datatrove(texts: list[str]) -> NearDedupResult:
         MinhashDedupFilter,
         MinhashDedupSignature,
     )
+    from datatrove.utils.text import TextNormConfig
+    from datatrove.utils.word_tokenizers import WordTokenizer
+    from loguru import logger
 
-    cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8)
+    logger.remove()  # its per-stage console log; the executor still writes its log files (counted)
+
+    class SameWords(WordTokenizer):
+        """Tessera's word splitter, so datatrove hashes the same shingles."""
+
+        def __init__(self) -> None:
+            super().__init__("en")
+
+        def word_tokenize(self, text: str) -> list[str]:
+            return [w.decode("utf-8", "surrogatepass") for w in words(text)]
+
+        def sent_tokenize(self, text: str) -> list[str]:
+            return [text]
+
+        def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+            return [(0, len(text))]
+
+    off = TextNormConfig(lowercase=False, norm_whitespace=False, remove_punctuation=False,
+                         norm_unicode_diacritics=False, norm_numbers=False, norm_weekdays=False,
+                         norm_monthnames=False)
+    cfg = MinhashConfig(n_grams=NGRAM, num_buckets=BANDS, hashes_per_bucket=ROWS, seed=SEED, norm_config=off)
+    kept: list[int] = []
+
+    def reader(data: Any, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
+        # A function step: the executor deep-copies its pipeline per task, and a function is copied by reference.
+        yield from (Document(text=t, id=str(i)) for i, t in enumerate(texts))
+
+    def collect(data: Any, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
+        for doc in data:
+            kept.append(int(doc.id))
+            yield doc
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        docs = [Document(text=t, id=str(i)) for i, t in enumerate(texts)]
-        kept: list[int] = []
-
-        def collect(data, rank: int = 0, world_size: int = 1):  # type: ignore[no-untyped-def]
-            for doc in data:
-                kept.append(int(doc.id))
-                yield doc
-
-        stages: list[tuple[list, int]] = [
-            ([docs, MinhashDedupSignature(output_folder=str(root / "sigs"), config=cfg)], 1),
-            ([MinhashDedupBuckets(input_folder=str(root / "sigs"), output_folder=str(root / "buckets"),
-                                  config=cfg)], 14),
-            ([MinhashDedupCluster(input_folder=str(root / "buckets"), output_folder=str(root / "remove"),
-                                  config=cfg, save_cluster_id=True)], 1),
-            ([docs, MinhashDedupFilter(input_folder=str(root / "remove")), collect], 1),
+        stages: list[tuple[str, list[Any], int]] = [
+            ("signature", [reader, MinhashDedupSignature(output_folder=str(root / "sigs"), config=cfg,
+                                                         language=SameWords())], 1),
+            ("buckets", [MinhashDedupBuckets(input_folder=str(root / "sigs"), output_folder=str(root / "buckets"),
+                                             config=cfg)], BANDS),
+            ("cluster", [MinhashDedupCluster(input_folder=str(root / "buckets"), output_folder=str(root / "remove"),
+                                             config=cfg, save_cluster_id=True)], 1),
+            ("filter", [reader, MinhashDedupFilter(input_folder=str(root / "remove")), collect], 1),
         ]
-        for k, (pipeline, tasks) in enumerate(stages):
-            LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1,
-                                  logging_dir=str(root / f"logs{k}")).run()
+        for k, (name, pipeline, tasks) in enumerate(stages):
+            with st(name):
+                LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1,
+                                      logging_dir=str(root / f"logs{k}")).run()
         cluster = np.arange(len(texts))
         clusters_file = root / "remove" / "000000.clusters"
         if clusters_file.is_file():
-            raw = clusters_file.read_bytes()
-            for idx, cid in struct.iter_unpack("<2I", raw):
+            for idx, cid in struct.iter_unpack("<2I", clusters_file.read_bytes()):
                 cluster[idx] = len(texts) + cid
+        sentinel = (1 << 32) - 1
+        found = [(d1, d2) for f in sorted((root / "buckets").glob("*.dups"))
+                 for f1, d1, _, d2 in struct.iter_unpack("<4I", f.read_bytes()) if f1 != sentinel]
     keep = np.zeros(len(texts), dtype=bool)
     keep[kept] = True
-    return NearDedupResult(keep=keep, cluster=cluster, candidates=0, verified=0)
+    return NearDedupResult(keep=keep, cluster=cluster, candidates=len(found), verified=0), as_pairs(found)
 
 
-def measure(name: str, fn: Callable[[list[str]], NearDedupResult], bench: DedupBenchmark) -> dict[str, float]:
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def measure(rows: dict[str, dict[str, Any]], name: str, bench: DedupBenchmark,
+            fn: Callable[[Stages], NearDedupResult]) -> None:
+    st = Stages()
     c0, t0 = cpu_seconds(), time.perf_counter()
-    result = fn(bench.texts)
+    result = fn(st)
     cpu, wall = cpu_seconds() - c0, time.perf_counter() - t0
     recall, precision = recall_precision(bench, result)
-    row = {"docs_per_cpu_s": len(bench.texts) / cpu, "wall_s": wall, "recall@0.8": recall,
-           "precision@0.7": precision, "removed": float((~result.keep).sum())}
-    print(f"{name:34s} {row['docs_per_cpu_s']:9.0f} docs/s  (cpu {cpu:6.1f} s, wall {wall:6.1f} s)  "
-          f"recall@0.8 {recall:.3f}  precision@0.7 {precision:.3f}  removed {int(row['removed'])}", flush=True)
-    return row
+    shared = shared_precision(bench.texts, result)
+    n = len(bench.texts)
+    rows[name] = {"docs_per_cpu_s": n / cpu, "cpu_s": cpu, "wall_s": wall, "recall@0.8": recall,
+                  "pair_precision@0.7": precision, "shared_shingle_precision@0.7": shared,
+                  "removed": int((~result.keep).sum()),
+                  "candidates": result.candidates, "stages_cpu_s": {k: round(v, 2) for k, v in st.cpu.items()}}
+    print(f"  {name:38s} {n / cpu:9.0f} docs/CPU-s (cpu {cpu:7.1f} s, wall {wall:7.1f} s)  recall@0.8 {recall:.3f}"
+          f"  pair-precision@0.7 {precision:.3f} (shared shingles {shared:.3f})  removed {rows[name]['removed']}"
+          f"  candidates {result.candidates}"
+          f"\n  {'':38s} stages (CPU s): " + ", ".join(f"{k} {v:.2f}" for k, v in st.cpu.items()), flush=True)
 
 
-def main() -> int:
+def warm_up(texts: list[str], skip: set[str]) -> None:
+    """Every tool once on a few documents, untimed: imports, numpy's first allocations, Tessera's power table."""
+    run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED), Stages())
+    if "datasketch" not in skip and importlib.util.find_spec("datasketch"):
+        run_datasketch(texts, Stages(), [])
+    if "datatrove" not in skip and importlib.util.find_spec("datatrove"):
+        run_datatrove(texts, Stages())
+
+
+def bench_corpus(bench: DedupBenchmark, skip: set[str]) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    texts, n = bench.texts, len(bench.texts)
+    warm_up(texts[:200], skip)
+    plain = MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=False, verify_threshold=None)
+    measure(rows, "tessera plain", bench, lambda st: run_tessera(texts, plain, st))
+    measure(rows, "tessera plain + verify", bench,
+            lambda st: run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=False), st))
+    measure(rows, "tessera default (probe + verify)", bench,
+            lambda st: run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED), st))
+    for peer in ("datasketch", "datatrove"):
+        if peer in skip:
+            continue
+        try:
+            __import__(peer)
+        except ImportError:
+            print(f"  {peer}: not installed here, skipped (see the docstring for the bench venv)")
+            continue
+        found: dict[str, Any] = {}
+
+        def plain_run(st: Stages, peer: str = peer, found: dict[str, Any] = found) -> NearDedupResult:
+            if peer == "datasketch":
+                found["sh"] = []
+                result, found["pairs"] = run_datasketch(texts, st, found["sh"])
+            else:
+                result, found["pairs"] = run_datatrove(texts, st)
+            return result
+
+        measure(rows, f"{peer} plain", bench, plain_run)
+
+        def verify_pass(st: Stages, peer: str = peer, found: dict[str, Any] = found) -> NearDedupResult:
+            sh = found.get("sh")
+            with st("verify post-pass"):
+                edges = verify(found["pairs"], (lambda i: sh[i]) if sh else (lambda i: shingles(texts[i])))
+            with st("clustering"):
+                return cluster_edges(n, edges, len(found["pairs"]))
+
+        measure(rows, f"{peer} verify post-pass alone", bench, verify_pass)
+        both = dict(rows[f"{peer} verify post-pass alone"])
+        both["cpu_s"] = rows[f"{peer} plain"]["cpu_s"] + both["cpu_s"]
+        both["docs_per_cpu_s"] = n / both["cpu_s"]
+        rows[f"{peer} plain + verify post-pass"] = both
+    return rows
+
+
+def load_corpus(kind: str, n: int, seed: int, cache: Path) -> DedupBenchmark:
+    path = cache / f"corpus-{kind}-{n}-{seed}.pkl"
+    if path.is_file():
+        bench: DedupBenchmark = pickle.loads(path.read_bytes())
+        return bench
+    bench = make_corpus(kind, n, seed=seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(bench))
+    return bench
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=int, default=10_000)
-    parser.add_argument("--copies", type=int, default=2_000)
+    parser.add_argument("--docs", type=int, default=20_000, help="documents per corpus (10^6 for the headline)")
+    parser.add_argument("--corpus", nargs="+", default=["code", "prose"], choices=["code", "prose"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", default=".cache/tessera/dedup_bench")
     parser.add_argument("--skip", nargs="*", default=[], help="peers to skip: datatrove datasketch")
-    args = parser.parse_args()
-    cache = Path(args.cache) / f"bench-{args.base}-{args.copies}-{args.seed}.pkl"
-    if cache.is_file():
-        bench = pickle.loads(cache.read_bytes())
-    else:
-        bench = make_benchmark(args.base, args.copies, args.seed)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_bytes(pickle.dumps(bench))
-    js = np.array([j for _, _, j in bench.pairs])
-    print(f"corpus: {len(bench.texts)} documents, {len(bench.pairs)} known pairs (Jaccard {js.min():.2f}-"
-          f"{js.max():.2f}, {(js >= 0.8).sum()} with J >= 0.8); python {sys.version.split()[0]}")
-    rows = {
-        "tessera (14x8, probe + verify)": measure("tessera (14x8, probe + verify)",
-                                                  lambda t: near_dedup(t, MinHashConfig()), bench),
-        "tessera (14x8 plain, no verify)": measure(
-            "tessera (14x8 plain, no verify)",
-            lambda t: near_dedup(t, MinHashConfig(probe=False, verify_threshold=None)), bench),
-    }
-    if "datasketch" not in args.skip:
-        rows["datasketch"] = measure("datasketch MinHashLSH", run_datasketch, bench)
-    if "datatrove" not in args.skip:
-        rows["datatrove"] = measure("datatrove MinHash pipeline", run_datatrove, bench)
-    ours = rows["tessera (14x8, probe + verify)"]["docs_per_cpu_s"]
-    for peer in ("datasketch", "datatrove"):
-        if peer in rows:
-            print(f"tessera / {peer}: {ours / rows[peer]['docs_per_cpu_s']:.1f}x")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--dry", action="store_true", help="a 400-document run of every row, uncached")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out: dict[str, Any] = {"python": sys.version.split()[0], "load_before": os.getloadavg()[0], "corpora": {}}
+    for kind in args.corpus:
+        bench = (make_corpus(kind, 400, seed=args.seed, only=_DRY_GROUPS[kind]) if args.dry
+                 else load_corpus(kind, args.docs, args.seed, Path(args.cache)))
+        hist = jaccard_histogram(bench)
+        print(f"{kind}: {len(bench.texts)} documents, {len(bench.pairs)} known pairs (truth J per origin: "
+              f"{json.dumps(hist)}); load {os.getloadavg()[0]:.1f}", flush=True)
+        rows = bench_corpus(bench, set(args.skip))
+        for peer in ("datasketch", "datatrove"):
+            if f"{peer} plain" in rows:
+                plain = rows["tessera plain"]["docs_per_cpu_s"] / rows[f"{peer} plain"]["docs_per_cpu_s"]
+                full = (rows["tessera default (probe + verify)"]["docs_per_cpu_s"]
+                        / rows[f"{peer} plain + verify post-pass"]["docs_per_cpu_s"])
+                print(f"  tessera plain / {peer} plain: {plain:.1f}x   tessera default / {peer} + verify: {full:.1f}x")
+        out["corpora"][kind] = {"documents": len(bench.texts), "known_pairs": hist, "rows": rows}
+    out["load_after"] = os.getloadavg()[0]
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -1,17 +1,38 @@
-"""A generated near-duplicate benchmark with known pairs, and the recall/precision measures of issue 4.
+"""Near-duplicate ground truth: natural and generated pairs, Jaccard computed independently of Tessera.
 
-Base documents: the standard library's .py files cut into 150-400-word chunks. Mutated copies: word swaps,
-insertions, deletions or truncation applied until the copy's true word-5-gram Jaccard with its original falls
-to a target drawn evenly from [0.5, 0.95].
-recall@0.8: share of known pairs with Jaccard >= 0.8 that end in one cluster.
-precision@0.7: share of removed documents whose Jaccard with a kept member of their cluster is >= 0.7.
+Truth Jaccard (`true_jaccard`): 5-grams of whitespace-separated tokens, case and punctuation kept, as plain
+Python sets of tuples. Tessera's MinHash sees lower-cased alphanumeric words (`data_pipeline.minhash`), so the
+truth never shares its tokenizer: `def f(x):` is tokens `def`, `f(x):` here and words `def`, `f`, `x` there.
+
+Two corpora, each of natural documents found on this machine plus generated ones:
+  code : every `.py` file of every Python installation (each pyenv version's standard library and
+         site-packages, the system's, virtual environments, pip's vendored copies), cut to its first
+         `max_words` tokens. One file across versions (`json/decoder.py` in 2.7 ... 3.13, `requests/api.py`
+         standalone and under `pip/_vendor`) gives natural near-duplicates and hard negatives.
+  prose: licence, copyright, README and METADATA files (dist-info, /usr/share/doc, common-licenses):
+         licence variants (MIT with another holder), one package's README across versions.
+Known pairs: every pair inside a group (same relative path, same package, same licence file name; groups
+sampled down to `_GROUP_CAP` members) whose truth Jaccard is >= 0.5, plus each generated copy with its source
+(word swaps, insertions, deletions or truncation down to a target drawn evenly from 0.5-0.95). Filler
+documents (lines drawn at random from the whole pool) bring a corpus to any size, e.g. 10^6 documents.
+
+recall@0.8: share of known pairs with truth J >= 0.8 that end in one cluster.
+pair precision@0.7: share of removed documents whose truth J with some kept member of their cluster is >= 0.7
+(the most favourable kept partner, the same rule for every tool).
 """
 
 from __future__ import annotations
 
+import glob
+import gzip
+import hashlib
 import random
 import re
-from dataclasses import dataclass
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -19,94 +40,285 @@ from data_pipeline.dedup import NearDedupResult
 from data_pipeline.stdlib_corpus import list_stdlib_files
 
 _WORDS = re.compile(r"\w+")
+_GROUP_CAP = 120
+"""Most members of one group compared pairwise (quadratic in this, linear in the corpus)."""
+_LIB_PATTERNS = ("/root/.pyenv/versions/*/lib/python*", "/usr/lib/python3*", "/usr/local/lib/python3*",
+                 "/work/main/.venv/lib/python*", "/tmp/benchvenv/lib/python*")
+_PROSE_NAMES = ("LICENSE", "LICENCE", "COPYING", "NOTICE", "AUTHORS", "README", "METADATA", "copyright", "NEWS",
+                "CHANGES", "HISTORY")
 
 
-def word_shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
-    """The exact word n-gram set (lower-cased `\\w+` words), as the MinHash stage sees the text."""
-    w = _WORDS.findall(text.lower())
-    return {tuple(w[i:i + n]) for i in range(max(1, len(w) - n + 1))}
+def truth_shingles(text: str, n: int = 5) -> frozenset[tuple[str, ...]]:
+    """5-grams of whitespace tokens (case and punctuation kept); one shingle for a shorter text."""
+    t = text.split()
+    return frozenset(tuple(t[i:i + n]) for i in range(max(1, len(t) - n + 1)))
+
+
+def set_jaccard(a: frozenset[tuple[str, ...]], b: frozenset[tuple[str, ...]]) -> float:
+    inter = len(a & b)
+    return inter / max(1, len(a) + len(b) - inter)
 
 
 def true_jaccard(a: str, b: str, n: int = 5) -> float:
-    sa, sb = word_shingles(a, n), word_shingles(b, n)
-    return len(sa & sb) / max(1, len(sa | sb))
+    """The ground-truth Jaccard of two texts (see the module docstring)."""
+    return set_jaccard(truth_shingles(a, n), truth_shingles(b, n))
 
 
-def stdlib_chunks(count: int, seed: int = 0) -> list[str]:
-    """`count` chunks of 150-400 whitespace words from the standard library's .py files (code first, then tests)."""
-    rng = random.Random(seed)
-    out: list[str] = []
-    for _, path in sorted(list_stdlib_files(), key=lambda item: item[0] != "code"):  # code files, then tests
-        try:
-            words = path.read_text(encoding="utf-8").split()
-        except (UnicodeDecodeError, OSError):
-            continue
-        i = 0
-        while i + 150 <= len(words):
-            n = rng.randint(150, 400)
-            out.append(" ".join(words[i:i + n]))
-            i += n
-            if len(out) == count:
-                return out
-    return out
+def word_shingles(text: str, n: int = 5) -> frozenset[tuple[str, ...]]:
+    """Lower-cased `\\w+` word n-grams: the shingles MinHash hashes, for the in-tokenizer CI benchmark."""
+    w = _WORDS.findall(text.lower())
+    return frozenset(tuple(w[i:i + n]) for i in range(max(1, len(w) - n + 1)))
 
 
-def mutate(text: str, target: float, rng: random.Random) -> str:
-    """A copy of `text` edited (one kind of edit) until its Jaccard with `text` is about `target`."""
-    words = text.split()
-    kind = rng.choice(["swap", "insert", "delete", "truncate"])
-    if kind == "truncate":
-        keep = len(words)
-        while keep > 10 and true_jaccard(text, " ".join(words[:keep])) > target:
-            keep -= 1
-        return " ".join(words[:keep])
-    out = list(words)
-    while len(out) > 10:  # one edit at a time, so the result lands close to the target
-        prev = list(out)
-        i = rng.randrange(len(out))
-        if kind == "swap":
-            j = rng.randrange(len(out))
-            out[i], out[j] = out[j], out[i]
-        elif kind == "insert":
-            out.insert(i, rng.choice(words) + rng.choice(["", "_x", "2"]))
-        else:
-            del out[i]
-        j_now = true_jaccard(text, " ".join(out))
-        if j_now <= target:
-            # Stop at whichever side of the target is closer (never at an unchanged copy).
-            j_prev = true_jaccard(text, " ".join(prev))
-            return " ".join(prev if j_prev < 1.0 and j_prev - target < target - j_now else out)
-    return " ".join(out)
+_TRUTH = {"tokens": truth_shingles, "words": word_shingles}
 
 
 @dataclass
 class DedupBenchmark:
     texts: list[str]
     pairs: list[tuple[int, int, float]]
-    """(original index, copy index, true Jaccard)."""
+    """(document, document, truth Jaccard) of the known pairs."""
+    origin: list[str] = field(default_factory=list)
+    """Per known pair: 'natural' or 'generated'."""
+    groups: list[str] = field(default_factory=list)
+    """Per document: its group key ('' for generated and filler documents)."""
+    truth: str = "tokens"
+    """Shingles of the truth Jaccard: 'tokens' (independent, see the module docstring) or 'words' (MinHash's)."""
+
+
+@dataclass(frozen=True)
+class NaturalDoc:
+    text: str
+    group: str
+    path: str
+
+
+def _read(path: Path) -> str | None:
+    try:
+        raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+        return raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
+        return None
+
+
+def _lib_dirs() -> list[Path]:
+    found = {Path(p) for pat in _LIB_PATTERNS for p in glob.glob(pat)}
+    found.add(Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}")
+    return sorted(d for d in found if d.is_dir())
+
+
+def _code_group(rel: Path) -> str:
+    """The file's identity across installations: path below site-packages / pip's _vendor, else below lib."""
+    parts = rel.parts
+    for marker in ("_vendor", "site-packages", "dist-packages"):
+        if marker in parts:
+            parts = parts[len(parts) - parts[::-1].index(marker):]
+    return "code:" + "/".join(parts)
+
+
+def _prose_group(path: Path) -> str:
+    """Licence files group by name (licence variants across packages); README/METADATA by package."""
+    name = path.name.split(".")[0].upper()
+    parent = path.parent.name
+    if name in ("README", "METADATA"):
+        return f"prose:{name}:{parent.split('-')[0].lower()}"
+    return f"prose:{name}"
+
+
+def iter_natural(kind: str, max_words: int = 1000, only: str = "") -> Iterator[NaturalDoc]:
+    """Natural documents of `kind` ('code' or 'prose') found on this machine, each cut to `max_words` tokens;
+    `only` keeps the groups whose key starts with it (e.g. 'code:json/' for a quick run)."""
+    if kind == "code":
+        dirs = _lib_dirs()
+        if not dirs:  # an unusual layout: the running interpreter's standard library only
+            files = [(p, "code:" + p.name) for _, p in list_stdlib_files()]
+        else:
+            files = [(p, _code_group(p.relative_to(d))) for d in dirs for p in sorted(d.rglob("*.py"))]
+    elif kind == "prose":
+        roots = [*_lib_dirs(), Path("/usr/share/doc"), Path("/usr/share/common-licenses")]
+        files = [(p, _prose_group(p)) for r in roots if r.is_dir() for p in sorted(r.rglob("*"))
+                 if p.name.split(".")[0].upper() in {n.upper() for n in _PROSE_NAMES} and p.is_file()]
+    else:
+        raise ValueError(f"kind={kind!r}: expected 'code' or 'prose'")
+    for path, group in files:
+        if not group.startswith(only):
+            continue
+        text = _read(path)
+        if text is None:
+            continue
+        lines, words = [], 0
+        for line in text.splitlines():  # whole lines, so the layout (and the filler's line pool) survives
+            if words >= max_words:
+                break
+            lines.append(line)
+            words += len(line.split())
+        if words >= 30:
+            yield NaturalDoc("\n".join(lines), group, str(path))
+
+
+def mutate(text: str, target: float, rng: random.Random,
+           shingle: Callable[[str], frozenset[tuple[str, ...]]] = truth_shingles) -> str:
+    """A copy of `text` with one kind of edit applied until its Jaccard (of `shingle` sets) with `text` is about
+    `target`.
+
+    The edits are drawn once; the number applied is found by bisection (truth J falls as edits grow)."""
+    words = text.split()
+    kind = rng.choice(["swap", "insert", "delete", "truncate"])
+    if kind == "truncate":
+        def edited(k: int) -> list[str]:
+            return words[:max(10, len(words) - k)]
+    else:
+        ops = [(rng.randrange(len(words)), rng.randrange(len(words)), rng.choice(words) + rng.choice(["", "_x", "2"]))
+               for _ in range(len(words))]
+
+        def edited(k: int) -> list[str]:
+            out = list(words)
+            for i, j, w in ops[:k]:
+                i %= len(out)
+                if kind == "swap":
+                    j %= len(out)
+                    out[i], out[j] = out[j], out[i]
+                elif kind == "insert":
+                    out.insert(i, w)
+                elif len(out) > 10:
+                    del out[i]
+            return out
+    base = shingle(text)
+    lo, hi = 1, len(words)
+    while lo < hi:  # smallest k with J(k) <= target
+        mid = (lo + hi) // 2
+        if set_jaccard(base, shingle(" ".join(edited(mid)))) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    # Stop at whichever side of the target is closer (never at an unchanged copy).
+    cand = [" ".join(edited(k)) for k in {max(1, lo - 1), lo}]
+    return min(cand, key=lambda c: (abs(set_jaccard(base, shingle(c)) - target), c == text))
+
+
+def filler(pool: list[str], rng: random.Random) -> str:
+    """A document of 150-400 words made of lines drawn at random from `pool` (far from every other)."""
+    lines: list[str] = []
+    words, target = 0, rng.randint(150, 400)
+    while words < target:
+        doc = pool[rng.randrange(len(pool))].splitlines() or ["x"]
+        line = doc[rng.randrange(len(doc))]
+        lines.append(line)
+        words += len(line.split())
+    return "\n".join(lines)
+
+
+def _group_pairs(members: list[int], texts: list[str], rng: random.Random) -> list[tuple[int, int, float]]:
+    if len(members) > _GROUP_CAP:
+        members = sorted(rng.sample(members, _GROUP_CAP))
+    sets = [truth_shingles(texts[m]) for m in members]
+    out = []
+    for a in range(len(members)):
+        for b in range(a + 1, len(members)):
+            j = set_jaccard(sets[a], sets[b])
+            if j >= 0.5:
+                out.append((members[a], members[b], j))
+    return out
+
+
+def make_corpus(kind: str, n_docs: int, *, seed: int = 0, copy_fraction: float = 0.1,
+                max_words: int = 1000, only: str = "") -> DedupBenchmark:
+    """`n_docs` documents: natural ones (whole groups, exact copies dropped), generated copies, then filler."""
+    rng = random.Random(seed)
+    by_group: dict[str, list[str]] = defaultdict(list)
+    seen: set[bytes] = set()
+    for doc in iter_natural(kind, max_words, only):
+        digest = hashlib.blake2b(doc.text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if digest not in seen:  # exact copies are the exact-dedup stage's work, not near dedup's
+            seen.add(digest)
+            by_group[doc.group].append(doc.text)
+    if not by_group:
+        raise FileNotFoundError(f"no natural {kind} documents found under {_LIB_PATTERNS}")
+    n_copies = int(n_docs * copy_fraction)
+    names = sorted(by_group)
+    rng.shuffle(names)
+    texts: list[str] = []
+    groups: list[str] = []
+    for name in names:  # whole groups, so natural pairs stay together
+        if len(texts) + len(by_group[name]) > n_docs - n_copies:
+            continue
+        texts.extend(by_group[name])
+        groups.extend([name] * len(by_group[name]))
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    pairs = [p for g in sorted(members) if len(members[g]) > 1 for p in _group_pairs(members[g], texts, rng)]
+    origin = ["natural"] * len(pairs)
+    n_natural = len(texts)
+    for k in range(n_copies):
+        src = rng.randrange(n_natural)
+        target = 0.5 + 0.45 * (k + rng.random()) / max(1, n_copies)
+        texts.append(mutate(texts[src], target, rng))
+        groups.append("")
+        pairs.append((src, len(texts) - 1, true_jaccard(texts[src], texts[-1])))
+        origin.append("generated")
+    pool = texts[:n_natural]
+    while len(texts) < n_docs:
+        texts.append(filler(pool, rng))
+        groups.append("")
+    return DedupBenchmark(texts, pairs, origin, groups)
 
 
 def make_benchmark(n_base: int, n_copies: int, seed: int = 0) -> DedupBenchmark:
-    """Base chunks followed by mutated copies of randomly chosen bases (targets even over [0.5, 0.95])."""
+    """The small in-tokenizer CI benchmark: `n_base` standard-library chunks (150-400 words) and mutated copies,
+    its truth in MinHash's own word shingles (a check of LSH + verification, not of the tokenizer's choice)."""
     rng = random.Random(seed)
-    texts = stdlib_chunks(n_base, seed)
+    texts: list[str] = []
+    for _, path in sorted(list_stdlib_files(), key=lambda item: item[0] != "code"):  # code files, then tests
+        try:
+            words = path.read_text(encoding="utf-8").split()
+        except (UnicodeDecodeError, OSError):
+            continue
+        i = 0
+        while i + 150 <= len(words) and len(texts) < n_base:
+            n = rng.randint(150, 400)
+            texts.append(" ".join(words[i:i + n]))
+            i += n
+        if len(texts) == n_base:
+            break
     pairs = []
     for k in range(n_copies):
         src = rng.randrange(len(texts[:n_base]))
         target = 0.5 + 0.45 * (k + rng.random()) / n_copies
-        copy = mutate(texts[src], target, rng)
-        texts.append(copy)
-        pairs.append((src, len(texts) - 1, true_jaccard(texts[src], copy)))
-    return DedupBenchmark(texts, pairs)
+        texts.append(mutate(texts[src], target, rng, word_shingles))
+        pairs.append((src, len(texts) - 1, set_jaccard(word_shingles(texts[src]), word_shingles(texts[-1]))))
+    return DedupBenchmark(texts, pairs, ["generated"] * len(pairs), truth="words")
 
 
 def recall_precision(bench: DedupBenchmark, result: NearDedupResult) -> tuple[float, float]:
-    """(recall@0.8, precision@0.7) of a dedup result on the benchmark."""
+    """(recall@0.8, pair precision@0.7) of a dedup result on the benchmark, in its truth Jaccard."""
+    shingle = _TRUTH[bench.truth]
     hard = [(a, b) for a, b, j in bench.pairs if j >= 0.8]
     recall = sum(result.cluster[a] == result.cluster[b] for a, b in hard) / max(1, len(hard))
     removed = np.flatnonzero(~result.keep)
+    order = np.argsort(result.cluster, kind="stable")
+    labels = result.cluster[order]
+    cache: dict[int, frozenset[tuple[str, ...]]] = {}
+
+    def sh(i: int) -> frozenset[tuple[str, ...]]:
+        if i not in cache:
+            cache[i] = shingle(bench.texts[i])
+        return cache[i]
+
     good = 0
-    for r in removed:
-        kept = np.flatnonzero((result.cluster == result.cluster[r]) & result.keep)
-        good += any(true_jaccard(bench.texts[r], bench.texts[k]) >= 0.7 for k in kept)
+    for r in removed.tolist():
+        lo, hi = np.searchsorted(labels, result.cluster[r]), np.searchsorted(labels, result.cluster[r], "right")
+        kept = [int(k) for k in order[lo:hi] if result.keep[k]]
+        good += any(set_jaccard(sh(r), sh(k)) >= 0.7 for k in kept)
     return float(recall), good / max(1, len(removed))
+
+
+def jaccard_histogram(bench: DedupBenchmark) -> dict[str, dict[str, int]]:
+    """Known pairs per origin and truth-J bin (0.5-0.6, ..., 0.9-1.0)."""
+    out: dict[str, dict[str, int]] = {}
+    for (_, _, j), o in zip(bench.pairs, bench.origin or ["generated"] * len(bench.pairs), strict=True):
+        b = min(9, int(j * 10))
+        key = f"{b / 10:.1f}-{(b + 1) / 10:.1f}"
+        out.setdefault(o, {}).setdefault(key, 0)
+        out[o][key] += 1
+    return {o: dict(sorted(h.items())) for o, h in out.items()}
