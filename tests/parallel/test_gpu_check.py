@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_gpu_check_dry_run_reports_every_phase(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh"), "--dry"], env=env, capture_output=True,
-                          text=True, timeout=420)
+                          text=True, timeout=660)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["meta"]["dry"] and report["meta"]["backend"] == "aot_eager"
