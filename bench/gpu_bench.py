@@ -82,8 +82,6 @@ def parity(report: Report, device: torch.device, backend: str, names: tuple[str,
     """Each engine on `device` (eager or compiled) against the CPU eager 1-process run, fp32."""
     import torch.distributed as dist
 
-    from framework.parallel.engine import build_parallel_engine
-
     torch.set_float32_matmul_precision("highest")  # TF32 off (one API for both of torch's TF32 switches)
     cfg = load_config("configs/smoke/tiny.yaml", TINY)
     gen = torch.Generator().manual_seed(7)
@@ -98,6 +96,8 @@ def parity(report: Report, device: torch.device, backend: str, names: tuple[str,
         recompute = PARITY_CASES[name]
         row: dict[str, Any] = {"engine": name, "compiled": compiled}
         try:
+            from framework.parallel.engine import build_parallel_engine  # inside: an import error is this row's
+
             c = load_config("configs/smoke/tiny.yaml", [*TINY, *extra, f"parallel.recompute={recompute or 'none'}",
                                                         "parallel.dp_shard=1"])
             engine: Any = (LocalEngine(c.model, c.train, device) if recompute is None
