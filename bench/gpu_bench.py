@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config import load_config
-from framework.train.engine import LocalEngine
+from framework.train.local_engine import LocalEngine
 from framework.train.schedule import lr_at
 from models.flops import flops_per_token, num_params
 
@@ -96,7 +96,7 @@ def parity(report: Report, device: torch.device, backend: str, names: tuple[str,
         recompute = PARITY_CASES[name]
         row: dict[str, Any] = {"engine": name, "compiled": compiled}
         try:
-            from framework.parallel.engine import build_parallel_engine  # inside: an import error is this row's
+            from framework.train.parallel_engine import build_parallel_engine  # an import error: this row's
 
             c = load_config("configs/smoke/tiny.yaml", [*TINY, *extra, f"parallel.recompute={recompute or 'none'}",
                                                         "parallel.dp_shard=1"])

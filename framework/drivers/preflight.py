@@ -99,7 +99,7 @@ def stage_dirs(cfg: Config) -> str:
 def _train_steps(cfg: Config, batch: torch.Tensor, train_cfg: Any, steps: int,
                  lr_of: Callable[[int], float]) -> tuple[list[float], list[float]]:
     """Train a fresh single-process engine on the same `batch` for `steps`; losses and grad norms per step."""
-    from framework.train.engine import LocalEngine, resolve_device
+    from framework.train.local_engine import LocalEngine, resolve_device
 
     engine = LocalEngine(cfg.model, train_cfg, resolve_device(cfg.run.device))
     losses, norms = [], []
@@ -153,7 +153,7 @@ def stage_batch(cfg: Config, data: Any) -> str:
 def stage_full(cfg: Config, keep: bool) -> str:
     from framework.checkpoint import dcp as ckpt
     from framework.checkpoint.signals import check_stopped
-    from framework.train.engine import LocalEngine
+    from framework.train.local_engine import LocalEngine
     from framework.train.trainer import Trainer
 
     pf = cfg.observe.preflight

@@ -8,7 +8,7 @@ import pytest
 
 from framework.cli import main
 from framework.config import load_config
-from framework.observe.preflight import run_preflight
+from framework.drivers.preflight import run_preflight
 
 SMOKE = "configs/smoke/smoke.yaml"
 

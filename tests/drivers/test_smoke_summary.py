@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.smoke import run_smoke
+from framework.drivers.smoke import run_smoke
 
 REPO = Path(__file__).resolve().parents[2]
 
