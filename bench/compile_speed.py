@@ -1,12 +1,15 @@
 """Compiled vs eager steady-state tokens/s of the smoke model (configs/smoke/smoke.yaml), 1 process, same run.
 
-Two LocalEngines from the same seed (train.compile=false and =true with the chosen backend) train on the same
-synthetic batches; after warm-up (the compiled engine's first steps compile), rounds alternate between them so
-machine noise hits both alike. Reported: median step time of each, tokens/s, the ratio compiled / eager, the
-compile (first-step) time, dynamo's compiled-graph count before and after the timed rounds (flat: no
-recompiles in steady state), and the largest loss difference between the two runs.
+Three LocalEngines from the same seed, two eager (an A/A pair: their ratio is the method's noise floor) and one
+with train.compile=true and the chosen backend, train on the same synthetic batches. After warm-up (the compiled
+engine's first step compiles, timed on its own), rounds run one optimizer step of each engine in a shuffled
+order, timed by the calling thread's CPU clock with one thread (bench/robust_timing.py: robust to a loaded,
+shared machine). Reported: median step CPU time of each, tokens/s, the speed-up eager_i / compiled_i as the
+median of per-round paired ratios with a bootstrap 95% interval (and eager_i / eager'_i, the A/A control), the
+compile time, dynamo's compiled-graph count before and after the timed rounds (flat: no recompiles in steady
+state), and the largest loss difference between the compiled and the eager run.
 
-    python bench/compile_speed.py [--backend inductor] [--rounds 6] [--steps 5] [--write docs/BENCHMARKS.md]
+    python bench/compile_speed.py [--backend inductor] [--rounds 60] [--write docs/BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.robust_timing import interleaved, iqr_rel, loadavg, paired_ratio, thread_cpu_s
 from bench.sections import replace_section
 from framework.config import load_config
 from framework.parallel.compile import compiled_frames
@@ -28,73 +33,74 @@ from framework.train.local_engine import LocalEngine
 from framework.train.schedule import lr_at
 
 HEADING = "## torch.compile vs eager on the smoke model (issue 20)"
+AA = "eager (A/A copy)"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/smoke/smoke.yaml")
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=5, help="steps per engine per round")
+    ap.add_argument("--rounds", type=int, default=60, help="interleaved rounds; one step of every engine per round")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--write", type=Path, default=None)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # all work on the calling thread, so its CPU clock sees all of it
     engines, cfgs = {}, {}
-    for name, flag in (("eager", "false"), ("compiled", "true")):
+    for name, flag in (("eager", "false"), (AA, "false"), ("compiled", "true")):
         cfg = load_config(args.config, [f"train.compile={flag}", f"train.compile_backend={args.backend}",
                                         "data.kind=synthetic"])
+        torch.manual_seed(0)
         cfgs[name], engines[name] = cfg, LocalEngine(cfg.model, cfg.train, torch.device("cpu"))
     cfg = cfgs["eager"]
     n_micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
-    total = args.warmup + args.rounds * args.steps
+    total = 1 + args.warmup + args.rounds
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, cfg.model.vocab_size, (total, n_micro, cfg.train.micro_batch_size, cfg.data.seq_len + 1),
                          generator=gen)
     losses: dict[str, list[float]] = {name: [] for name in engines}
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    step_of = dict.fromkeys(engines, 0)
 
-    def run(name: str, n: int, timed: bool) -> None:
+    def step(name: str) -> Callable[[], None]:
         engine = engines[name]
-        for _ in range(n):
-            step = step_of[name]
-            t0 = time.perf_counter()
-            losses[name].append(engine.forward_backward(data[step]))
-            engine.clip_grad_norm(cfg.train.grad_clip)
-            engine.optimizer_step(lr_at(cfg.train, step))
-            if timed:
-                times[name].append(time.perf_counter() - t0)
-            step_of[name] += 1
 
-    t0 = time.perf_counter()
-    run("compiled", 1, False)
-    compile_s = time.perf_counter() - t0
-    run("compiled", args.warmup - 1, False)
-    run("eager", args.warmup, False)
-    frames_before = compiled_frames()
-    for _ in range(args.rounds):
-        for name in engines:
-            run(name, args.steps, True)
-    frames_after = compiled_frames()
+        def one() -> None:
+            i = len(losses[name])
+            losses[name].append(engine.forward_backward(data[i]))
+            engine.clip_grad_norm(cfg.train.grad_clip)
+            engine.optimizer_step(lr_at(cfg.train, i))
+        return one
+
+    fns = {name: step(name) for name in engines}
+    load0 = loadavg()
+    w0, c0 = time.perf_counter(), thread_cpu_s()
+    for fn in fns.values():  # the first step of each: the compiled one compiles its graphs
+        fn()
+    compile_s, compile_cpu_s = time.perf_counter() - w0, thread_cpu_s() - c0
+    frames_first = compiled_frames()
+    res = interleaved(fns, args.rounds, warmup=args.warmup)
+    frames_after, load1 = compiled_frames(), loadavg()
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    med = {name: statistics.median(t) for name, t in times.items()}
-    spread = {name: (statistics.quantiles(t, n=4)[2] - statistics.quantiles(t, n=4)[0]) / med[name]
-              for name, t in times.items()}
+    cpu = res.cpu
+    med = {name: statistics.median(t) for name, t in cpu.items()}
     diff = max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"], strict=True))
-    cmd = (f"python bench/compile_speed.py --backend {args.backend} --rounds {args.rounds} --steps {args.steps} "
-           f"--threads {args.threads}")
-    lines = [f"`{cmd}` (torch {torch.__version__}, CPU, {args.threads} thread(s); {args.config}: "
-             f"{cfg.model.preset}, {tokens} tokens per step). Median step over {args.rounds} alternating rounds x "
-             f"{args.steps} steps; spread = interquartile range / median.", "",
-             "| engine | step (ms) | tokens/s | spread |", "|---|---|---|---|"]
+    cmd = f"python bench/compile_speed.py --backend {args.backend} --rounds {args.rounds} --warmup {args.warmup}"
+    lines = [f"`{cmd}` (torch {torch.__version__}, CPU, 1 thread; {args.config}: {cfg.model.preset}, {tokens} "
+             f"tokens per step; load average {load0} -> {load1}; the thread clock saw {res.coverage:.1%} of the "
+             f"process's CPU time in the timed steps). {args.rounds} rounds of one optimizer step per engine in a "
+             f"shuffled order, timed by the calling thread's CPU clock (bench/robust_timing.py); speed-up = median "
+             f"over rounds of the paired ratio eager_i / this_i with a bootstrap 95% interval; `{AA}` is a second "
+             f"eager engine in the same rounds (the A/A control: the method's noise floor).", "",
+             "| engine | step, CPU ms (median) | IQR / median | tokens/s (CPU time) | wall ms (median) | "
+             "speed-up vs eager [95% CI] |", "|---|---|---|---|---|---|"]
     for name in engines:
-        lines.append(f"| {name} | {med[name] * 1e3:.1f} | {tokens / med[name]:.0f} | {spread[name]:.0%} |")
-    lines += ["", f"compiled / eager tokens/s: **{med['eager'] / med['compiled']:.3f}**; first compiled step "
-              f"(compiles {args.backend} graphs) {compile_s:.1f} s; compiled graphs before / after the timed rounds: "
-              f"{frames_before} / {frames_after}; largest loss difference compiled vs eager over {total} steps: "
-              f"{diff:.1e}."]
+        lines.append(f"| {name} | {med[name] * 1e3:.1f} | {iqr_rel(cpu[name]):.0%} | {tokens / med[name]:.0f} | "
+                     f"{statistics.median(res.wall[name]) * 1e3:.1f} | {paired_ratio(cpu['eager'], cpu[name])} |")
+    speedup = paired_ratio(cpu["eager"], cpu["compiled"])
+    lines += ["", f"Noise floor (A/A): eager / its copy = {paired_ratio(cpu['eager'], cpu[AA])}. Compiled speed-up "
+              f"{speedup}: the interval {'holds' if speedup.lo <= 1 <= speedup.hi else 'excludes'} 1.",
+              "", f"First step of all three engines (the compiled one compiles its {args.backend} graphs): "
+              f"{compile_s:.1f} s wall, {compile_cpu_s:.1f} s CPU; compiled graphs after the first step / after the "
+              f"timed rounds: {frames_first} / {frames_after}; largest loss difference compiled vs eager over "
+              f"{len(losses['compiled'])} steps: {diff:.1e}."]
     text = "\n".join(lines)
     print(text)
     if args.write:

@@ -15,6 +15,14 @@ if [[ "${1:-}" != "--dry" ]]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 fi
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-# 290 s hard stop; the script itself skips phases that would not fit in 280 s and reports each one as it ends.
-timeout 290 $PY bench/gpu_bench.py --out "$OUT/gpu_check.json" --calibration "$OUT/gpu_calibration.json" "$@"
-echo "gpu_check: $(( $(date +%s) - start )) s in all; results in $OUT/gpu_check.json"
+# The script starts a phase only while its estimate fits in 265 s (--budget-s) and reports each row as it ends;
+# the hard stop leaves the shell's own seconds (nvidia-smi, torch's import) inside 300. The dry run (a CI test on
+# a CPU that may be loaded) gets 600 s: it checks that every phase runs, not how long a GPU takes.
+limit=285
+[[ "${1:-}" == "--dry" ]] && limit=600
+rc=0
+timeout "$limit" $PY bench/gpu_bench.py --out "$OUT/gpu_check.json" --calibration "$OUT/gpu_calibration.json" "$@" || rc=$?
+took=$(( $(date +%s) - start ))
+echo "gpu_check: ${took} s in all (limit 300), exit ${rc}; results in $OUT/gpu_check.json"
+if [[ "${1:-}" != "--dry" ]] && (( took > 300 )); then echo "gpu_check: over the 5-minute budget" >&2; exit 3; fi
+exit "$rc"

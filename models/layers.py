@@ -110,8 +110,23 @@ class Attention(nn.Module):
         if attn_mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+            o = masked_attention(q, k, v, attn_mask, expand_kv=gqa and q.device.type == "cuda")
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
+                     expand_kv: bool) -> torch.Tensor:
+    """SDPA with an explicit mask; q (B, H, T, E), k and v (B, K, S, E) with K dividing H.
+
+    `expand_kv` (on CUDA): the fused kernel that takes a mask there (memory-efficient attention) has no GQA, so
+    `enable_gqa` with a mask would fall back to the math kernel, which materializes the whole (B, H, T, S) score
+    matrix. Expanding k and v to the query heads keeps the fused kernel, at the cost of the (B, H, S, E) copies.
+    CPU's flash kernel takes a mask and GQA together, and so does CUDA's flash kernel without a mask.
+    """
+    if expand_kv and q.shape[1] != k.shape[1]:
+        r = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class FeedForward(nn.Module):

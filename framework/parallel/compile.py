@@ -34,7 +34,10 @@ def refusal(backend: str, parallel: Any, model: Any) -> str | None:
     """Why `train.compile` cannot run this layout, or None where a compiled run matched eager.
 
     `parallel` is a ParallelConfig, `model` a ModelConfig. Every layout allowed here has a compiled-vs-eager
-    parity case in tests/parallel/test_compile.py (loss and grad norm within 1e-5 over 5 steps).
+    parity case in tests/parallel/test_compile.py (loss and grad norm within 1e-5 over 5 steps): FSDP2 at ZeRO
+    1/2/3 (with HSDP, CPU offload, 2-block units), DDP with document masks, TP with and without SP and loss
+    parallel, TP x FSDP, PP under GPipe, 1F1B, Interleaved1F1B and LoopedBFS, cp, MoE with EP and with TP,
+    full and selective recompute, NVMe-offloaded optimizer states; inductor on 1 process and DP2 ZeRO-3.
     """
     if parallel.pp > 1 and parallel.pp_schedule in ZERO_BUBBLE:
         return (f"train.compile=true with parallel.pp_schedule={parallel.pp_schedule}: zero-bubble schedules run "

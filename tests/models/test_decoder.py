@@ -63,3 +63,23 @@ def test_pipeline_stage_parts_optional() -> None:
     second.tok_embeddings = None
     del second.layers["0"], second.layers["1"]
     torch.testing.assert_close(second(first(x)), full(x))
+
+
+def test_masked_gqa_with_expanded_kv_equals_sdpa_gqa() -> None:
+    """The CUDA form of masked GQA (k, v expanded to the query heads, so the fused kernel that takes a mask runs)
+    against SDPA's own `enable_gqa`: the same outputs and gradients."""
+    from models.documents import block_causal_mask
+    from models.layers import masked_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 12, 8, generator=gen)
+    k, v = torch.randn(2, 2, 12, 8, generator=gen), torch.randn(2, 2, 12, 8, generator=gen)
+    mask = block_causal_mask(torch.tensor([[0] * 5 + [1] * 7, [0] * 12]))
+    runs = []
+    for expand in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = masked_attention(*leaves, mask, expand_kv=expand)
+        out.square().sum().backward()
+        runs.append([out.detach(), *(t.grad for t in leaves)])
+    for got, want in zip(runs[1], runs[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -3,12 +3,15 @@
 Inductor (the backend that generates kernels) runs the 1-process engine and one 2-rank layout (DP2 ZeRO-3:
 under TP each layer's regions compile separately, too slow for inductor on CI's 2 cores; TP2 with inductor was
 measured by hand, bench/compile_tp_repro.py). `aot_eager` (AOT autograd without codegen: the layer where the TP
-trouble lives, and cheap to compile) runs the others. The eager reference is parallel_parity's cached
-1-process run of the same config without compile. Refused combinations raise at config load with the reason.
+trouble lives, and cheap to compile) runs the others: every layout `refusal` allows (LAYOUTS, in one 8-rank
+spawn). The eager reference is parallel_parity's cached 1-process run of the same config without compile.
+Refused combinations raise at config load with the reason; a batch of a new shape compiles once, is logged as a
+recompilation, and both shapes' graphs are then reused.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,18 +26,33 @@ INDUCTOR = {"train.compile": True, "train.compile_backend": "inductor"}
 TOL = 1e-5
 
 LAYOUTS: list[dict[str, Any]] = [
+    # Every wrapper compile meets: FSDP2 at each ZeRO stage (and HSDP, CPU offload, 2-block units), DDP, TP with and
+    # without SP / loss parallel, each pipeline schedule compile is allowed for, context parallelism, MoE with EP
+    # and with TP, both recompute modes around the compiled regions; NVMe offload is `_nvme_layout` (a directory).
     {"dp_shard": 2, "zero_stage": 3, **INDUCTOR},
-    {"tp": 2, "dp_shard": 1, "zero_stage": 0, **AOT},
-    {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", **AOT},
+    {"tp": 2, "dp_shard": 1, "zero_stage": 0, "sequence_parallel": False, "loss_parallel": False, **AOT},
     {"tp": 2, "dp_shard": 2, "zero_stage": 1, "recompute": "selective", **AOT},
+    {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", **AOT},
     {"pp": 2, "dp_shard": 1, "pp_schedule": "1F1B", "recompute": "full", **AOT},
-    {"dp_shard": 2, "ep": 2, "zero_stage": 1, "model.preset": "test-moe", **AOT},
+    {"pp": 2, "dp_shard": 1, "pp_schedule": "GPipe", **AOT},
+    {"pp": 2, "dp_shard": 1, "pp_schedule": "LoopedBFS", **AOT},
+    {"dp_shard": 2, "ep": 2, "zero_stage": 2, "fsdp_layers_per_unit": 2, "model.preset": "test-moe", **AOT},
+    {"tp": 2, "dp_shard": 1, "model.preset": "test-moe", **AOT},
     {"dp_shard": 1, "dp_replicate": 2, "zero_stage": 0, "data.document_mask": True, **AOT},
+    {"dp_shard": 2, "dp_replicate": 2, "zero_stage": 3, "cpu_offload": True, **AOT},
+    {"cp": 2, "dp_shard": 1, **AOT},
 ]
 
 
 def _eager_overrides(layout: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(f"{k}={v}" for k, v in layout.items() if "." in k and not k.startswith("train.compile"))
+    return tuple(f"{k}={v}" for k, v in layout.items()
+                 if "." in k and not k.startswith(("train.compile", "parallel.")))
+
+
+def _nvme_layout(root: Path) -> dict[str, Any]:
+    """ZeRO-Infinity's optimizer states in files (~10 groups on the tiny model), under a compiled model."""
+    return {"dp_shard": 2, "zero_stage": 1, "parallel.nvme_offload.path": str(root),
+            "parallel.nvme_offload.group_mb": 0.05, **AOT}
 
 
 def _frames_after_each_step(engine: Any, cfg: Any) -> tuple[list[tuple[float, float]], list[int]]:
@@ -88,8 +106,8 @@ def _rank(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dic
 
 
 @pytest.mark.slow
-def test_parallel_layouts_compiled_match_eager() -> None:
-    rounds = pack_rounds(LAYOUTS, 8)
+def test_parallel_layouts_compiled_match_eager(tmp_path: Path) -> None:
+    rounds = pack_rounds([*LAYOUTS, _nvme_layout(tmp_path)], 8)  # 30 ranks: 4 rounds of the one 8-rank spawn
     results = run_distributed(_rank, 8, timeout_s=900, rounds=rounds)
     for i, layouts in enumerate(rounds):
         merged: dict[int, Any] = {}
@@ -114,6 +132,36 @@ def test_refused_combinations_raise_with_the_reason(overrides: tuple[str, ...], 
         make_config(("train.compile=true", *overrides))
 
 
-def test_allowed_combinations_load() -> None:
-    for layout in LAYOUTS:
+def test_allowed_combinations_load(tmp_path: Path) -> None:
+    for layout in [*LAYOUTS, _nvme_layout(tmp_path)]:
         make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
+
+
+def test_a_changed_shape_compiles_once_and_is_logged(capfd: pytest.CaptureFixture[str]) -> None:
+    """Batches alternating between two sequence lengths: each shape compiles once (the second logged as a
+    recompilation naming the failed size guard), then both graphs are reused, and the run matches eager."""
+    from framework.parallel.compile import compiled_frames
+    from framework.train.local_engine import LocalEngine
+
+    torch._dynamo.reset()
+    cfg = make_config(tuple(f"{k}={v}" for k, v in AOT.items()))
+    torch.manual_seed(0)
+    engine = LocalEngine(cfg.model, cfg.train, torch.device("cpu"))
+    torch.manual_seed(0)
+    eager = LocalEngine(cfg.model, make_config().train, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    n_micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    frames, got, want = [], [], []
+    for step in range(4):
+        seq = cfg.data.seq_len if step % 2 == 0 else cfg.data.seq_len // 2
+        batch = torch.randint(0, cfg.model.vocab_size, (n_micro, cfg.train.micro_batch_size, seq + 1), generator=gen)
+        for e, out in ((engine, got), (eager, want)):
+            loss = e.forward_backward(batch)
+            out.append((loss, e.clip_grad_norm(cfg.train.grad_clip)))
+            e.optimizer_step(cfg.train.lr)
+        frames.append(compiled_frames())
+    _assert_close("alternating shapes", got, want)
+    assert frames[1] > frames[0] > 0, f"the second shape was not compiled: frames after each step {frames}"
+    assert frames[2:] == [frames[1]] * 2, f"dynamo kept recompiling once both shapes were seen: {frames}"
+    err = capfd.readouterr().err
+    assert "Recompiling function" in err and "size mismatch" in err, err[-2000:]
