@@ -30,7 +30,7 @@ from bench.sections import replace_section
 from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.manager import CheckpointManager
 from framework.config import load_config
-from framework.train.engine import LocalEngine
+from framework.train.local_engine import LocalEngine
 
 SECTION = "## Asynchronous checkpoint saves (issue 6)"
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.sections import replace_section
 from framework.config import load_config
-from framework.train.compile import compiled_frames
-from framework.train.engine import LocalEngine
+from framework.parallel.compile import compiled_frames
+from framework.train.local_engine import LocalEngine
 from framework.train.schedule import lr_at
 
 HEADING = "## torch.compile vs eager on the smoke model (issue 20)"

@@ -95,9 +95,9 @@ def _rank(rank: int, world: int, backends: list[str]) -> list[dict[str, Any]]:
 def _engine_run(rank: int, world: int, extra_groups: int, keep_caches: bool) -> list[tuple[float, float]]:
     import torch.distributed as dist
 
-    import framework.train.compile as compile_mod
+    import framework.parallel.compile as compile_mod
     from framework.config import load_config
-    from framework.parallel.engine import build_parallel_engine
+    from framework.train.parallel_engine import build_parallel_engine
 
     if keep_caches:
         compile_mod._no_cross_process_caches = lambda: None  # the guard off: show what it prevents
@@ -130,7 +130,7 @@ def cache_hazard(keep_caches: bool) -> None:
 
     from framework.config import load_config
     from framework.testing import run_distributed
-    from framework.train.engine import LocalEngine
+    from framework.train.local_engine import LocalEngine
 
     cfg = load_config("configs/smoke/tiny.yaml", _TINY)
     ref = _train(LocalEngine(cfg.model, cfg.train, torch.device("cpu")), cfg)

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config import load_config
-from framework.train.engine import LocalEngine
+from framework.train.local_engine import LocalEngine
 from framework.train.schedule import lr_at
 from models.flops import flops_per_token, num_params
 
@@ -76,7 +76,7 @@ def parity(report: Report, device: torch.device, backend: str, names: tuple[str,
     """Each engine on `device` (eager and compiled) against the CPU eager 1-process run, fp32."""
     import torch.distributed as dist
 
-    from framework.parallel.engine import build_parallel_engine
+    from framework.train.parallel_engine import build_parallel_engine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -40,8 +40,8 @@ ARMS = {"in-memory": [], "offload, overlap": ["overlap=true"], "offload, inline"
 
 def _arm(rank: int, world: int, overrides: list[str], steps: int) -> dict[str, Any]:
     from framework.config import load_config
-    from framework.parallel.engine import build_parallel_engine
     from framework.parallel.offload import NVMeAdamW
+    from framework.train.parallel_engine import build_parallel_engine
     from models.flops import param_counts
 
     torch.set_num_threads(1)

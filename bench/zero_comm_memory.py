@@ -112,7 +112,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _case(world: int, stage: int, n_micro: int, layers: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from framework.config import load_config
-    from framework.parallel.engine import build_parallel_engine
+    from framework.train.parallel_engine import build_parallel_engine
 
     layout = [f"parallel.dp_replicate={world}", "parallel.dp_shard=1"] if stage == 0 else [f"parallel.dp_shard={world}"]
     cfg = load_config("configs/smoke/tiny.yaml", [

@@ -25,7 +25,7 @@ SUBCOMMAND_MODULES = [
     "framework.parallel.cli",
     "framework.checkpoint.cli",
     "framework.infer.cli",
-    "framework.observe.cli",
+    "framework.drivers.cli",
     "framework.observe.doctor",
     "framework.plan.cli",
     "launch.cli",
@@ -97,7 +97,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
-    from framework.smoke import run_smoke
+    from framework.drivers.smoke import run_smoke
 
     return run_smoke(args.config, args.overrides, nproc=args.nproc)
 

@@ -36,8 +36,8 @@ def validate(config: str, overrides: Sequence[str], nproc: int) -> Config:
     """Raise ParallelismError/ConfigError now rather than in N ranks; return the loaded config."""
     from framework.config import load_config
     from framework.errors import ParallelismError
-    from framework.parallel.engine import micro_batches
     from framework.parallel.mesh import ParallelDims
+    from framework.train.parallel_engine import micro_batches
 
     if nproc < 1:
         raise ParallelismError(f"--nproc {nproc} must be >= 1 (the number of ranks on this node); for this config "

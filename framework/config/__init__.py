@@ -85,7 +85,7 @@ class Config:
                 f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
                 f"parallel.sequence_parallel=false")
         if self.train.compile:  # issue 20: only layouts whose compiled run matched eager (tests/train/test_compile.py)
-            from framework.train.compile import refusal
+            from framework.parallel.compile import refusal
 
             why = refusal(self.train.compile_backend, self.parallel, self.model)
             if why is not None:

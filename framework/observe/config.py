@@ -37,7 +37,7 @@ class WandbConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class PreflightConfig:
-    """Budgets and thresholds of `tessera preflight` (see framework/observe/preflight.py)."""
+    """Budgets and thresholds of `tessera preflight` (see framework/drivers/preflight.py)."""
 
     overfit_steps: int = 60
     """Stage 1: optimizer steps on one sample."""

@@ -48,7 +48,7 @@ class TrainConfig:
     deterministic: bool = True
     """Deterministic algorithms (bitwise-reproducible runs on CPU)."""
     compile: bool = False
-    """torch.compile each transformer block (framework/train/compile.py); layouts it is not proved for are
+    """torch.compile each transformer block (framework/parallel/compile.py); layouts it is not proved for are
     refused at config load."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """inductor: generated kernels (the speed-up); aot_eager: AOT autograd without codegen (cheap to compile,

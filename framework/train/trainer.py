@@ -28,7 +28,7 @@ from framework.errors import ConfigError, DivergenceError
 from framework.locks import DirLock
 from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
-from framework.train.engine import Engine, LocalEngine, resolve_device
+from framework.train.local_engine import Engine, LocalEngine, resolve_device
 from framework.train.run_dir import RunDir, get_logger, setup_logging
 from framework.train.schedule import lr_at
 from models.documents import DocumentMasking
@@ -108,7 +108,7 @@ def build_engine(cfg: Config, device: torch.device, documents: DocumentMasking |
         local.optimizers = offload_optimizers(local.optimizers, p.nvme_offload, device)  # NVMe offload (issue 19)
         return local
     try:
-        from framework.parallel.engine import build_parallel_engine  # type: ignore[import-not-found]
+        from framework.train.parallel_engine import build_parallel_engine  # type: ignore[import-not-found]
     except ImportError as err:
         raise ConfigError(
             f"parallel layout tp={p.tp} pp={p.pp} dp_shard={p.dp_shard} on world size {world} needs the parallel "

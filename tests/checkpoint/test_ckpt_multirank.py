@@ -27,8 +27,8 @@ from framework.train.trainer import Trainer
 
 pytestmark = [
     pytest.mark.distributed, pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("framework.parallel.engine") is None,
-                       reason="the parallel engine (framework/parallel/engine.py) is not in this build"),
+    pytest.mark.skipif(importlib.util.find_spec("framework.train.parallel_engine") is None,
+                       reason="the parallel engine (framework/train/parallel_engine.py) is not in this build"),
 ]
 
 STEPS = 10

@@ -28,7 +28,7 @@ def _loader(path: Path):  # type: ignore[no-untyped-def]
 
         return load_build_config
     if path.name.endswith(".ablate.yaml"):
-        from framework.observe.ablate import load_spec
+        from framework.drivers.ablate import load_spec
 
         return load_spec
     return load_config

@@ -24,7 +24,7 @@ import torch
 
 from framework.config import Config, load_config
 from framework.testing import run_distributed
-from framework.train.engine import LocalEngine
+from framework.train.local_engine import LocalEngine
 from framework.train.trainer import Trainer
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
@@ -176,7 +176,7 @@ def test_fp16_one_process_resume_is_bitwise(tmp_path: Path) -> None:
 
 
 def _two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    from framework.parallel.engine import build_parallel_engine
+    from framework.train.parallel_engine import build_parallel_engine
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     out["resume"] = stop_and_resume(tmp, "parallel.dp_shard=2")
@@ -207,7 +207,7 @@ def _two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 
 def _gathered_dtypes(fsdp_mixed_precision: str) -> dict[str, Any]:
     """ZeRO-3 under bf16: the dtypes and bytes of the buffers FSDP's collectives actually moved in one step."""
-    from framework.parallel.engine import build_parallel_engine
+    from framework.train.parallel_engine import build_parallel_engine
 
     cfg = config("train.precision=bf16", "parallel.dp_shard=2", "parallel.zero_stage=3", "parallel.comm_log=true",
                  f"parallel.fsdp_mixed_precision={fsdp_mixed_precision}")

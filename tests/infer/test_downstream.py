@@ -92,7 +92,7 @@ def _train_ranks(rank: int, world: int, overrides: list[str]) -> dict[str, float
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(importlib.util.find_spec("framework.parallel.engine") is None, reason="no parallel engine")
+@pytest.mark.skipif(importlib.util.find_spec("framework.train.parallel_engine") is None, reason="no parallel engine")
 def test_in_loop_figures_are_logged_and_equal_on_tp2_pp2(tmp_path: Path) -> None:
     mc, cloze = _write_tasks(tmp_path)
     common = ["train.steps=4", "train.eval_interval=2", "checkpoint.interval=0", f"eval.tasks=[{mc}, {cloze}]",

@@ -12,7 +12,7 @@ from data_pipeline.config import DataConfig
 from framework.config import load_config
 from framework.errors import ConfigError, DataError
 from framework.train.documents import resolve_documents
-from framework.train.engine import LocalEngine
+from framework.train.local_engine import LocalEngine
 from models.config import ModelConfig
 from models.decoder import build_model
 from models.documents import DocumentMasking, block_causal_mask, document_ids, document_positions

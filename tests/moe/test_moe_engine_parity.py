@@ -61,14 +61,14 @@ def _train(engine: Any, cfg: Config) -> list[tuple[float, float, float]]:
 
 @functools.cache
 def _reference(mode: str) -> list[tuple[float, float, float]]:
-    from framework.train.engine import LocalEngine
+    from framework.train.local_engine import LocalEngine
 
     cfg = _config(mode)
     return _train(LocalEngine(cfg.model, cfg.train, torch.device("cpu")), cfg)
 
 
 def _all_layouts(rank: int, world: int) -> dict[str, list[tuple[float, float, float]]]:
-    from framework.parallel.engine import build_parallel_engine
+    from framework.train.parallel_engine import build_parallel_engine
 
     out = {}
     for mode in MODES:

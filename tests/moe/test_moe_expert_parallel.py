@@ -30,7 +30,7 @@ from framework.parallel.expert import (
 from framework.parallel.mesh import ParallelDims
 from framework.testing import run_distributed
 from framework.train.config import TrainConfig
-from framework.train.engine import LocalEngine, cross_entropy
+from framework.train.local_engine import LocalEngine, cross_entropy
 from framework.train.optim import build_optimizer
 from models import model_config
 from models.config import ModelConfig

@@ -5,12 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread: None) -> Iterator[None]:
     yield
-    torch.set_num_threads(old)

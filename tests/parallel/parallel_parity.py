@@ -93,7 +93,7 @@ def train_engine(engine: Any, cfg: Config, steps: int = STEPS) -> tuple[Steps, C
 @functools.cache
 def reference(overrides: tuple[str, ...] = ()) -> tuple[Steps, Checksums]:
     """The 1-process LocalEngine run of the same config (computed once per config and cached)."""
-    from framework.train.engine import LocalEngine
+    from framework.train.local_engine import LocalEngine
 
     torch.manual_seed(0)
     cfg = make_config(overrides)
@@ -224,7 +224,7 @@ def reference_and_tolerance(layout: dict[str, Any], atol: float
 
 def run_round(rank: int, world: int, layouts: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> dict[int, Any]:
     """Run layouts side by side on disjoint rank ranges; every rank builds every mesh (collective calls)."""
-    from framework.parallel.engine import ParallelEngine
+    from framework.train.parallel_engine import ParallelEngine
 
     torch.set_num_threads(1)
     offset, mine = 0, None

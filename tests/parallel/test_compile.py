@@ -39,7 +39,7 @@ def _eager_overrides(layout: dict[str, Any]) -> tuple[str, ...]:
 
 def _frames_after_each_step(engine: Any, cfg: Any) -> tuple[list[tuple[float, float]], list[int]]:
     """parallel_parity's 5-step run, noting dynamo's compiled-graph count after every optimizer step."""
-    from framework.train.compile import compiled_frames
+    from framework.parallel.compile import compiled_frames
 
     frames: list[int] = []
     step = engine.optimizer_step
@@ -60,7 +60,7 @@ def _assert_close(layout: Any, got: list[tuple[float, float]], want: list[tuple[
 
 
 def test_one_process_inductor_matches_eager_and_stops_compiling() -> None:
-    from framework.train.engine import LocalEngine
+    from framework.train.local_engine import LocalEngine
 
     torch.manual_seed(0)
     cfg = make_config(tuple(f"{k}={v}" for k, v in INDUCTOR.items()))
@@ -74,7 +74,7 @@ def test_one_process_inductor_matches_eager_and_stops_compiling() -> None:
 def _rank(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
     import torch.distributed as dist
 
-    from framework.train.compile import compiled_frames
+    from framework.parallel.compile import compiled_frames
 
     out = []
     for r in rounds:

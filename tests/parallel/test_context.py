@@ -89,7 +89,7 @@ def _layouts() -> list[dict[str, Any]]:
 def _ckpt_phase(rank: int, world: int, root: str) -> list[tuple[float, float]]:
     """Train cp=2 x dp_shard=4 for SAVED_AT steps, save; resume at cp=4 x dp_shard=2 for the remaining steps."""
     from framework.checkpoint.dcp import load_checkpoint, save_checkpoint
-    from framework.parallel.engine import build_parallel_engine
+    from framework.train.parallel_engine import build_parallel_engine
 
     def run(engine: Any, cfg: Any, steps: range) -> list[tuple[float, float]]:
         from framework.train.schedule import lr_at
@@ -118,7 +118,7 @@ def _spawn(rank: int, world: int, rounds: list[list[dict[str, Any]]], root: str)
 
 def _resume_on_one_process(path: Path) -> list[tuple[float, float]]:
     from framework.checkpoint.dcp import load_checkpoint
-    from framework.train.engine import LocalEngine
+    from framework.train.local_engine import LocalEngine
     from framework.train.schedule import lr_at
 
     cfg = make_config()

@@ -113,8 +113,8 @@ def test_sequence_parallel_needs_seq_len_divisible_by_tp() -> None:
 
 
 def test_micro_batches_fit_the_schedule_before_launch() -> None:
-    from framework.parallel.engine import micro_batches
     from framework.train.config import TrainConfig
+    from framework.train.parallel_engine import micro_batches
 
     dims = ParallelDims(pp=4, dp_replicate=1, dp_shard=1, cp=1, tp=1)
     train = TrainConfig(global_batch_size=9, micro_batch_size=1)

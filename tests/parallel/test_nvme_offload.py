@@ -50,8 +50,8 @@ def _steps(engine: Any, cfg: Any, data: torch.Tensor, start: int, stop: int) -> 
 
 def _worker(rank: int, world: int, root: str, one_rank_ckpt: str = "") -> dict[str, Any]:
     from framework.checkpoint.dcp import load_checkpoint, optimizer_state, save_checkpoint
-    from framework.parallel.engine import build_parallel_engine
     from framework.parallel.offload import NVMeAdamW
+    from framework.train.parallel_engine import build_parallel_engine
 
     torch.set_num_threads(1)
     nvme = Path(root) / "nvme"

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from framework.observe.ablate import AblationSpec, plan_runs
+from framework.drivers.ablate import AblationSpec, plan_runs
 
 
 def _program(args: argparse.Namespace, out: Path, *flags: str) -> list[str]:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
+from framework.parallel.compile import compile_blocks
 from framework.parallel.config import V_SCHEDULES, ParallelConfig, min_micro_batches, schedule_micro_batch_problem
 from framework.parallel.context import ContextParallel
 from framework.parallel.expert import MoEParallel
@@ -41,9 +42,8 @@ from framework.parallel.precision import (
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
 from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mesh, fsdp_mp_policy, set_micro_batch_sync
-from framework.train.compile import compile_blocks
 from framework.train.config import TrainConfig
-from framework.train.engine import _DTYPES, autocast, cross_entropy
+from framework.train.local_engine import _DTYPES, autocast, cross_entropy
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import Decoder

@@ -5,7 +5,7 @@ simplex grid and/or Dirichlet samples), a fixed token budget and seeds. Every (m
 `<out>/runs/<id>-s<seed>/`; a run that finished has `result.json` and is never rerun, a run that stopped midway
 resumes from its checkpoint. Every run reads the same stdlib/`build` cache — the tokenizer and the per-source
 .bin/.idx do not depend on the weights, and the held-out split is a function of each document's hash — so runs
-differ only in how the training mixture is drawn. The report (framework/observe/ablate_report.py) fits per-domain
+differ only in how the training mixture is drawn. The report (framework/drivers/ablate_report.py) fits per-domain
 loss against the weights and recommends a mixture.
 """
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from framework.checkpoint import REQUEUE_EXIT_CODE
-from framework.smoke import SMOKE_MARKER, run_smoke
+from framework.drivers.smoke import SMOKE_MARKER, run_smoke
 from framework.testing.signals import Launch, checkpoint_state, losses
 
 REPO = Path(__file__).resolve().parents[2]

@@ -83,7 +83,7 @@ def fit(W: np.ndarray, L: np.ndarray, model: Model) -> Fit:
 
 def candidate_mixtures(W: np.ndarray, seed: int = 0) -> np.ndarray:
     """Mixtures to search: a fine simplex lattice (k <= 4) or Dirichlet samples, inside the tried weight box."""
-    from framework.observe.ablate import simplex_grid
+    from framework.drivers.ablate import simplex_grid
 
     k = W.shape[1]
     if k == 1:

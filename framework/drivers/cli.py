@@ -1,4 +1,4 @@
-"""CLI subcommands of framework/observe: `tessera ablate`, `tessera plot`, `tessera preflight`."""
+"""CLI subcommands of the experiment drivers (framework/drivers): `tessera ablate`, `plot`, `preflight`."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ def _threads() -> None:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from framework.observe.ablate import load_spec, plan_runs, run_ablation
-    from framework.observe.ablate_report import write_report
+    from framework.drivers.ablate import load_spec, plan_runs, run_ablation
+    from framework.drivers.ablate_report import write_report
 
     spec, config_path = load_spec(args.spec, args.set)
     out = Path(args.out or f"runs/ablations/{spec.name}")
     if args.slurm:
-        from framework.observe.ablate_slurm import launch_array
+        from framework.drivers.ablate_slurm import launch_array
 
         return launch_array(args, spec, config_path, out)
     _threads()
@@ -54,7 +54,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     from framework.config import load_config
-    from framework.observe.preflight import run_preflight
+    from framework.drivers.preflight import run_preflight
 
     _threads()
     cfg = load_config(args.config, args.overrides)

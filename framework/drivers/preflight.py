@@ -114,7 +114,7 @@ def stage_dirs(cfg: Config) -> str:
 def _train_steps(cfg: Config, batch: torch.Tensor, train_cfg: Any, steps: int,
                  lr_of: Callable[[int], float]) -> tuple[list[float], list[float]]:
     """Train a fresh single-process engine on the same `batch` for `steps`; losses and grad norms per step."""
-    from framework.train.engine import LocalEngine, resolve_device
+    from framework.train.local_engine import LocalEngine, resolve_device
 
     engine = LocalEngine(cfg.model, train_cfg, resolve_device(cfg.run.device))
     losses, norms = [], []
@@ -183,7 +183,7 @@ def stage_full(cfg: Config, keep: bool, losses_out: list[float] | None = None) -
     """Stage 3; its per-step losses go to `losses_out` (stage 4 compares the layout's against them)."""
     from framework.checkpoint import dcp as ckpt
     from framework.checkpoint.signals import check_stopped
-    from framework.train.engine import LocalEngine
+    from framework.train.local_engine import LocalEngine
     from framework.train.trainer import Trainer
 
     pf = cfg.observe.preflight
@@ -234,7 +234,7 @@ def _layout_name(p: ParallelConfig) -> str:
 
 def _local_slots(cfg: Config) -> int | None:
     """How many ranks this node can run: its GPUs for a CUDA run, None (any number, gloo) on CPU."""
-    from framework.train.engine import resolve_device
+    from framework.train.local_engine import resolve_device
 
     return torch.cuda.device_count() if resolve_device(cfg.run.device).type == "cuda" else None
 

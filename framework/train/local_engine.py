@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.train.compile import compile_blocks
+from framework.parallel.compile import compile_blocks
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig

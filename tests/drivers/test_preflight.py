@@ -9,7 +9,7 @@ import pytest
 
 from framework.cli import main
 from framework.config import load_config
-from framework.observe.preflight import run_preflight
+from framework.drivers.preflight import run_preflight
 
 SMOKE = "configs/smoke/smoke.yaml"
 
@@ -42,7 +42,7 @@ def test_preflight_passes_on_smoke_config_and_runs_its_tp2_layout(stdlib_build, 
 
 def _stub_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stages 0-3 replaced by instant passes (stage 3 hands stage 4 its losses), so stage 4 alone is tested."""
-    import framework.observe.preflight as pf
+    import framework.drivers.preflight as pf
 
     monkeypatch.setattr(pf, "stage_dirs", lambda cfg: "ok")
     monkeypatch.setattr(pf, "stage_overfit", lambda cfg, data: "ok")
@@ -53,7 +53,7 @@ def _stub_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_layout_this_node_cannot_run_is_skipped_and_the_verdict_says_so(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import framework.observe.preflight as pf
+    import framework.drivers.preflight as pf
 
     _stub_ladder(monkeypatch)
     monkeypatch.setattr(pf, "_local_slots", lambda cfg: 4)  # a node with 4 GPUs; the smoke layout needs 8
@@ -74,7 +74,7 @@ def test_a_layout_this_node_cannot_run_is_skipped_and_the_verdict_says_so(
 
 def test_a_failing_layout_fails_stage_4_with_its_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    import framework.observe.preflight as pf
+    import framework.drivers.preflight as pf
 
     _stub_ladder(monkeypatch)
     monkeypatch.setattr(pf, "_local_slots", lambda cfg: None)  # CPU: any number of gloo ranks
