@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,13 +65,26 @@ def read_manifest(build_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _phases(cfg: DataConfig, global_batch_size: int | None) -> list[tuple[int, dict[str, float]]]:
+BatchHistory = Sequence[tuple[int, int, int]]
+"""`(from_step, at_sample, global_batch_size)` per batch size a run has trained with, the first `(0, 0, gbs)`: a
+resume with a new `train.global_batch_size` appends `(resumed step, consumed samples, new gbs)`."""
+
+
+def sample_at_step(step: int, history: BatchHistory) -> int:
+    """The global sample position at the start of optimizer step `step` (0-based) under `history`."""
+    from_step, at_sample, gbs = max((h for h in history if h[0] <= step), key=lambda h: h[0])
+    return at_sample + (step - from_step) * gbs
+
+
+def _phases(cfg: DataConfig, global_batch_size: int | None,
+            batch_history: BatchHistory | None = None) -> list[tuple[int, dict[str, float]]]:
     phases: list[tuple[int, dict[str, float]]] = [(0, dict(cfg.weights))]
-    if cfg.schedule and global_batch_size is None:
+    if cfg.schedule and global_batch_size is None and not batch_history:
         raise ConfigError("data.schedule changes weights at optimizer steps, so prepare_data needs "
                           "global_batch_size=train.global_batch_size to place them; pass it")
+    history = batch_history or [(0, 0, int(global_batch_size or 0))]
     for p in cfg.schedule:
-        phases.append((p.start_step * int(global_batch_size or 0), dict(p.weights)))
+        phases.append((sample_at_step(p.start_step, history), dict(p.weights)))
     return phases
 
 
@@ -97,8 +111,13 @@ def mixture_lines(train: dict[str, PackedSource], val: dict[str, Samples], phase
     return lines
 
 
-def load_build(build_dir: str | Path, cfg: DataConfig, global_batch_size: int | None = None) -> PreparedData:
-    """Open a finished build and arrange its sources into the training mixture and validation sets."""
+def load_build(build_dir: str | Path, cfg: DataConfig, global_batch_size: int | None = None,
+               batch_history: BatchHistory | None = None) -> PreparedData:
+    """Open a finished build and arrange its sources into the training mixture and validation sets.
+
+    `data.schedule` phases start at optimizer steps, placed as samples by `batch_history` (default: one batch size,
+    `global_batch_size`, from step 0).
+    """
     build_dir = Path(build_dir)
     manifest = read_manifest(build_dir)
     train: dict[str, PackedSource] = {}
@@ -114,7 +133,7 @@ def load_build(build_dir: str | Path, cfg: DataConfig, global_batch_size: int | 
         if held.any():
             val[name] = PackedSource(tokens, np.flatnonzero(held), seq_len=cfg.seq_len, seed=cfg.seed,
                                      name=name, shuffle=False)
-    phases = _phases(cfg, global_batch_size)
+    phases = _phases(cfg, global_batch_size, batch_history)
     for start, weights in phases:
         unknown = sorted(set(weights) - set(train))
         if unknown:
@@ -152,7 +171,8 @@ def stdlib_build_dir(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir).resolve() / f"stdlib-{config_key(stdlib_build_key(cfg))}"
 
 
-def prepare_data(cfg: DataConfig, *, is_builder: bool = True, global_batch_size: int | None = None) -> PreparedData:
+def prepare_data(cfg: DataConfig, *, is_builder: bool = True, global_batch_size: int | None = None,
+                 batch_history: BatchHistory | None = None) -> PreparedData:
     """Build (or reuse, or wait for) the data `cfg` describes and return the trainer's samples.
 
     Args:
@@ -160,6 +180,8 @@ def prepare_data(cfg: DataConfig, *, is_builder: bool = True, global_batch_size:
         is_builder: True on exactly one process per node-shared cache (rank 0); the others wait for its
             outputs instead of building.
         global_batch_size: train.global_batch_size; needed only when `cfg.schedule` has later phases.
+        batch_history: The batch sizes a resumed run trained with (`BatchHistory`), so that a phase keeps the
+            sample it started at under an earlier batch size; default one batch size from step 0.
     """
     cfg.validate()
     if cfg.kind == "synthetic":
@@ -169,6 +191,6 @@ def prepare_data(cfg: DataConfig, *, is_builder: bool = True, global_batch_size:
 
         final = stdlib_build_dir(cfg)
         build_once(final, lambda tmp: build_stdlib(tmp, cfg), is_builder=is_builder, timeout_s=cfg.wait_timeout_s)
-        return load_build(final, cfg, global_batch_size)
+        return load_build(final, cfg, global_batch_size, batch_history)
     assert cfg.build_dir is not None  # validate() guarantees it
-    return load_build(cfg.build_dir, cfg, global_batch_size)
+    return load_build(cfg.build_dir, cfg, global_batch_size, batch_history)

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from framework.config import Config
@@ -76,14 +76,19 @@ def rank_envs(nproc: int, threads: int | None, port: int) -> list[dict[str, str]
 
 
 def run_local(nproc: int, config: str, overrides: Sequence[str], *, command: str = "train",
-              extra: Sequence[str] = (), threads: int | None = None, grace_s: float = 120.0) -> int:
-    """Validate, then run `tessera COMMAND CONFIG overrides extra` on `nproc` local ranks; the exit code."""
+              extra: Sequence[str] = (), threads: int | None = None, grace_s: float = 120.0,
+              output: IO[Any] | None = None) -> int:
+    """Validate, then run `tessera COMMAND CONFIG overrides extra` on `nproc` local ranks; the exit code.
+
+    `output`: a file for the ranks' stdout and stderr (default: this process's).
+    """
     from framework.testing import free_port
     from launch.supervise import supervise
 
     code = validate(config, overrides, nproc).checkpoint.requeue_exit_code
     cmd = rank_command([command, config, *overrides, *extra])
-    return supervise([cmd] * nproc, rank_envs(nproc, threads, free_port()), grace_s=grace_s, requeue_exit_code=code)
+    return supervise([cmd] * nproc, rank_envs(nproc, threads, free_port()), grace_s=grace_s, requeue_exit_code=code,
+                     output=output)
 
 
 def cmd_local(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import IO, Any
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 INTERRUPT_EXIT_CODE = 130
@@ -64,9 +65,10 @@ class Supervisor:
     """The rank processes of one launch and the launcher's signal handlers while they run."""
 
     def __init__(self, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, grace_s: float,
-                 peer_grace_s: float, requeue_exit_code: int, cwd: str | None = None) -> None:
+                 peer_grace_s: float, requeue_exit_code: int, cwd: str | None = None,
+                 output: IO[Any] | None = None) -> None:
         self.commands = list(zip(argvs, envs, strict=True))
-        self.cwd = cwd
+        self.cwd, self.output = cwd, output
         self.procs: list[subprocess.Popen[bytes]] = []
         self.grace_s, self.peer_grace_s = grace_s, peer_grace_s
         self.requeue_exit_code = requeue_exit_code
@@ -130,8 +132,10 @@ class Supervisor:
         me = os.getpid()
         try:
             for argv, env in self.commands:
-                self.procs.append(subprocess.Popen(list(argv), env=env, cwd=self.cwd, start_new_session=True,
-                                                   preexec_fn=lambda: _die_with_parent(me)))
+                self.procs.append(subprocess.Popen(
+                    list(argv), env=env, cwd=self.cwd, start_new_session=True, stdout=self.output,
+                    stderr=subprocess.STDOUT if self.output is not None else None,
+                    preexec_fn=lambda: _die_with_parent(me)))
             while True:
                 if not self._handle_pending():
                     return INTERRUPT_EXIT_CODE
@@ -159,7 +163,11 @@ class Supervisor:
 
 
 def supervise(argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, grace_s: float = 120.0,
-              peer_grace_s: float = 30.0, requeue_exit_code: int = 42, cwd: str | None = None) -> int:
-    """Start one process per (argv, env), supervise them to the end; return their combined exit code."""
+              peer_grace_s: float = 30.0, requeue_exit_code: int = 42, cwd: str | None = None,
+              output: IO[Any] | None = None) -> int:
+    """Start one process per (argv, env), supervise them to the end; return their combined exit code.
+
+    `output`: a file that receives every rank's stdout and stderr (default: this process's own).
+    """
     return Supervisor(argvs, envs, grace_s=grace_s, peer_grace_s=peer_grace_s,
-                      requeue_exit_code=requeue_exit_code, cwd=cwd).run()
+                      requeue_exit_code=requeue_exit_code, cwd=cwd, output=output).run()

@@ -7,7 +7,9 @@ Allowed silently: evaluation, logging, observability, checkpointing and run sett
 Allowed with a flag, and logged: a new `train.steps` (`checkpoint.steps_change=reshape`: cosine, linear and WSD
 depend on the total, so the schedule is recomputed for the new total from this step on and the LR jump is
 logged); a new `train.global_batch_size` (`checkpoint.allow_batch_size_change=true`: the sample position carries
-on, the step count restarts nothing); model and data changes (`allow_model_change`, `allow_data_change`).
+on, the step count restarts nothing; with `data.schedule`, started phases keep their sample and later phases start
+at their steps under the new batch size — no `allow_data_change` needed); model and data changes
+(`allow_model_change`, `allow_data_change`).
 Refused: a different model shape, different data already seen (build, seed, sequence length, an earlier phase).
 """
 
@@ -93,6 +95,7 @@ def check_resume(meta: dict[str, Any], config: dict[str, Any], fingerprint: str 
                 f"restore the model config, start a new run.name, or set checkpoint.allow_model_change=true")
         notes += [f"{f}: {o!r} -> {n!r}" for f, o, n in model_diff]
     old_train, new_train = saved.get("train") or {}, config.get("train") or {}
+    batch_changed = False
     if old_train and not meta.get("model_only"):
         notes += _check_steps(old_train, new_train, step, cfg, where)
         old_gbs, new_gbs = old_train.get("global_batch_size"), new_train.get("global_batch_size")
@@ -102,6 +105,7 @@ def check_resume(meta: dict[str, Any], config: dict[str, Any], fingerprint: str 
                     f"train.global_batch_size is {new_gbs} in this run but {old_gbs} in {where}; the optimizer "
                     f"state and the LR were tuned for the old batch. Set checkpoint.allow_batch_size_change=true to "
                     f"continue from the same sample with the new batch, or restore train.global_batch_size={old_gbs}")
+            batch_changed = True
             notes.append(f"train.global_batch_size: {old_gbs} -> {new_gbs} (allowed by the flag; training "
                          f"continues from the same sample)")
     old_fp = meta.get("data_fingerprint")
@@ -113,6 +117,12 @@ def check_resume(meta: dict[str, Any], config: dict[str, Any], fingerprint: str 
         if data_diff and same_build and _future_phases_only(old_data, new_data, step):
             notes.append(f"data.schedule: a phase after step {step} changed ({named}); the data seen so far is "
                          f"unchanged")
+        elif batch_changed and same_build and new_data.get("schedule") and _future_phases_only(old_data, new_data,
+                                                                                               step):
+            # The trainer keeps every started phase at its sample (the batch history in the checkpoint) and
+            # places the phases after this step at their steps under the new batch size.
+            notes.append(f"data.schedule: the phases after step {step} start at their steps under the new batch "
+                         f"size{f' ({named})' if data_diff else ''}; the data seen so far is unchanged")
         elif not cfg.allow_data_change:
             raise CheckpointError(
                 f"data fingerprint is {fingerprint} in this run but {old_fp} in {where} ({named}); restore the data "

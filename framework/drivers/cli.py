@@ -58,7 +58,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     _threads()
     cfg = load_config(args.config, args.overrides)
-    report = run_preflight(cfg, keep=args.keep)
+    report = run_preflight(cfg, keep=args.keep, config=args.config, overrides=args.overrides,
+                           skip_layout=args.skip_layout)
     return 0 if report.passed else 1
 
 
@@ -89,5 +90,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("preflight", help="before cluster time: overfit one sample, a small batch, a short full run")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
-    p.add_argument("--keep", action="store_true", help="keep the stage-3 run directory")
+    p.add_argument("--keep", action="store_true", help="keep the stage-3 and stage-4 run directories")
+    p.add_argument("--skip-layout", action="store_true",
+                   help="do not run stage 4 (the configured parallel layout); the verdict says it was skipped")
     p.set_defaults(func=cmd_preflight)

@@ -55,6 +55,9 @@ class PreflightConfig:
     """Stage 3: steps of a real Trainer run on a small dataset; it checkpoints at the end and reloads."""
     disk_headroom: float = 2.0
     """Free space needed on the checkpoint filesystem, as a multiple of the estimated checkpoint size."""
+    layout_rtol: float = 1e-2
+    """Stage 4 passes when every loss of the configured layout is within this relative distance of stage 3's
+    single-process loss (fp32 TP/PP/DP agree to ~1e-6; bf16 reductions in another order drift further)."""
 
     def validate(self) -> None:
         for name in ("overfit_steps", "batch_steps", "batch_sequences", "full_steps"):
@@ -65,6 +68,8 @@ class PreflightConfig:
                               f"{self.overfit_loss} must be > 0; e.g. 3e-3 and 0.5")
         if not 0 <= self.min_loss_drop < 1:
             raise ConfigError(f"observe.preflight.min_loss_drop={self.min_loss_drop} must be in [0, 1); e.g. 0.1")
+        if not self.layout_rtol > 0:
+            raise ConfigError(f"observe.preflight.layout_rtol={self.layout_rtol} must be > 0; e.g. 1e-2")
         if self.disk_headroom < 1:
             raise ConfigError(f"observe.preflight.disk_headroom={self.disk_headroom} must be >= 1; e.g. 2")
 

@@ -129,14 +129,12 @@ class Trainer:
         setup_logging(self.rank, self.world, self.run_dir.log_file)
         self.device = resolve_device(cfg.run.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
+        # (from_step, at_sample, global batch size) per batch size trained with: places data.schedule's phases
+        self.batch_history: list[tuple[int, int, int]] = [(0, 0, cfg.train.global_batch_size)]
         self.data = self._prepare_data()
         documents = resolve_documents(cfg.data, self.data.eos_id, cfg.model.vocab_size)  # data.document_mask
         self.engine = build_engine(cfg, self.device, documents)
-        from data_pipeline.loader import BatchLoader
-
-        self.loader = BatchLoader(self.data.train, global_batch_size=cfg.train.global_batch_size,
-                                  micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.engine.dp_rank,
-                                  dp_size=self.engine.dp_size)
+        self.loader = self._make_loader()
         from framework.observe.observer import Observer
 
         self.observer = Observer(cfg, self.run_dir.path, self.rank, self.world, self.device)
@@ -156,12 +154,42 @@ class Trainer:
         # One builder per node: node-local cache dirs work, and on a shared filesystem builders serialize on a lock.
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         data = prepare_data(self.cfg.data, is_builder=local_rank == 0,
-                            global_batch_size=self.cfg.train.global_batch_size)  # places data.schedule phases
+                            global_batch_size=self.cfg.train.global_batch_size,
+                            batch_history=self.batch_history)  # places data.schedule phases
         if data.vocab_size > self.cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={self.cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                 f"({data.vocab_size}); set model.vocab_size={data.vocab_size} or larger")
         return data
+
+    def _make_loader(self) -> Any:
+        from data_pipeline.loader import BatchLoader
+
+        return BatchLoader(self.data.train, global_batch_size=self.cfg.train.global_batch_size,
+                           micro_batch_size=self.cfg.train.micro_batch_size, dp_rank=self.engine.dp_rank,
+                           dp_size=self.engine.dp_size)
+
+    def _follow_batch_history(self, path: Path) -> None:
+        """Before loading `path`: take its batch-size history, plus this run's batch size when it is new.
+
+        With `data.schedule`, a phase keeps the sample it started at under the old batch size and a later phase
+        starts at its step under the new one (docs/CHECKPOINTS.md), so the data is prepared again when that moves.
+        """
+        from framework.checkpoint.dcp import read_meta
+
+        meta = read_meta(path)
+        saved_gbs = ((meta.get("config") or {}).get("train") or {}).get("global_batch_size")
+        history = [(int(a), int(b), int(c)) for a, b, c in meta.get("batch_history") or []]
+        history = history or ([(0, 0, int(saved_gbs))] if saved_gbs else [])
+        gbs = self.cfg.train.global_batch_size
+        if not history or history[-1][2] != gbs:
+            history.append((int(meta.get("step", 0)), int((meta.get("loader") or {}).get("consumed_samples", 0)),
+                            gbs))
+        if history != self.batch_history:
+            self.batch_history = history
+            if self.cfg.data.schedule:
+                self.data = self._prepare_data()
+                self.loader = self._make_loader()
 
     def _data_build(self) -> str | None:
         """The fingerprint of the data build's manifest (None for synthetic data): resume rules compare it."""
@@ -185,6 +213,7 @@ class Trainer:
         return True
 
     def _load(self, path: Path) -> dict[str, Any]:
+        self._follow_batch_history(path)
         meta = self.ft.manager.load(path, self.engine.model_parts, self.engine.optimizers, to_dict(self.cfg),
                                     self.data.fingerprint, data_build=self._data_build())
         self.step = int(meta["step"])
@@ -294,7 +323,8 @@ class Trainer:
         """Checkpoint this step (in the background with checkpoint.async_save unless `blocking`)."""
         meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
                 "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict(),
-                "data_build": self._data_build(), "engine": self.engine.extra_state()}
+                "data_build": self._data_build(), "engine": self.engine.extra_state(),
+                "batch_history": [list(h) for h in self.batch_history]}
         if self.ft.guard.skipping:  # taken right after a skipped step: never `latest`, never a rollback target
             meta["guard_suspect"] = True
             log.warning("checkpoint of step %d is taken while the loss guard is skipping steps: it is kept but "

@@ -44,7 +44,7 @@ def test_second_training_job_is_refused_then_a_stale_lock_is_taken_over(tmp_path
     assert (run / ".lock").read_text() == ""  # released: the next holder will not report a stale lock
 
 
-def test_build_locks_per_stage_and_task(tmp_path: Path) -> None:
+def test_build_locks_per_stage_and_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     holder = _holder(f"build_locks(__import__('pathlib').Path({str(tmp_path)!r}), ['tokenize'], 0)", "build_locks")
     try:
         with pytest.raises(DataError, match=rf"stage 'tokenize' task 0 holds .*pid {holder.pid}"):
@@ -52,6 +52,17 @@ def test_build_locks_per_stage_and_task(tmp_path: Path) -> None:
         other = build_locks(tmp_path, ["tokenize"], 1)  # another array task of the same build runs alongside
         other.release()
         assert build_locks(tmp_path, ["ingest"], 0).locks  # the failed attempt released what it had taken
+        # `tessera data build` itself on the busy output_dir: refused before any stage runs, naming the holder.
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "a.txt").write_text("some text " * 50)
+        config = tmp_path / "build.yaml"
+        config.write_text(f"output_dir: {tmp_path}\nsources:\n  - name: a\n    path: {src}\n    format: text\n"
+                          f"    glob: '*.txt'\ntokenizer: {{vocab_size: 300}}\n")
+        assert main(["data", "build", str(config), "--stages", "tokenize", "--task", "0", "--tasks", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"pid {holder.pid}" in err and "tokenize" in err, err
+        assert not (tmp_path / "a").exists() and not (tmp_path / "manifest.json").exists()  # nothing was built
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()

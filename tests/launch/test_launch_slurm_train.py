@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from slurm_cluster import REPO, SlurmCluster, job_env
+from slurm_cluster import CPUS_PER_NODE, REPO, SlurmCluster, job_env
 
 from framework.config import load_config
 
@@ -42,7 +42,14 @@ def _submit(slurm: SlurmCluster, cwd: Path, mode: str) -> str:
            "--procs-per-node", "2", "--time", "10", "--signal-lead", "60", "--mode", mode]
     out = subprocess.run(cmd, cwd=cwd, env=_env(slurm), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    return out.stdout.split()[-1]
+    # The run directory is under pytest's /tmp: a 2-node job is warned (this cluster's nodes share it).
+    assert f"run.dir={cwd}/runs/tiny-tp2dp2 looks node-local (a temporary directory" in out.stderr, out.stderr
+    job = out.stdout.split()[-1]
+    # No --cpus-per-rank: the default is the node's cores (sinfo: CPUS_PER_NODE) over the ranks per node.
+    per_rank = CPUS_PER_NODE // 2
+    want = per_rank if mode == "srun" else 2 * per_rank  # torchrun: one task per node holds both ranks
+    assert f"CPUs/Task={want}" in slurm.run("scontrol", "show", "job", job), slurm.run("scontrol", "show", "job", job)
+    return job
 
 
 def _train_losses(run_dir: Path) -> dict[int, float]:
