@@ -64,7 +64,7 @@ def param_checksums(engine: Any) -> Checksums:
     """
     from torch.distributed.tensor import DTensor
 
-    from models.decoder import canonical_fqn
+    from models.init import canonical_fqn
 
     out = {}
     for part in engine.model_parts:
