@@ -99,7 +99,8 @@ def stage_dirs(cfg: Config) -> str:
 def _train_steps(cfg: Config, batch: torch.Tensor, train_cfg: Any, steps: int,
                  lr_of: Callable[[int], float]) -> tuple[list[float], list[float]]:
     """Train a fresh single-process engine on the same `batch` for `steps`; losses and grad norms per step."""
-    from framework.train.local_engine import LocalEngine, resolve_device
+    from framework.engine import resolve_device
+    from framework.train.local_engine import LocalEngine
 
     engine = LocalEngine(cfg.model, train_cfg, resolve_device(cfg.run.device))
     losses, norms = [], []

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from framework.engine import DTYPES, autocast, cross_entropy
 from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.compile import compile_blocks
@@ -43,7 +44,6 @@ from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
 from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mesh, fsdp_mp_policy, set_micro_batch_sync
 from framework.train.config import TrainConfig
-from framework.train.local_engine import _DTYPES, autocast, cross_entropy
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import Decoder
@@ -95,7 +95,7 @@ class ParallelEngine:
         self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
         self.moe = MoEParallel(model_cfg, pcfg, dims, mesh)  # MoE (issue 5); every call a no-op for dense models
         # Context parallelism (issue 16): each rank keeps its 2 load-balanced chunks of every sequence
-        self.context = ContextParallel(mesh["cp"].get_group(), _DTYPES[train_cfg.precision]) if dims.cp > 1 else None
+        self.context = ContextParallel(mesh["cp"].get_group(), DTYPES[train_cfg.precision]) if dims.cp > 1 else None
         self._build_parts()
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
                                                         for p in self.model_parts]

@@ -24,12 +24,13 @@ import torch.distributed as dist
 from framework.checkpoint.guard import Verdict
 from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
+from framework.engine import Engine, resolve_device
 from framework.errors import ConfigError, DivergenceError
 from framework.locks import DirLock
 from framework.logs import get_logger, setup_logging
 from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
-from framework.train.local_engine import Engine, LocalEngine, resolve_device
+from framework.train.local_engine import LocalEngine
 from framework.train.run_dir import RunDir
 from framework.train.schedule import lr_at
 from models.documents import DocumentMasking

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from framework.engine import cross_entropy
 from framework.parallel.config import ParallelConfig
 from framework.parallel.expert import (
     ExpertGradSync,
@@ -30,7 +31,7 @@ from framework.parallel.expert import (
 from framework.parallel.mesh import ParallelDims
 from framework.testing import run_distributed
 from framework.train.config import TrainConfig
-from framework.train.local_engine import LocalEngine, cross_entropy
+from framework.train.local_engine import LocalEngine
 from framework.train.optim import build_optimizer
 from models import model_config
 from models.config import ModelConfig
