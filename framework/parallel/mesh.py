@@ -287,12 +287,3 @@ def stage_layers(n_layers: int, stages: int, split: Sequence[int] | None = None)
     counts = list(split) if split is not None else even_split(n_layers, stages)
     bounds = list(itertools.accumulate(counts, initial=0))
     return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
-
-
-def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """Stage indices held by pipeline rank `pp_rank`: looped (r, r+pp, ...) or V-shaped (r, 2pp-1-r)."""
-    from framework.parallel.config import V_SCHEDULES
-
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(virtual)]

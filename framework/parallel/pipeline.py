@@ -19,8 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
-from framework.parallel.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ParallelConfig
-from framework.parallel.mesh import stage_layers, stages_of_rank
+from framework.parallel.config import ParallelConfig
+from framework.parallel.mesh import stage_layers
+from framework.parallel.pipeline_schedules import schedule_spec, stages_of_rank
 from framework.parallel.precision import local_grad
 from models.decoder import Decoder
 
@@ -52,8 +53,9 @@ def build_schedule(parts: Sequence[torch.nn.Module], stage_ids: Sequence[int], n
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
     """The named schedule over this rank's stages."""
     stages = [PipelineStage(part, sid, n_stages, device, group=pp_group) for part, sid in zip(parts, stage_ids)]
-    cls = get_schedule_class(schedule)
-    if schedule in SINGLE_STAGE_SCHEDULES:
+    spec = schedule_spec(schedule)
+    cls = get_schedule_class(spec.torch_class)
+    if spec.shape == "single":
         assert issubclass(cls, PipelineScheduleSingle) and len(stages) == 1
         return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)  # type: ignore[call-arg, arg-type]
@@ -108,7 +110,7 @@ class TiedEmbeddings:
             head = out.weight
         pp_ranks = pp_mesh.mesh.flatten().tolist()
         peer = pp_ranks[-1] if pp_rank == 0 else pp_ranks[0]
-        return cls(embedding, head, schedule in V_SCHEDULES, pp_mesh.get_group(), peer)
+        return cls(embedding, head, schedule_spec(schedule).shape == "v", pp_mesh.get_group(), peer)
 
     def sync_grads(self) -> None:
         if self.local:

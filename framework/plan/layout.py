@@ -9,18 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from framework.parallel.config import schedule_micro_batch_problem
+from framework.parallel.pipeline_schedules import schedule_micro_batch_problem, schedule_spec
 from framework.plan.activations import AttnKernel, Recompute
 from framework.plan.hardware import Hardware
 from models.config import ModelConfig
-
-Schedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                   "DualPipeV"]
-SCHEDULES: tuple[str, ...] = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                              "ZBVZeroBubble", "DualPipeV")
-MULTI_CHUNK = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-"""Two chunks per rank in a V: rank 0 holds the first and the last chunk (embedding and head)."""
 
 
 @dataclass(frozen=True)
@@ -132,9 +124,10 @@ def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
             return f"cp={lay.cp} is not supported with MoE models (the engine refuses it)"
         if lay.zero_stage == 0:
             return f"cp={lay.cp} folds cp into the ZeRO sharding group; zero_stage=0 does not shard"
-    if lay.schedule in V_SHAPED and lay.virtual != 2:
+    shape = schedule_spec(lay.schedule).shape
+    if shape == "v" and lay.virtual != 2:
         return f"{lay.schedule} runs exactly 2 chunks per rank (virtual=2), not {lay.virtual}"
-    if lay.schedule not in MULTI_CHUNK + V_SHAPED and lay.virtual != 1:
+    if shape == "single" and lay.virtual != 1:
         return f"{lay.schedule} runs one chunk per rank (virtual=1), not {lay.virtual}"
     if p > cfg.n_layers or cfg.n_layers % (p * lay.virtual):
         return f"pp={p} x virtual={lay.virtual} does not divide n_layers={cfg.n_layers}"
@@ -152,4 +145,4 @@ def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
     return None
 
 
-__all__ = ["MULTI_CHUNK", "SCHEDULES", "V_SHAPED", "Layout", "Precision", "Schedule", "Workload", "layout_problem"]
+__all__ = ["Layout", "Precision", "Workload", "layout_problem"]

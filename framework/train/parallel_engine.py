@@ -29,12 +29,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from framework.engine import autocast, cross_entropy
 from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
-from framework.parallel.config import ParallelConfig, min_micro_batches, schedule_micro_batch_problem
+from framework.parallel.config import ParallelConfig
 from framework.parallel.memory import model_state_report, unsharded_bytes
 from framework.parallel.mesh import AXES, ParallelDims
 from framework.parallel.offload import io_metrics, offload_optimizers
 from framework.parallel.parallelize import parallelize
 from framework.parallel.pipeline import build_schedule, run_schedule
+from framework.parallel.pipeline_schedules import min_micro_batches, schedule_micro_batch_problem
 from framework.parallel.precision import (
     LossScaler,
     global_grad_norm,
