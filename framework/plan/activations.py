@@ -116,7 +116,7 @@ def mlp_terms(cfg: ModelConfig, rows: int, ffn_t: int, p: int) -> list[SavedTerm
 def selective_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                     act_bytes: int = 2, kernel: AttnKernel = "flash") -> list[SavedTerm]:
     """What the selective policy keeps: the block input and the outputs of every mm/addmm/bmm, of the fused SDPA
-    kernels and of the tensor-parallel reduce-scatters (`framework.plan.measure.SELECTIVE_SAVE_OPS`).
+    kernels and of the tensor-parallel reduce-scatters (`framework.parallel.recompute.SAVED_OPS`).
 
     Row-parallel projections (wo, w2) output a full-width partial sum before the reduce-scatter, and the policy
     keeps it too (it cannot tell which matmul outputs backward needs). The math kernel's core is two bmm: the
