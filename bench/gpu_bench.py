@@ -95,7 +95,7 @@ def parity(report: Report, device: torch.device, backend: str, names: tuple[str,
             c = load_config("configs/smoke/tiny.yaml", [*TINY, *extra, f"parallel.recompute={recompute or 'none'}",
                                                         "parallel.dp_shard=1"])
             engine: Any = (LocalEngine(c.model, c.train, device) if recompute is None
-                           else build_parallel_engine(c, device))
+                           else build_parallel_engine(c.model, c.train, c.parallel, device))
             got = _train(engine, c, data)
             diff = max(max(abs(a[0] - b[0]), abs(a[1] - b[1])) for a, b in zip(got, ref, strict=True))
             report.add("parity", {"engine": name, "compiled": compiled, "max_abs_diff_vs_cpu": diff,

@@ -67,6 +67,11 @@ class Engine(Protocol):
         """Engine-specific metrics for this step (loss scale, MoE load ...)."""
         ...
 
+    def memory_report(self) -> dict[str, int]:
+        """Model-state bytes on this rank by kind and dtype (framework/parallel/memory.py); the trainer writes it
+        once per start as a `memory` record (docs/METRICS.md)."""
+        ...
+
 
 def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy, computed in fp32."""

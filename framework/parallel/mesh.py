@@ -267,13 +267,17 @@ class ParallelDims:
                           mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp", "tp"))
         return root._unflatten(2, (self.dp_shard, self.cp), ("dp_shard", "cp"))
 
-    def build_ep_mesh(self, device_type: str) -> DeviceMesh:
-        """The expert mesh (pp, dp_replicate, edp, ep) over the same ranks; sub-meshes `["ep"]`, `["edp"]`."""
-        import torch
+    def build_ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The expert mesh (pp, dp_replicate, edp, ep) over the ranks of `mesh` (this layout's 5-axis mesh, from
+        `build_mesh`); sub-meshes `["ep"]`, `["edp"]`. Every rank of `mesh` must call it.
+
+        ep blocks are contiguous in the flattened (dp_shard, cp, tp) ranks, so the expert mesh is a reshape of
+        the same rank tensor (equal to `ep_layout()`); built from `mesh` it also works for sub-world meshes.
+        """
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = torch.tensor(self.ep_layout(), dtype=torch.int)
-        return DeviceMesh(device_type, ranks, mesh_dim_names=EP_AXES)
+        ranks = mesh.mesh.reshape(self.pp, self.dp_replicate, -1, self.ep)
+        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EP_AXES)
 
 
 def even_split(n_layers: int, stages: int) -> list[int]:

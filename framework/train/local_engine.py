@@ -16,6 +16,7 @@ from torch import nn
 
 from framework.engine import autocast, cross_entropy
 from framework.parallel.compile import compile_blocks
+from framework.parallel.memory import model_state_report
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
@@ -125,6 +126,10 @@ class LocalEngine:
                 logits = self.model(mb[:, :-1], **model_kwargs(self.documents, mb[:, :-1]))
             losses.append(cross_entropy(logits, mb[:, 1:]))
         return float(torch.stack(losses).mean())
+
+    def memory_report(self) -> dict[str, int]:
+        """Model-state bytes of this process by kind and dtype (framework/parallel/memory.py)."""
+        return model_state_report(self.model_parts, self.optimizers)
 
     def extra_metrics(self) -> dict[str, float]:
         out = {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}

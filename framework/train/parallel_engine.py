@@ -1,6 +1,6 @@
 """The parallel step engine: runs the model framework/parallel/parallelize.py built, behind `Engine`.
 
-    engine = build_parallel_engine(cfg, device)   # every rank; the default process group is initialized
+    engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, device)   # every rank, process group up
 
 It owns what a step needs beyond the model: the optimizers (one per part, optionally on NVMe), the loss
 scaler, the pipeline schedules (one per micro-batch count, built at first use), the gradient reductions after
@@ -288,11 +288,11 @@ class ParallelEngine:
         return report
 
 
-def build_parallel_engine(cfg: Any, device: torch.device, mesh: DeviceMesh | None = None,
-                          documents: DocumentMasking | None = None) -> ParallelEngine:
-    """The engine for `cfg` (a framework.config.Config) on the whole world, or on `mesh` when given."""
+def build_parallel_engine(model_cfg: ModelConfig, train_cfg: TrainConfig, pcfg: ParallelConfig, device: torch.device,
+                          mesh: DeviceMesh | None = None, documents: DocumentMasking | None = None) -> ParallelEngine:
+    """The engine for the layout `pcfg` on the whole world, or on `mesh` when given."""
     world = mesh.size() if mesh is not None else dist.get_world_size()
-    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dims = ParallelDims.from_config(pcfg, world, model_cfg)
     if mesh is None:
         mesh = dims.build_mesh(device.type)
-    return ParallelEngine(cfg.model, cfg.train, cfg.parallel, device, dims, mesh, documents)
+    return ParallelEngine(model_cfg, train_cfg, pcfg, device, dims, mesh, documents)

@@ -74,7 +74,8 @@ def _all_layouts(rank: int, world: int) -> dict[str, list[tuple[float, float, fl
     for mode in MODES:
         for layout in LAYOUTS:
             cfg = _config(mode, layout)
-            out[f"{mode} {layout}"] = _train(build_parallel_engine(cfg, torch.device("cpu")), cfg)
+            engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
+            out[f"{mode} {layout}"] = _train(engine, cfg)
     return out
 
 

@@ -79,7 +79,8 @@ def _full_grad_sq(model: torch.nn.Module, only: str = "") -> float:
 def _run_layout(rank: int, cfg: ModelConfig, ep: int, tp: int, batches: list[torch.Tensor], fsdp: bool = False
                 ) -> list[tuple[float, ...]]:
     dims = ParallelDims.from_config(ParallelConfig(ep=ep, tp=tp), WORLD, cfg)
-    mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
+    mesh = dims.build_mesh("cpu")
+    ep_mesh = dims.build_ep_mesh(mesh)
     with torch.device("meta"):
         model = Decoder(cfg)
     apply_expert_parallel(model, ep_mesh=ep_mesh["ep"] if ep > 1 else None, tp_mesh=mesh["tp"] if tp > 1 else None,

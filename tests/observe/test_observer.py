@@ -21,7 +21,7 @@ def _record(step: int, dt: float) -> dict:
 
 def test_observer_fields_and_summary(tmp_path: Path) -> None:
     cfg = load_config("configs/smoke/tiny.yaml", ["observe.peak_tflops=0.5"])
-    obs = Observer(cfg, tmp_path, rank=0, world=2, device=torch.device("cpu"))
+    obs = Observer.for_config(cfg, tmp_path, rank=0, world=2, device=torch.device("cpu"))
     assert obs.sinks == []  # wandb/TensorBoard are off by default
     recs = [_record(1, 2.0), _record(2, 0.5), _record(3, 0.25)]
     extra = [obs.on_step(r) for r in recs]

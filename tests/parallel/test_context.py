@@ -103,11 +103,13 @@ def _ckpt_phase(rank: int, world: int, root: str) -> list[tuple[float, float]]:
         return out
 
     cfg2 = make_config(("parallel.cp=2", "parallel.dp_shard=4"))
-    engine = build_parallel_engine(cfg2, torch.device("cpu"), documents=documents(cfg2))
+    engine = build_parallel_engine(cfg2.model, cfg2.train, cfg2.parallel, torch.device("cpu"),
+                                   documents=documents(cfg2))
     run(engine, cfg2, range(SAVED_AT))
     path = save_checkpoint(Path(root), SAVED_AT, engine.model_parts, engine.optimizers, {})
     cfg4 = make_config(("parallel.cp=4", "parallel.dp_shard=2"))
-    engine = build_parallel_engine(cfg4, torch.device("cpu"), documents=documents(cfg4))
+    engine = build_parallel_engine(cfg4.model, cfg4.train, cfg4.parallel, torch.device("cpu"),
+                                   documents=documents(cfg4))
     load_checkpoint(path, engine.model_parts, engine.optimizers)
     return run(engine, cfg4, range(SAVED_AT, STEPS))
 

@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, root: str, one_rank_ckpt: str = "") -> dict[s
 
     def engine(overrides: tuple[str, ...]) -> tuple[Any, Any]:
         cfg = make_config(overrides)
-        return build_parallel_engine(cfg, cpu), cfg
+        return build_parallel_engine(cfg.model, cfg.train, cfg.parallel, cpu), cfg
 
     out: dict[str, Any] = {}
     ref, cfg = engine(_overrides(world, None))
