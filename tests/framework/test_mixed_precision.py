@@ -24,10 +24,10 @@ import torch
 
 from framework.config import Config, load_config
 from framework.testing import run_distributed
+from framework.testing.tiny import TINY
 from framework.train.local_engine import LocalEngine
 from framework.train.trainer import Trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
 MOE = ("model.preset=test-moe", "model.n_layers=2", "model.moe.n_experts=4", "model.moe.top_k=2",
        "model.moe.bias_update_rate=0.01")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +17,8 @@ import torch
 
 from framework.config import Config, load_config
 from framework.testing import run_distributed
+from framework.testing.tiny import TINY
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
 WORLD, STEPS = 8, 5
 MODES = {
     "dropless": ("model.moe.bias_update_rate=0.01", "model.moe.n_shared_experts=1"),

@@ -11,10 +11,10 @@ import torch
 
 from framework.config import Config, load_config
 from framework.parallel.mesh import ParallelDims
+from framework.testing.tiny import TINY
 from framework.train.documents import resolve_documents
 from models.documents import DocumentMasking
 
-TINY = "configs/smoke/tiny.yaml"
 STEPS = 5
 
 

@@ -31,6 +31,7 @@ from framework.errors import ParallelismError
 from framework.parallel.context import gathered_indices, local_indices
 from framework.parallel.mesh import ParallelDims
 from framework.testing import run_distributed
+from framework.testing.tiny import TINY
 
 SAVED_AT = 2
 
@@ -54,7 +55,7 @@ def test_rank_i_holds_chunks_i_and_2cp_minus_1_minus_i() -> None:
 ])
 def test_seq_len_not_divisible_fails_at_config_load(overrides: list[str], match: str) -> None:
     with pytest.raises(ParallelismError, match=match):
-        load_config("configs/smoke/tiny.yaml", overrides)
+        load_config(TINY, overrides)
 
 
 @pytest.mark.parametrize("overrides, world, match", [
@@ -64,7 +65,7 @@ def test_seq_len_not_divisible_fails_at_config_load(overrides: list[str], match:
     (["parallel.cp=2", "model.preset=test-moe"], 2, r"cp=2 with a mixture-of-experts model"),
 ])
 def test_unsupported_layouts_fail_before_launch(overrides: list[str], world: int, match: str) -> None:
-    cfg = load_config("configs/smoke/tiny.yaml", overrides)
+    cfg = load_config(TINY, overrides)
     with pytest.raises(ParallelismError, match=match):
         ParallelDims.from_config(cfg.parallel, world, cfg.model)
 

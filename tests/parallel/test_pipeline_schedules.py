@@ -5,7 +5,6 @@ simulator, with no other edit. Pure: no processes (the simulator builds torch's 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -31,10 +30,10 @@ from framework.parallel.schedule_sim import (
 from framework.plan.hardware import get_hardware
 from framework.plan.layout import Workload
 from framework.plan.search import SearchSpace, plan
+from framework.testing.tiny import TINY
 from framework.train.parallel_engine import micro_batches
 from models.config import model_config
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml"
 NAME = "TestFillDrain"
 
 
