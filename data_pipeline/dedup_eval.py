@@ -1,4 +1,4 @@
-"""A generated near-duplicate benchmark with known pairs, and the recall/precision measures of issue 4.
+"""A generated near-duplicate benchmark with known pairs, and the recall/precision measures of docs/DATA.md.
 
 Base documents: the standard library's .py files cut into 150-400-word chunks. Mutated copies: word swaps,
 insertions, deletions or truncation applied until the copy's true word-5-gram Jaccard with its original falls

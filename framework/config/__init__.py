@@ -84,7 +84,7 @@ class Config:
                 f"data.seq_len={self.data.seq_len} must be divisible by parallel.tp={tp}: sequence parallelism cuts "
                 f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
                 f"parallel.sequence_parallel=false")
-        if self.train.compile:  # issue 20: only layouts whose compiled run matched eager (tests/train/test_compile.py)
+        if self.train.compile:  # only layouts whose compiled run matched eager (tests/parallel/test_compile.py)
             from framework.parallel.compile import refusal
 
             why = refusal(self.train.compile_backend, self.parallel, self.model)

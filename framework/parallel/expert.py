@@ -12,7 +12,7 @@ weights are replicated over tp with summed gradients; shared experts are tensor-
 Expert gradients are reduced over the "edp" ranks that hold the same experts (`ExpertGradSync`, or FSDP over
 the edp mesh with `gradient_divide_factor = dp_size`).
 
-Order of application (ARCHITECTURE.md): TP -> EP -> activation checkpointing -> FSDP -> pipeline stage wrap.
+Order of application: framework/parallel/parallelize.py (EP right after TP, expert FSDP before the blocks' FSDP).
 """
 
 from __future__ import annotations

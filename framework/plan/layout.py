@@ -74,7 +74,7 @@ class Layout:
 
     @property
     def sp(self) -> bool:
-        """Sequence parallelism is always on under TP (Tessera keeps SP on; ARCHITECTURE.md known traps)."""
+        """Sequence parallelism is always on under TP (Tessera keeps SP on; docs/ARCHITECTURE.md, known torch traps)."""
         return self.tp > 1
 
     @property

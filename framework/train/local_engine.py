@@ -56,7 +56,7 @@ class LocalEngine:
         batch = batch.to(self.device, non_blocking=True)
         n_micro = batch.shape[0]
         total = torch.zeros((), device=self.device)
-        if self.is_moe:  # MoE (issue 5): aux losses join the gradients through each layer's output, scaled as the loss
+        if self.is_moe:  # MoE (docs/MOE.md): aux losses join the gradients via each layer's output, scaled as the loss
             loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
             set_aux_loss_scale(self.model_parts, loss_scale / n_micro)
         for mb in batch:
@@ -102,7 +102,7 @@ class LocalEngine:
         else:
             self.scaler.update(new_scale=self.scaler.get_scale())  # a guard skip: scale and growth tracker stay
         self._unscaled = False
-        if self.is_moe:  # MoE (issue 5): auxiliary-loss-free balancing moves the routing bias after the step
+        if self.is_moe:  # MoE (docs/MOE.md): auxiliary-loss-free balancing moves the routing bias after the step
             (update_routing_bias if applied else discard_routing_counts)(self.model_parts)
         return applied
 
@@ -133,6 +133,6 @@ class LocalEngine:
 
     def extra_metrics(self) -> dict[str, float]:
         out = {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
-        if self.is_moe:  # MoE (issue 5): per-layer load, drops, aux and z losses of the step
+        if self.is_moe:  # MoE (docs/MOE.md): per-layer load, drops, aux and z losses of the step
             out.update(moe_metrics(self.model_parts))
         return out

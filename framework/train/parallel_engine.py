@@ -100,7 +100,7 @@ class ParallelEngine:
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
                                                         for p in self.model_parts]
         self._fix_tied_decay()
-        self.optimizers = offload_optimizers(  # ZeRO-Infinity (issue 19): AdamW states on local NVMe
+        self.optimizers = offload_optimizers(  # ZeRO-Infinity (docs/PARALLELISM.md): AdamW states on local NVMe
             self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
@@ -139,7 +139,7 @@ class ParallelEngine:
         return float(t) / (self.dims.world_size // self.dims.pp)
 
     def _after_backward(self) -> None:
-        self.moe.after_backward(self.model_parts)  # MoE (issue 5): expert gradients over edp without FSDP
+        self.moe.after_backward(self.model_parts)  # MoE (docs/MOE.md): expert gradients over edp without FSDP
         if self.dims.tp > 1:
             resolve_partial_grads(self.parameters())
         if self.replica_sync is not None:
@@ -190,7 +190,7 @@ class ParallelEngine:
     def _forward_backward(self, batch: torch.Tensor) -> float:
         batch = batch.to(self.device, non_blocking=True)
         self._found_inf = False
-        # MoE (issue 5): the aux losses' gradient per forward; the pipeline schedule divides by n_micro itself
+        # MoE (docs/MOE.md): the aux losses' gradient per forward; the pipeline schedule divides by n_micro itself
         self.moe.before_step(self.model_parts, self.scaler.scale / (1 if self.dims.pp > 1 else batch.shape[0]))
         if self.dims.pp > 1:
             local = self._pipeline(batch, train=True)
@@ -246,7 +246,7 @@ class ParallelEngine:
             opt.zero_grad(set_to_none=True)
         if applied or overflow:
             self.scaler.update(overflow)  # a guard skip leaves the scale and its growth tracker alone
-        # MoE (issue 5): routing-bias update from this step's counts, or the counts dropped with the step
+        # MoE (docs/MOE.md): routing-bias update from this step's counts, or the counts dropped with the step
         self.moe.after_optimizer_step(self.model_parts, applied)
         self._found_inf = self._unscaled = False
         return applied
@@ -274,8 +274,8 @@ class ParallelEngine:
 
     def extra_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
-        out.update(self.moe.metrics(self.model_parts))  # MoE (issue 5): load, drops, aux/z losses per layer
-        out.update(io_metrics(self.optimizers))  # NVMe offload (issue 19): cumulative bytes read / written
+        out.update(self.moe.metrics(self.model_parts))  # MoE (docs/MOE.md): load, drops, aux/z losses per layer
+        out.update(io_metrics(self.optimizers))  # NVMe offload (docs/PARALLELISM.md): cumulative bytes read / written
         if self.comm is not None:
             out.update(self.comm.summary())
             self.comm.reset()

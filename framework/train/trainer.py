@@ -108,7 +108,7 @@ def build_engine(cfg: Config, device: torch.device, documents: DocumentMasking |
     p = cfg.parallel
     if world == 1 and p.tp == p.pp == p.ep == p.dp_replicate == 1 and p.dp_shard in (-1, 1):
         local = LocalEngine(cfg.model, cfg.train, device, documents)
-        local.optimizers = offload_optimizers(local.optimizers, p.nvme_offload, device)  # NVMe offload (issue 19)
+        local.optimizers = offload_optimizers(local.optimizers, p.nvme_offload, device)  # NVMe (PARALLELISM.md)
         return local
     return build_parallel_engine(cfg.model, cfg.train, cfg.parallel, device, documents=documents)
 
