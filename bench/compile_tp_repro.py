@@ -112,7 +112,7 @@ _TINY = ["train.grad_clip=0.5", "train.warmup_steps=1", "train.lr=3.0e-3"]
 
 
 def _train(engine: Any, cfg: Any, steps: int = 5) -> list[tuple[float, float]]:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     gen = torch.Generator().manual_seed(7)
     data = torch.randint(0, cfg.model.vocab_size, (steps, cfg.train.global_batch_size, cfg.data.seq_len + 1),

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config import load_config
 from framework.train.local_engine import LocalEngine
-from framework.train.schedule import lr_at
+from framework.train.lr_schedule import lr_at
 from models.flops import flops_per_token, num_params
 
 TINY = ["train.grad_clip=0.5", "train.warmup_steps=1", "train.lr=3.0e-3"]

@@ -127,7 +127,7 @@ def stage_overfit(cfg: Config, data: Any) -> str:
 
 
 def stage_batch(cfg: Config, data: Any) -> str:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     pf = cfg.observe.preflight
     n, mb = pf.batch_sequences, min(cfg.train.micro_batch_size, pf.batch_sequences)

@@ -31,9 +31,9 @@ from framework.logs import get_logger, setup_logging
 from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
 from framework.train.local_engine import LocalEngine
+from framework.train.lr_schedule import lr_at
 from framework.train.parallel_engine import build_parallel_engine
 from framework.train.run_dir import RunDir
-from framework.train.schedule import lr_at
 from models.documents import DocumentMasking
 
 log = get_logger("train")

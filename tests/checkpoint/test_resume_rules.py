@@ -15,7 +15,7 @@ from framework.checkpoint.resume_rules import check_resume
 from framework.config import load_config, to_dict
 from framework.errors import CheckpointError
 from framework.testing.tiny import TINY
-from framework.train.schedule import lr_at
+from framework.train.lr_schedule import lr_at
 from framework.train.trainer import Trainer
 
 STEP = 10

@@ -61,7 +61,7 @@ def test_run_directory_contents(tmp_path: Path) -> None:
 
 
 def test_logged_lr_follows_schedule(tmp_path: Path) -> None:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     cfg = _cfg(tmp_path, "wsd", "train.schedule=wsd", "train.steps=10", "train.lr=3e-3")
     Trainer(cfg).train()

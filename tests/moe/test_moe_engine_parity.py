@@ -44,7 +44,7 @@ def _batches(cfg: Config) -> torch.Tensor:
 
 
 def _train(engine: Any, cfg: Config) -> list[tuple[float, float, float]]:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     out = []
     data = _batches(cfg)

@@ -77,7 +77,7 @@ def param_checksums(engine: Any) -> Checksums:
 
 
 def train_engine(engine: Any, cfg: Config, steps: int = STEPS) -> tuple[Steps, Checksums]:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     out = []
     data = batches(cfg, steps)

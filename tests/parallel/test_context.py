@@ -93,7 +93,7 @@ def _ckpt_phase(rank: int, world: int, root: str) -> list[tuple[float, float]]:
     from framework.train.parallel_engine import build_parallel_engine
 
     def run(engine: Any, cfg: Any, steps: range) -> list[tuple[float, float]]:
-        from framework.train.schedule import lr_at
+        from framework.train.lr_schedule import lr_at
 
         data, out = batches(cfg), []
         for step in steps:
@@ -122,7 +122,7 @@ def _spawn(rank: int, world: int, rounds: list[list[dict[str, Any]]], root: str)
 def _resume_on_one_process(path: Path) -> list[tuple[float, float]]:
     from framework.checkpoint.dcp import load_checkpoint
     from framework.train.local_engine import LocalEngine
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     cfg = make_config()
     engine = LocalEngine(cfg.model, cfg.train, torch.device("cpu"), documents(cfg))

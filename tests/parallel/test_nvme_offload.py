@@ -36,7 +36,7 @@ def _overrides(world: int, nvme: Path | None, **kw: Any) -> tuple[str, ...]:
 
 
 def _steps(engine: Any, cfg: Any, data: torch.Tensor, start: int, stop: int) -> Run:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     out = []
     for step in range(start, stop):
