@@ -34,11 +34,27 @@ EP_AXES: tuple[str, ...] = ("pp", "dp_replicate", "edp", "ep")
 
 
 
+def tp_problem(model: ModelConfig, tp: int, *, replicate_kv: bool = True) -> tuple[str, int] | None:
+    """The first model dimension tensor parallelism of degree `tp` cannot split, as (config field, value), or
+    None: the one divisibility rule the engine (`ParallelDims.validate`) and the planner (`layout_problem`) apply.
+
+    tp shards the heads, the vocabulary and the FFN, so it must divide them; the KV heads are sharded when tp
+    divides them, else (`replicate_kv`, as the engine does) replicated when tp is a multiple of them
+    (framework/parallel/tensor.py). The planner's activation model still assumes sharded KV heads
+    (`replicate_kv=False`).
+    """
+    for field, value in (("n_heads", model.n_heads), ("vocab_size", model.vocab_size), ("ffn_hidden", model.ffn)):
+        if value % tp:
+            return field, value
+    kv = model.kv_heads
+    if kv % tp and (not replicate_kv or tp % kv):
+        return "n_kv_heads", kv
+    return None
+
+
 def valid_tp(model: ModelConfig) -> list[int]:
-    """Tensor-parallel degrees `model` admits: dividing heads, vocabulary and FFN; dividing the KV heads or a
-    multiple of them (KV heads replicated, framework/parallel/tensor.py)."""
-    return [t for t in divisors(math.gcd(model.n_heads, model.vocab_size, model.ffn))
-            if not (model.kv_heads % t and t % model.kv_heads)]
+    """Tensor-parallel degrees `model` admits (`tp_problem` finds nothing)."""
+    return [t for t in divisors(math.gcd(model.n_heads, model.vocab_size, model.ffn)) if tp_problem(model, t) is None]
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -113,13 +129,12 @@ class ParallelDims:
                 f"computed per cp shard; set parallel.cp=1 for MoE models")
 
     def _validate_model(self, cfg: ParallelConfig, model: ModelConfig) -> None:
-        for field, value in (("n_heads", model.n_heads), ("vocab_size", model.vocab_size),
-                             ("ffn_hidden", model.ffn)):
-            if value % self.tp:
-                raise ParallelismError(
-                    f"parallel.tp={self.tp} must divide model.{field}={value} (tensor parallelism shards it); "
-                    f"valid tp for this model: {valid_tp(model)}")
-        if model.kv_heads % self.tp and self.tp % model.kv_heads:
+        problem = tp_problem(model, self.tp)
+        if problem is not None and problem[0] != "n_kv_heads":
+            raise ParallelismError(
+                f"parallel.tp={self.tp} must divide model.{problem[0]}={problem[1]} (tensor parallelism shards it); "
+                f"valid tp for this model: {valid_tp(model)}")
+        if problem is not None:
             raise ParallelismError(
                 f"parallel.tp={self.tp} and model.n_kv_heads={model.kv_heads}: tp must divide the KV heads (shard "
                 f"them) or be a multiple of them (replicate each over tp / n_kv_heads ranks); valid tp for this "

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from framework.parallel.mesh import tp_problem
 from framework.parallel.pipeline_schedules import schedule_micro_batch_problem, schedule_spec
 from framework.plan.activations import AttnKernel, Recompute
 from framework.plan.hardware import Hardware
@@ -110,10 +111,9 @@ def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
     t, p = lay.tp, lay.pp
     if t > hw.gpus_per_node:
         return f"tp={t} exceeds the {hw.gpus_per_node} GPUs of a node (TP must stay on NVLink)"
-    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
-                    ("vocab_size", cfg.vocab_size)):
-        if n % t:
-            return f"tp={t} does not divide model.{what}={n}"
+    problem = tp_problem(cfg, t, replicate_kv=False)  # the engine's rule (framework/parallel/mesh.py)
+    if problem is not None:
+        return f"tp={t} does not divide model.{problem[0]}={problem[1]}"
     if lay.sp and work.seq_len % t:
         return f"tp={t} does not divide seq_len={work.seq_len} (sequence parallel)"
     if lay.cp > 1:
