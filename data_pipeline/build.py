@@ -33,7 +33,9 @@ from data_pipeline.ingest import (
 from data_pipeline.invalidate import describe_changes, invalidate
 from data_pipeline.minhash import shingle_hashes
 from data_pipeline.progress import log
+from data_pipeline.removed_tokens import count_removed_tokens
 from data_pipeline.stages import (
+    REMOVED_SAMPLE,
     ingest_source,
     list_shards,
     minhash_shards,
@@ -231,10 +233,12 @@ def check_tokenizer(cfg: BuildConfig) -> None:
                           f"sentencepiece .model, a tokenizer.json or a tiktoken-format BPE file") from err
 
 
-def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[dict[str, Any]]) -> dict[str, Any]:
+def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[dict[str, Any]],
+                  removed: dict[str, Any]) -> dict[str, Any]:
     """A source's accounting: documents and characters each by outcome (the invariant in = kept + filtered +
     duplicates + malformed, plus for characters what normalization and line rules trimmed, is checked), tokens
-    of the tokenized outcomes, and notes (documents kept with a caveat, e.g. an encoding fallback)."""
+    of the tokenized outcomes and of what each filter removed (`removed`, from removed_tokens), and notes
+    (documents kept with a caveat, e.g. an encoding fallback)."""
     st = np.concatenate(status) if status else np.zeros(0, dtype=np.int8)
     outcomes = ("kept", "exact_duplicate", "near_duplicate")
     docs = {"in": counts["in"], "kept": int((st == 0).sum()), "filtered": counts["filtered"],
@@ -250,7 +254,7 @@ def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[
             raise DataError(f"accounting broken ({what}): in={d['in']} but kept + filtered + duplicate + malformed"
                             f"{' + trimmed' if extra else ''} = {total} ({d}); this is a bug in the build — report "
                             f"it with the config")
-    tokens = {k: sum(s[k] for s in stats) for k in outcomes}
+    tokens = {k: sum(s[k] for s in stats) for k in outcomes} | removed
     return {"documents": docs, "tokens": tokens, "chars": chars, "notes": counts.get("notes", {})}
 
 
@@ -271,7 +275,8 @@ def _finish(cfg: BuildConfig, out: Path, work: Path, corpus: _Corpus, status: di
         if len(IndexedTokens(out / src.name)) != len(all_hashes):
             raise DataError(f"{src.name}: token file and hash list disagree; delete {work} and rebuild")
         stats = [json.loads(Path(p + ".stats.json").read_text()) for p in prefixes]
-        sources[src.name] = _source_entry(all_counts[src.name], status.get(src.name, []), stats)
+        removed = count_removed_tokens(sorted((work / "ingest" / src.name).glob(REMOVED_SAMPLE)), tok)
+        sources[src.name] = _source_entry(all_counts[src.name], status.get(src.name, []), stats, removed)
         digest.update(f"{src.name}:{sources[src.name]['tokens']['kept']}:".encode() + all_hashes.tobytes())
     manifest = {"version": 1, "kind": "build", "config": to_dict(cfg), "sources": sources,
                 "tokenizer": {**info.__dict__, "path": model.name, "kind": tok.kind}, "fingerprint": digest.hexdigest()}

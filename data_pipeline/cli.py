@@ -57,7 +57,8 @@ def _table(rows: list[tuple[str, ...]], left: int = 1) -> list[str]:
 
 def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
     """Tables of a build's accounting: per source, documents, characters and tokens by outcome; then per source
-    and filter rule, the documents and characters it removed (and what line rules trimmed from kept ones)."""
+    and filter rule, the documents, characters and tokens it removed (and what line rules trimmed from kept ones;
+    tokens counted with the build's tokenizer, "~" where estimated from a sample: data_pipeline/removed_tokens)."""
     head = ("source", "in", "kept", "filtered", "exact dup", "near dup", "malformed", "chars in", "chars kept",
             "kept %", "tokens kept")
     rows: list[tuple[str, ...]] = [head]
@@ -69,16 +70,21 @@ def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
                      f"{kept_chars:,}", _pct(kept_chars, c.get("in", 0)), f"{src['tokens']['kept']:,}"))
     lines = _table(rows)
     if by_filter:
-        rows = [("source", "removed by", "documents", "characters", "of source chars")]
+        rows = [("source", "removed by", "documents", "characters", "of source chars", "tokens")]
         for name, src in sorted(manifest["sources"].items()):
-            d, c = src["documents"], src.get("chars", {})
+            d, c, t = src["documents"], src.get("chars", {}), src["tokens"]
             total = c.get("in", 0)
-            parts = [(f"filter {r}", n, c.get("filtered", {}).get(r, 0)) for r, n in d["filtered"].items()]
-            parts += [(f"trim {r}", 0, v) for r, v in c.get("trimmed", {}).items()]
-            parts += [(f"malformed {r}", n, c.get("malformed", {}).get(r, 0)) for r, n in d["malformed"].items()]
-            parts += [(k, d[k], c.get(k, 0)) for k in ("exact_duplicate", "near_duplicate") if d[k]]
-            for what, n, chars in sorted(parts, key=lambda p: -p[2]):
-                rows.append((name, what, str(n) if n else "-", f"{chars:,}", _pct(chars, total)))
+            parts = [(f"filter {r}", n, c.get("filtered", {}).get(r, 0), t.get("filtered", {}).get(r))
+                     for r, n in d["filtered"].items()]
+            parts += [(f"trim {r}", 0, v, t.get("trimmed", {}).get(r)) for r, v in c.get("trimmed", {}).items()]
+            parts += [(f"malformed {r}", n, c.get("malformed", {}).get(r, 0), None) for r, n in d["malformed"].items()]
+            parts += [(k, d[k], c.get(k, 0), t[k]) for k in ("exact_duplicate", "near_duplicate") if d[k]]
+            for what, n, chars, tokens in sorted(parts, key=lambda p: -p[2]):
+                # "~": estimated from a sample of the removed text; "-": never tokenized (malformed records and
+                # what normalization trims)
+                approx = "~" if what.split(" ", 1)[-1] in t.get("estimated", ()) else ""
+                rows.append((name, what, str(n) if n else "-", f"{chars:,}", _pct(chars, total),
+                             "-" if tokens is None else f"{approx}{tokens:,}"))
         if len(rows) > 1:
             lines += ["", *_table(rows, left=2)]
     tok = manifest["tokenizer"]

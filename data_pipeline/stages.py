@@ -6,6 +6,7 @@ Layout under `<output_dir>/work/`:
     ingest/<source>/counts.json                       per-source accounting; written last = source done
     ingest/<source>/rejects.jsonl                     malformed records with their reason
     ingest/<source>/filtered.jsonl                    the first documents each filter rule removed (samples)
+    ingest/<source>/removed_sample.jsonl              a sample of the removed text per rule, for its tokens
     minhash/<source>/shard-K.sig.npy                  MinHash signatures (uint32, docs x bands*rows)
     tokens/<source>/shard-K.{bin,idx}, .stats.json    tokens of kept documents (megatron-core's builder)
 Every file is written under a temporary name and renamed, so a killed build leaves no half-written output.
@@ -33,10 +34,14 @@ from data_pipeline.ingest import read_records
 from data_pipeline.minhash import signatures
 from data_pipeline.normalize import NormalizeConfig, doc_hash, normalize
 from data_pipeline.progress import Progress, log
+from data_pipeline.removed_tokens import RemovedSample
 
 _CHUNK = 256  # records per worker task
 FILTERED_SAMPLES = 20
 """Documents kept per filter rule in ingest/<source>/filtered.jsonl, to see what a rule removes."""
+REMOVED_SAMPLE = "removed_sample*.jsonl"
+"""ingest/<source>/: seeded samples of the removed text per rule (data_pipeline/removed_tokens.py); one file per
+ingest unit (removed_sample.jsonl, or removed_sample-<task>.jsonl where a source's ingest is split): they add up."""
 
 
 def shard_name(k: int) -> str:
@@ -73,8 +78,9 @@ def _init_filter_worker(norm: NormalizeConfig, cfg: BuildConfig, names: tuple[st
     _W["norm"], _W["cfg"], _W["names"] = norm, cfg, names
 
 
-Result = tuple[str | None, str | None, int, dict[str, int]]
-"""(kept text or None, reason or None, characters in, characters trimmed from a kept text by cause)."""
+Result = tuple[str | None, str | None, int, dict[str, int], dict[str, str]]
+"""(kept text or None, reason or None, characters in, characters trimmed from a kept text by cause, removed text
+by cause: a filtered document's normalized text, or the lines a line rule cut)."""
 
 
 def _filter_chunk(texts: list[str]) -> list[Result]:
@@ -84,14 +90,16 @@ def _filter_chunk(texts: list[str]) -> list[Result]:
         try:
             norm = normalize(text, _W["norm"])
             if not norm.strip():
-                out.append((None, "empty", len(text), {}))
+                out.append((None, "empty", len(text), {}, {}))
                 continue
-            trimmed = {"normalize": len(text) - len(norm)}
-            kept, reason = apply_filters(norm, _W["names"], cfg.filters, trimmed)
+            trimmed, removed = {"normalize": len(text) - len(norm)}, dict[str, str]()
+            kept, reason = apply_filters(norm, _W["names"], cfg.filters, trimmed, removed)
         except Exception as err:  # one pathological document never stops the build: it is counted instead
-            out.append((None, f"malformed:filter_error.{type(err).__name__}", len(text), {}))
+            out.append((None, f"malformed:filter_error.{type(err).__name__}", len(text), {}, {}))
             continue
-        out.append((kept, reason, len(text), {k: v for k, v in trimmed.items() if v}))
+        if kept is None:
+            removed = {str(reason): norm}
+        out.append((kept, reason, len(text), {k: v for k, v in trimmed.items() if v}, removed))
     return out
 
 
@@ -188,13 +196,14 @@ def ingest_source(cfg: BuildConfig, src: SourceConfig, work: Path) -> dict[str, 
     rejects = open(out / "rejects.jsonl", "w", encoding="utf-8") if cfg.rejects else None
     samples = open(out / "filtered.jsonl", "w", encoding="utf-8")
     wheres: deque[list[str]] = deque()
+    removed_sample = RemovedSample(cfg.seed)  # tokens of what the filters removed, counted once a tokenizer exists
     bar = Progress(f"ingest {src.name}", "doc")
     try:
         with ProcessPoolExecutor(cfg.workers, mp_context=get_context("fork"), initializer=_init_filter_worker,
                                  initargs=(cfg.source_normalize(src), cfg, names)) as pool:
             chunks = _chunks(src, counts, rejects, wheres)
             for results in _ordered(pool, chunks, depth=4 * cfg.workers):
-                for (kept, reason, n_chars, trimmed), where in zip(results, wheres.popleft(), strict=True):
+                for (kept, reason, n_chars, trimmed, removed), where in zip(results, wheres.popleft(), strict=True):
                     if reason is not None and reason.startswith("malformed:"):
                         _malformed(counts, reason.split(":", 1)[1], n_chars)
                         continue
@@ -210,8 +219,11 @@ def ingest_source(cfg: BuildConfig, src: SourceConfig, work: Path) -> dict[str, 
                         chars["after_filters"] += len(kept)
                         chars["trimmed"].update(trimmed)
                         writer.add(kept, where)
+                    for cause, text in removed.items():
+                        removed_sample.add(cause, text)
                 bar.update(len(results))
         writer.flush()
+        removed_sample.save(out / "removed_sample.jsonl")
     finally:
         samples.close()
         if rejects is not None:

@@ -78,6 +78,8 @@ class CommLogger:
         self.wire: dict[tuple[str, str], float] = defaultdict(float)
         self.dtypes: dict[tuple[str, str], set[torch.dtype]] = defaultdict(set)
         """The dtypes of the buffers each (axis, op) actually moved (e.g. FSDP's bf16 parameter all-gathers)."""
+        self.buffers: dict[tuple[str, str], set[tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(set)
+        """The distinct (dtype, shape) of the full buffers each (axis, op) moved (ZeRO++'s int8 ones, say)."""
 
     def axis_of(self, group: Any) -> str:
         if group is not None and _name(group) in self.axes:
@@ -86,10 +88,12 @@ class CommLogger:
             return "world"
         return "other"
 
-    def record(self, op: str, group: Any, full_bytes: int, dtypes: set[torch.dtype] | None = None) -> None:
+    def record(self, op: str, group: Any, full_bytes: int, dtypes: set[torch.dtype] | None = None,
+               buffers: set[tuple[torch.dtype, tuple[int, ...]]] | None = None) -> None:
         n = group.size() if group is not None else dist.get_world_size()
         key = (self.axis_of(group), op)
         self.dtypes[key] |= dtypes or set()
+        self.buffers[key] |= buffers or set()
         self.calls[key] += 1
         self.payload[key] += full_bytes
         self.wire[key] += full_bytes * wire_factor(op, n)
@@ -105,6 +109,7 @@ class CommLogger:
         self.payload.clear()
         self.wire.clear()
         self.dtypes.clear()
+        self.buffers.clear()
 
     def summary(self) -> dict[str, float]:
         """Flat metrics: comm/<axis>/<op>/{bytes,wire_bytes,calls}."""
@@ -142,7 +147,8 @@ class _CollectiveCounter(TorchDispatchMode):
                 return
             kind, buffer = _C10D[name]
             group = _unbox(bound.get("process_group"))
-            self.logger.record(kind, group, _nbytes(bound.get(buffer)), _dtypes(bound.get(buffer)))
+            full = bound.get(buffer)
+            self.logger.record(kind, group, _nbytes(full), _dtypes(full), _buffers(full))
             return
         if name not in _FUNCTIONAL:
             return
@@ -150,9 +156,11 @@ class _CollectiveCounter(TorchDispatchMode):
         group = _unbox(bound.get("group_name"))
         local = bound.get("input", bound.get("inputs", bound.get("tensor")))
         size = _nbytes(local)
+        buffers = _buffers(local)
         if kind == "all_gather":
             size *= int(bound["group_size"])
-        self.logger.record(kind, group, size, _dtypes(local))
+            buffers = {(dtype, (int(bound["group_size"]), *shape)) for dtype, shape in buffers}
+        self.logger.record(kind, group, size, _dtypes(local), buffers)
 
 
 def _nbytes(x: Any) -> int:
@@ -168,6 +176,14 @@ def _dtypes(x: Any) -> set[torch.dtype]:
         return {x.dtype}
     if isinstance(x, (list, tuple)):
         return set().union(*(_dtypes(t) for t in x)) if x else set()
+    return set()
+
+
+def _buffers(x: Any) -> set[tuple[torch.dtype, tuple[int, ...]]]:
+    if isinstance(x, torch.Tensor):
+        return {(x.dtype, tuple(x.shape))}
+    if isinstance(x, (list, tuple)):
+        return set().union(*(_buffers(t) for t in x)) if x else set()
     return set()
 
 

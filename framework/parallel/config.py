@@ -80,6 +80,19 @@ class ParallelConfig:
     """Recompute on every k-th block (layer index % k == 0)."""
     comm_log: bool = False
     """Count bytes per collective per mesh axis per step (reported in extra_metrics and by the logger)."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ: all-gather parameters as block-quantized int8 (one fp32 scale per `zero_quant_block_size`
+    elements), dequantized into the compute dtype; fp32 master weights untouched. Takes precedence over the bf16
+    all-gather of `fsdp_mixed_precision` (framework/parallel/zero.py `fsdp_mp_policy`)."""
+    zero_hpz_partition_size: int = 1
+    """ZeRO++ hpZ: after forward keep a secondary weight shard over groups of this many consecutive data-sharding
+    ranks (dp_shard x cp; one node), so backward's all-gather stays inside them (FSDP2 reshard_after_forward=<int>).
+    1: off. Also the node size of qgZ's two-hop reduce-scatter."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: reduce-scatter gradients as block-quantized int8 over all-to-all (two hops, inside then across
+    nodes, when zero_hpz_partition_size > 1), summed in fp32 (FSDP2 set_custom_reduce_scatter)."""
+    zero_quant_block_size: int = 256
+    """Elements per quantization block of qwZ and qgZ (one fp32 scale each: 4 / block bytes of overhead)."""
     nvme_offload: NVMeOffloadConfig = field(default_factory=NVMeOffloadConfig)
     """ZeRO-Infinity: AdamW states in files on local NVMe (framework/parallel/offload.py); off while path is ""."""
 
@@ -110,3 +123,27 @@ class ParallelConfig:
         if self.fsdp_prefetch < 0:
             raise ConfigError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 0 (0: FSDP2 default)")
         self.nvme_offload.validate()
+        self._validate_zeropp()
+
+    def _validate_zeropp(self) -> None:
+        """ZeRO++ keys on their own; against the layout in `framework/parallel/mesh.py` `zeropp_layout_problem`."""
+        if self.zero_quant_block_size < 8 or self.zero_quant_block_size % 4:
+            raise ConfigError(f"parallel.zero_quant_block_size={self.zero_quant_block_size} must be a multiple of 4 "
+                              f"and >= 8 (one fp32 scale per block; 256 costs 1.6% extra bytes)")
+        if self.zero_hpz_partition_size < 1:
+            raise ConfigError(f"parallel.zero_hpz_partition_size={self.zero_hpz_partition_size} must be >= 1 "
+                              f"(1: off; else the ranks per node)")
+        zeropp = self.zero_quantized_weights or self.zero_quantized_gradients or self.zero_hpz_partition_size > 1
+        if zeropp and self.zero_stage == 0:
+            raise ConfigError("ZeRO++ (parallel.zero_quantized_weights / zero_quantized_gradients / "
+                              "zero_hpz_partition_size) acts on FSDP's collectives: set parallel.zero_stage >= 1")
+        if self.zero_hpz_partition_size > 1 and self.zero_stage != 3:
+            raise ConfigError(f"parallel.zero_hpz_partition_size={self.zero_hpz_partition_size} reshards weights "
+                              f"after forward, which only ZeRO-3 does: set parallel.zero_stage=3 or the size to 1")
+        if self.zero_hpz_partition_size > 1 and self.zero_quantized_weights:
+            raise ConfigError(
+                "parallel.zero_quantized_weights with parallel.zero_hpz_partition_size > 1 is refused: FSDP2 cannot "
+                "all-gather a tensor-subclass (quantized) weight from its post-forward secondary shard (torch "
+                "2.11-2.13 _fsdp_param.py all_gather_inputs raises NotImplementedError in SHARDED_POST_FORWARD); "
+                "use one of them (with zero_quantized_gradients if wanted) - docs/PARALLELISM.md, ZeRO++")
+

@@ -109,6 +109,8 @@ class ParallelDims:
         if cfg.cpu_offload and self.dp_shard == 1:
             raise ParallelismError(
                 "parallel.cpu_offload=true needs FSDP sharding (parallel.dp_shard > 1); raise dp_shard or disable it")
+        if problem := zeropp_layout_problem(cfg, self):
+            raise ParallelismError(problem)
         if model is not None:
             self._validate_model(cfg, model)
 
@@ -306,3 +308,32 @@ def stage_layers(n_layers: int, stages: int, split: Sequence[int] | None = None)
     counts = list(split) if split is not None else even_split(n_layers, stages)
     bounds = list(itertools.accumulate(counts, initial=0))
     return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
+
+
+def zeropp_layout_problem(cfg: ParallelConfig, dims: ParallelDims) -> str:
+    """Why the ZeRO++ keys cannot run on this layout ("" when they can); checked with the layout, before launch
+    (`ParallelDims.validate`; the ZeRO++ options themselves are applied in framework/parallel/zero.py)."""
+    on = cfg.zero_quantized_weights or cfg.zero_quantized_gradients or cfg.zero_hpz_partition_size > 1
+    if not on:
+        return ""
+    shard = dims.dp_shard * dims.cp
+    if shard == 1:
+        return "ZeRO++ compresses FSDP's collectives and needs dp_shard x cp > 1"
+    if cfg.cpu_offload or dims.pp > 1 or (cfg.zero_quantized_weights and cfg.nvme_offload.enabled):
+        return ("ZeRO++ is not proven with parallel.cpu_offload, pp > 1, or qwZ with parallel.nvme_offload "
+                f"(got cpu_offload={cfg.cpu_offload}, pp={dims.pp}, nvme_offload={cfg.nvme_offload.enabled}); "
+                "drop one of them")
+    if dims.tp > 1 or dims.ep > 1:
+        # FSDP2 refuses to reshard DTensor (tp) parameters to a smaller mesh; the quantized paths are checked
+        # against the plain one on dense, tp=1 layouts only (tests/parallel/test_zeropp.py).
+        return f"ZeRO++ is proven on tp=1 dense layouts only (got tp={dims.tp}, ep={dims.ep})"
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    if cfg.zero_quantized_gradients and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        return f"parallel.zero_quantized_gradients needs FSDP2's set_custom_reduce_scatter (torch {torch.__version__})"
+    s = cfg.zero_hpz_partition_size
+    if s > 1 and (shard % s or s == shard):
+        return (f"parallel.zero_hpz_partition_size={s} must divide the data-sharding group dp_shard x cp = {shard} "
+                f"and be smaller than it (valid: {[d for d in range(2, shard) if shard % d == 0] or 'none'})")
+    return ""

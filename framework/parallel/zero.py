@@ -10,6 +10,14 @@ Each `parallel.zero_stage` is one configuration (docs/PARALLELISM.md):
 With dp_replicate > 1 and dp_shard > 1 the FSDP mesh is 2-D (HSDP): shard inside, all-reduce across.
 Context parallelism folds cp into the shard group (dp_shard x cp, torchtitan's dp_shard_cp): cp ranks hold
 different tokens of one sequence, so their gradients are averaged like data ranks' (`fsdp_mesh`).
+
+ZeRO++ (Wang et al. 2023) on the same FSDP2 units (`apply_fsdp`, framework/parallel/quant.py):
+  qwZ  parallel.zero_quantized_weights: parameters all-gathered as block-quantized int8 (tensor-subclass
+       `fsdp_pre_all_gather` / `fsdp_post_all_gather`), dequantized into the mp dtype; masters stay fp32.
+  hpZ  parallel.zero_hpz_partition_size=s: reshard_after_forward=s, a secondary shard over s consecutive
+       data-sharding ranks (dp_shard x cp), so backward all-gathers inside the node.
+  qgZ  parallel.zero_quantized_gradients: int8 all-to-all reduce-scatter (`set_custom_reduce_scatter`), two
+       hops (node, then across nodes) when s > 1.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import ParallelDims
+from framework.parallel.quant import QuantizedReduceScatter, plain_state_dict_hook, wrap_quantized_weights
 from models.decoder import Decoder
 
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,6 +58,8 @@ def fsdp_mp_policy(cfg: ParallelConfig, precision: str) -> MixedPrecisionPolicy:
     the compute dtype (half the bytes of fp32) and gradients reduce-scattered in fp32 (summing many ranks'
     gradients in 16 bits loses bits; FSDP2 casts them before the collective), while the sharded master weights
     and optimizer states stay fp32. fp32 training, or `fsdp_mixed_precision: false`: everything moves in fp32.
+    qwZ (`parallel.zero_quantized_weights`) takes precedence over this all-gather dtype: the wire carries int8 and
+    scales, and `param_dtype` is only what they are dequantized into (`apply_fsdp` installs it per parameter).
     """
     on = cfg.fsdp_mixed_precision if cfg.fsdp_mixed_precision is not None else precision == "bf16"
     if not on or precision not in _LOW_PRECISION:
@@ -67,7 +78,14 @@ def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, mp_p
     kwargs: dict[str, object] = {"mesh": dp_mesh, "mp_policy": mp_policy}
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
-    reshard = cfg.zero_stage == 3
+    shard_size = dp_mesh.size(dp_mesh.ndim - 1)
+    if cfg.zero_quantized_weights:  # qwZ: before fully_shard, so FSDP shards the subclass and finds its hooks
+        wrap_quantized_weights([model], shard_size, cfg.zero_quant_block_size)
+        model.register_state_dict_post_hook(plain_state_dict_hook)
+    # ZeRO-3 reshards after forward: to the whole shard group, or with hpZ to a node's secondary shard.
+    reshard: bool | int = False
+    if cfg.zero_stage == 3:
+        reshard = cfg.zero_hpz_partition_size if cfg.zero_hpz_partition_size > 1 else True
     keys = list(model.layers.keys())
     units: list[FSDPModule] = []
     for i in range(0, len(keys), cfg.fsdp_layers_per_unit):
@@ -75,12 +93,48 @@ def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, mp_p
         target: nn.Module | list[nn.Module] = group[0] if len(group) == 1 else group
         # The last unit's parameters are needed again at once by backward: never reshard them.
         last = i + cfg.fsdp_layers_per_unit >= len(keys)
-        fully_shard(target, reshard_after_forward=reshard and not last, **kwargs)  # type: ignore[arg-type, call-overload]
+        fully_shard(target, reshard_after_forward=False if last else reshard, **kwargs)  # type: ignore[arg-type, call-overload]
         units.append(group[0])  # type: ignore[arg-type]
-    fully_shard(model, reshard_after_forward=reshard and not pipelined, **kwargs)  # type: ignore[arg-type, call-overload]
+    fully_shard(model, reshard_after_forward=False if pipelined else reshard, **kwargs)  # type: ignore[arg-type, call-overload]
     if cfg.fsdp_prefetch > 0 and len(units) > 1:
         _set_prefetch(units, cfg.fsdp_prefetch)
+    if cfg.zero_quantized_gradients:
+        comm = quantized_reduce_scatter(dp_mesh, cfg)
+        for unit in [model, *units]:
+            unit.set_custom_reduce_scatter(comm)  # type: ignore[attr-defined]
     return [model, *units]  # type: ignore[list-item]
+
+
+def quantized_reduce_scatter(dp_mesh: DeviceMesh, cfg: ParallelConfig) -> QuantizedReduceScatter:
+    """qgZ's reduce-scatter over the shard dimension of `dp_mesh`; two hops with nodes of zero_hpz_partition_size."""
+    s = cfg.zero_hpz_partition_size
+    if s == 1:
+        return QuantizedReduceScatter(cfg.zero_quant_block_size)
+    shard = dp_mesh[dp_mesh.mesh_dim_names[-1]] if dp_mesh.ndim > 1 else dp_mesh  # type: ignore[index]
+    ranks = shard.mesh.view(-1, s)  # [node, local]: consecutive shard ranks form a node, as hpZ's groups
+    nodes = DeviceMesh(shard.device_type, ranks, mesh_dim_names=("zeropp_inter", "zeropp_intra"))
+    return QuantizedReduceScatter(cfg.zero_quant_block_size, intra=nodes.get_group("zeropp_intra"),
+                                  inter=nodes.get_group("zeropp_inter"))
+
+
+def zeropp_axes(parts: Sequence[nn.Module]) -> dict[dist.ProcessGroup, str]:
+    """Names for the comm logger of the groups ZeRO++ adds: hpZ's and qgZ's node ("dp_shard_intra") and cross-node
+    ("dp_shard_inter") groups."""
+    out: dict[dist.ProcessGroup, str] = {}
+    for part in parts:
+        for mod in part.modules():
+            if not isinstance(mod, FSDPModule):
+                continue
+            state = mod._get_fsdp_state()  # type: ignore[operator]
+            for group in state._fsdp_param_groups:
+                info = group.post_forward_mesh_info
+                if info is not None and info is not group.mesh_info:
+                    out[info.mesh.get_group(info.shard_mesh_dim)] = "dp_shard_intra"
+                    out[info.mesh.get_group(info.replicate_mesh_dim)] = "dp_shard_inter"
+                comm = group._reduce_scatter_comm
+                if isinstance(comm, QuantizedReduceScatter) and comm.intra is not None and comm.inter is not None:
+                    out[comm.intra], out[comm.inter] = "dp_shard_intra", "dp_shard_inter"
+    return out
 
 
 def _set_prefetch(units: list[FSDPModule], depth: int) -> None:

@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-offload", action="store_true",
                    help="also try every sharded layout with its AdamW states on local NVMe (ZeRO-Infinity)")
     p.add_argument("--prefetch", type=int, default=1, help="FSDP units all-gathered ahead under ZeRO-3 (0: none)")
+    p.add_argument("--zeropp", default="", help="ZeRO++ on sharded tp=1 dense layouts: comma-separated of qwz "
+                   "(int8 weight gathers), hpz (node-local backward gathers), qgz (int8 gradient all-to-all)")
     p.add_argument("--top", type=int, default=5, help="distinct (tp, pp, ep) layouts to show")
     p.add_argument("--write-config", metavar="PATH", help="write the best layout as a Tessera YAML config")
     p.add_argument("--check-params", action="store_true",
@@ -118,9 +120,13 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         raise ConfigError(f"--memory-margin {args.memory_margin} must be in [0, 1); e.g. 0.1")
     if args.prefetch < 0:
         raise ConfigError(f"--prefetch {args.prefetch} must be >= 0 (FSDP units gathered ahead)")
+    zeropp = frozenset(o.strip() for o in args.zeropp.split(",") if o.strip())
+    if zeropp - {"qwz", "hpz", "qgz"} or {"qwz", "hpz"} <= zeropp:
+        raise ConfigError(f"--zeropp {args.zeropp!r}: options are qwz, hpz, qgz, and qwz with hpz is refused (FSDP2 "
+                          f"cannot all-gather a quantized weight from its secondary shard; docs/PARALLELISM.md)")
     return SearchSpace(schedules=schedules, micro_batches=_ints(args.micro_batches, "--micro-batches"),
                        memory_margin=args.memory_margin, prefetch=args.prefetch,
-                       nvme_offload=(False, True) if args.nvme_offload else (False,))
+                       nvme_offload=(False, True) if args.nvme_offload else (False,), zeropp=zeropp)
 
 
 def format_row(i: int, est: Estimate) -> str:

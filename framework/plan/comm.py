@@ -9,7 +9,11 @@ all-gather, a reduce-scatter or an all-to-all (Thakur et al. 2005; the ZeRO pape
   pp  per micro-batch and chunk: the activation forward and its gradient backward, s·b·h/t each (SP-sharded).
   dp  per step on this rank's Ψ: stage 0 all-reduces gradients; 1 reduce-scatters gradients once and
       all-gathers parameters once; 2 reduce-scatters every micro-batch; 3 also all-gathers parameters before
-      every micro-batch's forward and backward.
+      every micro-batch's forward and backward. ZeRO++ on the dense parameters (Wang et al. 2023; the formulas
+      tests/parallel/test_zeropp.py checks against measured bytes): qwZ gathers 1 + 4/B bytes per element
+      (int8 + an fp32 scale per block of B) instead of the bf16 2; hpZ moves ZeRO-3's backward gathers to the
+      s-rank node group (intra-node link, ring over s); qgZ reduces 1 + 4/B bytes per element by all-to-all,
+      with hpZ in two hops: ring over s inside the node, then over n/s nodes on 1/s of the volume.
   cp  per layer and micro-batch: all-gather of K and V (b x s x n_kv/t x E each) forward, their gradients
       reduce-scattered backward, the all-gather again under recompute (Llama 3's all-gather context parallel).
   ep  per MoE layer and micro-batch: dispatch and combine all-to-all of top_k copies of the rank's tokens,
@@ -23,6 +27,9 @@ from dataclasses import dataclass
 from framework.plan.hardware import Hardware
 from framework.plan.layout import Layout, Workload
 from framework.plan.memory import RankParams
+
+QUANT_BLOCK = 256
+"""Elements per ZeRO++ quantization block (parallel.zero_quant_block_size's default)."""
 
 
 @dataclass(frozen=True)
@@ -94,22 +101,46 @@ def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankPara
     """Data-parallel traffic of one rank per step, split into the gradient reduction and the parameter gather."""
     prec, z, m = work.precision, lay.zero_stage, lay.n_micro(work.global_batch)
     intra = lay.tp * lay.shard_group <= hw.gpus_per_node
-    reduce = gather = 0.0
+    reduce = gather = node_reduce = node_gather = cross_reduce = 0.0
     n_reduce = n_gather = 0
     layers = max(1, len(params.layers))
-    for psi, n in ((params.dense, lay.shard_group), (params.experts, lay.dp * lay.tp // lay.ep)):
+    q = 1 + 4 / QUANT_BLOCK
+    s = lay.hpz if z == 3 or lay.qgz else 1
+    for psi, n, dense in ((params.dense, lay.shard_group, True), (params.experts, lay.dp * lay.tp // lay.ep, False)):
         if z == 0:
             reduce += ring_factor("all_reduce", n) * psi * prec.grad
             continue
         rs_times = m if z >= 2 else 1
         ag_times = 2 * m if z == 3 else 1
-        reduce += rs_times * ring_factor("reduce_scatter", n) * psi * prec.grad
-        gather += ag_times * ring_factor("all_gather", n) * psi * prec.param
+        if dense and lay.qgz and s > 1:  # two hops: inside the node, then across nodes on 1/s of the volume
+            node_reduce += rs_times * ring_factor("all_to_all", s) * psi * q
+            cross_reduce += rs_times * ring_factor("all_to_all", n // s) * psi / s * q
+        else:
+            reduce += rs_times * ring_factor("reduce_scatter", n) * psi * (q if dense and lay.qgz else prec.grad)
+        if dense and z == 3 and lay.hpz > 1:  # backward's m gathers over the node group
+            gather += m * ring_factor("all_gather", n) * psi * prec.param
+            node_gather += m * ring_factor("all_gather", lay.hpz) * psi * prec.param
+        else:
+            gather += ag_times * ring_factor("all_gather", n) * psi * (q if dense and lay.qwz else prec.param)
         n_reduce, n_gather = rs_times * layers, ag_times * layers
+    n_node_gather = m * layers if node_gather else 0
+    n_gather -= n_node_gather
     if lay.shard_group == 1 and lay.dp * lay.tp // lay.ep == 1:
         return {"reduce": AxisComm(0.0, 0, 0.0), "gather": AxisComm(0.0, 0, 0.0)}
-    return {"reduce": _axis(hw, intra, reduce, n_reduce or layers, lay.shard_group),
-            "gather": _axis(hw, intra, gather, n_gather, lay.shard_group)}
+    if node_reduce:
+        red = _plus(_axis(hw, True, node_reduce, n_reduce, s), _axis(hw, False, cross_reduce, n_reduce,
+                                                                    lay.shard_group // s))
+        red = _plus(red, _axis(hw, intra, reduce, 0, lay.shard_group))  # experts' plain reduce-scatter, if any
+    else:
+        red = _axis(hw, intra, reduce, n_reduce or layers, lay.shard_group)
+    gat = _axis(hw, intra, gather, n_gather, lay.shard_group)
+    if node_gather:
+        gat = _plus(gat, _axis(hw, True, node_gather, n_node_gather, lay.hpz))
+    return {"reduce": red, "gather": gat}
+
+
+def _plus(a: AxisComm, b: AxisComm) -> AxisComm:
+    return AxisComm(a.wire_bytes + b.wire_bytes, a.messages + b.messages, a.seconds + b.seconds)
 
 
 __all__ = ["AxisComm", "cp_comm_per_micro", "dp_comm_per_step", "ep_comm_per_micro", "pp_comm_per_step", "ring_factor",

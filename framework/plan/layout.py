@@ -72,6 +72,13 @@ class Layout:
     """FSDP units all-gathered ahead (parallel.fsdp_prefetch); 0: every ZeRO-3 gather waits in front of compute."""
     nvme_offload: bool = False
     """AdamW states on local NVMe (parallel.nvme_offload): off the GPU, streamed through host buffers each step."""
+    qwz: bool = False
+    """ZeRO++ int8 weight all-gathers (parallel.zero_quantized_weights), dense parameters."""
+    hpz: int = 1
+    """ZeRO++ secondary weight shard over this many consecutive shard ranks (parallel.zero_hpz_partition_size):
+    ZeRO-3's backward all-gathers stay inside them. 1: off."""
+    qgz: bool = False
+    """ZeRO++ int8 all-to-all gradient reduce-scatter (parallel.zero_quantized_gradients), two hops with hpz."""
 
     @property
     def sp(self) -> bool:

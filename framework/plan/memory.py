@@ -202,6 +202,8 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     z = lay.zero_stage
     # ZeRO-3 holds the unit being computed plus `prefetch` units gathered ahead
     out["comm_buffers"] = params.largest_layer * (prec.grad + ((1 + lay.prefetch) * prec.param if z == 3 else 0))
+    if z == 3 and lay.hpz > 1:  # ZeRO++ hpZ: every unit's node-sharded copy, held from its forward to its backward
+        out["hpz_secondary"] = params.dense * prec.param / lay.hpz
     return out
 
 

@@ -13,6 +13,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm import tqdm
 
@@ -39,6 +40,9 @@ class SearchSpace:
     """(False, True) also tries every sharded layout with its AdamW states on NVMe."""
     prefetch: int = 1
     """FSDP units gathered ahead under ZeRO-3 (parallel.fsdp_prefetch)."""
+    zeropp: frozenset[str] = frozenset()
+    """ZeRO++ options applied to every sharded tp=1 dense layout, as Tessera runs them: "qwz", "hpz" (a node's
+    shard ranks, gpus_per_node, where that divides dp x cp and is smaller), "qgz"."""
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     max_virtual: int = 8
     cp_degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -133,7 +137,17 @@ def candidates(work: Workload, gpus: int, hw: Hardware, space: SearchSpace) -> I
                         for nvme in space.nvme_offload if zero > 0 else (False,):
                             yield dataclasses.replace(base, schedule=schedule, virtual=v, zero_stage=zero,
                                                       recompute=rc, nvme_offload=nvme,  # type: ignore[arg-type]
-                                                      prefetch=space.prefetch)
+                                                      prefetch=space.prefetch, **_zeropp(base, zero, hw, space))
+
+
+def _zeropp(lay: Layout, zero: int, hw: Hardware, space: SearchSpace) -> dict[str, Any]:
+    """The ZeRO++ fields of a candidate (framework/parallel/mesh.py `zeropp_layout_problem`'s rules)."""
+    if zero == 0 or lay.shard_group == 1 or lay.tp > 1 or lay.ep > 1:  # proven on tp=1 dense layouts only
+        return {}
+    node = hw.gpus_per_node // lay.tp
+    hpz = node if ("hpz" in space.zeropp and zero == 3 and 1 < node < lay.shard_group
+                   and lay.shard_group % node == 0) else 1
+    return {"qwz": "qwz" in space.zeropp, "qgz": "qgz" in space.zeropp, "hpz": hpz}
 
 
 def _reason_key(problem: str) -> str:

@@ -42,7 +42,7 @@ from framework.parallel.precision import (
     resolve_partial_grads,
     scale_grads,
 )
-from framework.parallel.zero import set_micro_batch_sync
+from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
@@ -105,7 +105,7 @@ class ParallelEngine:
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
         self._found_inf = self._unscaled = False
-        self.comm = CommLogger(mesh_axes(mesh, AXES)) if pcfg.comm_log else None
+        self.comm = CommLogger(mesh_axes(mesh, AXES) | zeropp_axes(self.model_parts)) if pcfg.comm_log else None
 
     def _comm(self) -> contextlib.AbstractContextManager[Any]:
         return self.comm.active() if self.comm is not None else contextlib.nullcontext()

@@ -47,6 +47,8 @@ def test_data_build_stats_and_tokenizer_train(tmp_path: Path, capsys: pytest.Cap
     assert table[0].split()[:3] == ["source", "in", "kept"]
     row = table[2].split()
     assert row[0] == "words" and row[1] == "41" and row[6] == "1"  # 41 records in, 1 malformed
+    by_rule = table[table.index("") + 1:]
+    assert by_rule[0].split()[-1] == "tokens" and by_rule[2].split()[-1] == "-"  # a malformed record: never tokenized
     assert main(["data", "stats", str(tmp_path / "nope")]) == 2  # a typed error, not a traceback
     assert "DataError" in capsys.readouterr().err
     assert main(["data", "build", str(cfg), "--stages", "ingest,bogus"]) == 2

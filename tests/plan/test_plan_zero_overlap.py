@@ -87,3 +87,47 @@ def test_an_offloaded_layout_exports_a_config_that_names_the_directory_to_set(tm
     assert cfg.parallel.fsdp_prefetch == 2 and cfg.parallel.nvme_offload.enabled
     with pytest.raises(ConfigError, match="SET_ME' does not exist"):  # refused before step 1 until it is set
         check_offload_path(cfg.parallel.nvme_offload.path, 1)
+
+
+def test_zeropp_in_the_comm_memory_and_time_models() -> None:
+    """ZeRO++ (issue 19): qwZ halves the bf16 gather bytes, qgZ quarters the fp32 reduce bytes (+4/B of scales),
+    hpZ moves backward's gathers onto the node (less time, same order of bytes) for 2 bytes/s x Ψ of memory, and on
+    a slow inter-node network each shortens the step (Llama-3 8B, DP256 ZeRO-3, ib_gbps=25)."""
+    from framework.plan.comm import QUANT_BLOCK, dp_comm_per_step
+    from framework.plan.memory import rank_params
+
+    work = Workload(model_config("llama3-8b", max_seq_len=8192), 8192, 1024)
+    hw = dataclasses.replace(get_hardware("h100-80g"), ib_gbps=25)
+    base = Layout(tp=1, pp=1, dp=256, zero_stage=3, recompute="full", micro_batch=1)
+    q = 1 + 4 / QUANT_BLOCK
+
+    def run(**kw: object) -> tuple[dict, float, float]:
+        lay = dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+        return (dp_comm_per_step(work, lay, hw, rank_params(work.model, lay, 0)), estimate(work, lay, hw).step_s,
+                peak_memory(work, lay)[2].get("hpz_secondary", 0.0))
+
+    plain, t_plain, _ = run()
+    qwz, t_qwz, _ = run(qwz=True)
+    qgz, t_qgz, _ = run(qgz=True)
+    hpz, t_hpz, secondary = run(hpz=8)
+    both, t_both, _ = run(qgz=True, hpz=8)
+    assert qwz["gather"].wire_bytes / plain["gather"].wire_bytes == pytest.approx(q / 2)
+    assert qgz["reduce"].wire_bytes / plain["reduce"].wire_bytes == pytest.approx(q / 4)
+    assert hpz["gather"].seconds < 0.6 * plain["gather"].seconds  # half the gathers now on NVLink
+    assert secondary == pytest.approx(rank_params(work.model, base, 0).dense * 2 / 8)
+    # two hops: the cross-node part is 1/8 of the one-hop volume
+    assert both["reduce"].seconds < 0.3 * qgz["reduce"].seconds
+    assert t_both < t_qgz < t_plain and t_qwz < t_plain and t_hpz < t_plain
+
+
+def test_zeropp_plan_flag_refuses_qwz_with_hpz() -> None:
+    import argparse
+
+    from framework.plan.cli import add_arguments, space_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = ["--model", "llama3-8b", "--gpus", "8", "--seq", "4096", "--global-batch", "64", "--zeropp"]
+    with pytest.raises(ConfigError, match="qwz with hpz is refused"):
+        space_from_args(p.parse_args([*args, "qwz,hpz"]))
+    assert space_from_args(p.parse_args([*args, "qwz,qgz"])).zeropp == {"qwz", "qgz"}
