@@ -30,7 +30,7 @@ from bench.sections import replace_section
 from framework.config import load_config
 from framework.parallel.compile import compiled_frames
 from framework.train.local_engine import LocalEngine
-from framework.train.schedule import lr_at
+from framework.train.lr_schedule import lr_at
 
 HEADING = "## torch.compile vs eager on the smoke model (issue 20)"
 AA = "eager (A/A copy)"

@@ -105,14 +105,14 @@ def _engine_run(rank: int, world: int, extra_groups: int, keep_caches: bool) -> 
         dist.new_group(list(range(world)))
     cfg = load_config("configs/smoke/tiny.yaml", [*_TINY, "parallel.tp=2", "parallel.dp_shard=1",
                                                   "train.compile=true", "train.compile_backend=inductor"])
-    return _train(build_parallel_engine(cfg, torch.device("cpu")), cfg)
+    return _train(build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu")), cfg)
 
 
 _TINY = ["train.grad_clip=0.5", "train.warmup_steps=1", "train.lr=3.0e-3"]
 
 
 def _train(engine: Any, cfg: Any, steps: int = 5) -> list[tuple[float, float]]:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     gen = torch.Generator().manual_seed(7)
     data = torch.randint(0, cfg.model.vocab_size, (steps, cfg.train.global_batch_size, cfg.data.seq_len + 1),

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.sections import replace_section
 from framework.config import load_config
-from framework.train.local_engine import cross_entropy
+from framework.engine import cross_entropy
+from framework.train.lr_schedule import lr_at
 from framework.train.optim import build_optimizer
-from framework.train.schedule import lr_at
 from framework.train.trainer import Trainer
 from models.decoder import build_model
 

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config import load_config
 from framework.train.local_engine import LocalEngine
-from framework.train.schedule import lr_at
+from framework.train.lr_schedule import lr_at
 from models.flops import flops_per_token, num_params
 
 TINY = ["train.grad_clip=0.5", "train.warmup_steps=1", "train.lr=3.0e-3"]
@@ -101,7 +101,7 @@ def parity(report: Report, device: torch.device, backend: str, names: tuple[str,
             c = load_config("configs/smoke/tiny.yaml", [*TINY, *extra, f"parallel.recompute={recompute or 'none'}",
                                                         "parallel.dp_shard=1"])
             engine: Any = (LocalEngine(c.model, c.train, device) if recompute is None
-                           else build_parallel_engine(c, device))
+                           else build_parallel_engine(c.model, c.train, c.parallel, device))
             got = _train(engine, c, data)
             diff = max(max(abs(a[0] - b[0]), abs(a[1] - b[1])) for a, b in zip(got, ref, strict=True))
             row.update(max_abs_diff_vs_cpu=diff, ok=diff <= 1e-4, final_loss=got[-1][0])

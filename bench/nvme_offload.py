@@ -46,7 +46,7 @@ def _arm(rank: int, world: int, overrides: list[str], steps: int) -> dict[str, A
 
     torch.set_num_threads(1)
     cfg = load_config("configs/smoke/tiny.yaml", overrides)
-    engine = build_parallel_engine(cfg, torch.device("cpu"))
+    engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     rows = cfg.train.global_batch_size // world
     times, opt_times, io = [], [], []

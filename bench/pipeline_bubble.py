@@ -10,7 +10,7 @@ For each (schedule, p, m) the real schedule class runs through Tessera's `build_
 ranks (`run_distributed`): a warm-up step, `--steps` steps with all costs 0 (what p2p and the Python runtime cost
 alone), then `--steps` timed steps. Idle fraction = 1 - busy / makespan per rank, averaged over ranks, where busy
 is the summed sleep time the ops recorded and makespan spans the earliest start to the latest end (median over
-steps). Next to it: `framework.plan.bubble.bubble_fraction` (the planner's formula) and the schedule's own
+steps). Next to it: `pipeline_schedules.bubble_fraction` (the planner's formula) and the schedule's own
 action table simulated with the same costs (`framework.parallel.schedule_sim`). The ops also log which
 (stage, micro-batch) they ran, so the executed order is checked against the table.
 
@@ -36,9 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.sections import replace_section
 from framework.errors import ParallelismError
-from framework.parallel.config import SCHEDULES, SINGLE_STAGE_SCHEDULES
-from framework.parallel.mesh import stages_of_rank
 from framework.parallel.pipeline import build_schedule, run_schedule
+from framework.parallel.pipeline_schedules import SCHEDULES, bubble_fraction, schedule_spec, stages_of_rank
 from framework.parallel.schedule_sim import (
     StageCosts,
     Table,
@@ -51,7 +50,6 @@ from framework.parallel.schedule_sim import (
     stages_per_rank,
     validate_table,
 )
-from framework.plan.bubble import bubble_fraction
 from framework.testing import run_distributed
 
 HEADING = "## Pipeline bubble (issue 3)"
@@ -151,7 +149,7 @@ def plan_cases(schedules: list[str], pps: list[int], micros: list[int], virtual:
             refused.append(f"{s} p={p} m={m}: {str(exc.__cause__ or exc).splitlines()[0]}")
             continue
         ok = not validate_table(table, p * v, m)
-        if not ok and s in SINGLE_STAGE_SCHEDULES:
+        if not ok and schedule_spec(s).shape == "single":
             table = executed_single_stage_table(s, p, m)
         cases.append(Case(s, p, m, v, table, ok))
     return cases, refused

@@ -119,7 +119,7 @@ def _case(world: int, stage: int, n_micro: int, layers: int, extra: tuple[str, .
         *layout, f"parallel.zero_stage={stage}", "parallel.comm_log=true", f"model.n_layers={layers}",
         "model.vocab_size=128", "data.vocab_size=128", "train.micro_batch_size=2",
         f"train.global_batch_size={2 * n_micro * world}", *extra])
-    engine = build_parallel_engine(cfg, torch.device("cpu"))
+    engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.model.vocab_size, (n_micro, 2, cfg.data.seq_len + 1), generator=gen)
     for step in range(2):

@@ -62,8 +62,8 @@ def _worker(rank: int, world: int, steps: int, partial: str) -> dict[str, Any]:
     from framework.parallel.comm import CommLogger, mesh_axes
     from framework.parallel.mesh import AXES
     from framework.parallel.zero import zeropp_axes
+    from framework.train.lr_schedule import lr_at
     from framework.train.parallel_engine import build_parallel_engine
-    from framework.train.schedule import lr_at
 
     out: dict[str, Any] = {}
     for name, overrides in CASES.items():
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, steps: int, partial: str) -> dict[str, Any]:
             continue  # a node group of 2 needs 2 nodes
         cfg = make_config((*BASE, f"train.steps={steps}", "train.warmup_steps=10", *overrides))
         data = markov_batches(steps, cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size)
-        engine = build_parallel_engine(cfg, torch.device("cpu"))
+        engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
         losses = []
         start = time.process_time()
         for step in range(steps):

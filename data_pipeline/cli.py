@@ -64,7 +64,7 @@ def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
     rows: list[tuple[str, ...]] = [head]
     for name, src in sorted(manifest["sources"].items()):
         d, c = src["documents"], src.get("chars", {})
-        kept_chars = c.get("kept", c.get("after_filters", 0))  # builds before issue 15: characters after filters
+        kept_chars = c.get("kept", c.get("after_filters", 0))  # older builds: characters after filters
         rows.append((name, str(d["in"]), str(d["kept"]), str(sum(d["filtered"].values())), str(d["exact_duplicate"]),
                      str(d["near_duplicate"]), str(sum(d["malformed"].values())), f"{c.get('in', 0):,}",
                      f"{kept_chars:,}", _pct(kept_chars, c.get("in", 0)), f"{src['tokens']['kept']:,}"))

@@ -29,7 +29,8 @@ class DataConfig:
     build_dir: str | None = None
     """kind=build: the output directory of `tessera data build` (holds manifest.json)."""
     vocab_size: int = 4096
-    """Tokenizer vocabulary trained for the embedded corpus (kind=stdlib) or of the synthetic tokens."""
+    """Tokenizer vocabulary trained for the embedded corpus (kind=stdlib) or of the synthetic tokens. In a
+    training config it follows model.vocab_size when not given (framework/config); setting it is deprecated."""
     tokenizer_type: Literal["bpe", "unigram"] = "bpe"
     tokenizer_sample_chars: int = 3_000_000
     """Characters of text sampled across domains to train the stdlib tokenizer (keeps the build fast)."""

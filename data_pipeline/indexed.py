@@ -8,7 +8,7 @@ The format (megatron-core 0.16.1 `indexed_dataset.py`), all little-endian:
 Tessera writes one sequence per document (document_indices = 0..n), each ending with EOS.
 
 Training ranks read with `IndexedTokens` (numpy only): importing megatron-core costs ~4.5 s per process
-(ARCHITECTURE.md §2), so it is imported lazily and only by `IndexedWriter` (offline builds) and tests.
+(docs/DATA.md), so it is imported lazily and only by `IndexedWriter` (offline builds) and tests.
 """
 
 from __future__ import annotations

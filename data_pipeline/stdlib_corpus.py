@@ -6,7 +6,7 @@ prose : docstrings (through `ast`) and blocks of consecutive full-line comments,
 tests : every `.py` file under a `test`/`tests`/`idle_test` directory, one document per file.
 
 Real text with real duplicates (license headers, boilerplate, vendored copies), so filters and dedup have
-something to do, and no download is ever needed (ARCHITECTURE.md §5).
+something to do, and no download is ever needed (docs/DATA.md, `kind: stdlib`).
 """
 
 from __future__ import annotations

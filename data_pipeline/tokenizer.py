@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,9 +291,3 @@ def train_hf_bpe(lines: Sequence[str], out: str | Path, *, vocab_size: int,
     tok.train_from_iterator(("\n".join(lines[i:i + 64]) for i in range(0, len(lines), 64)), trainer=trainer)
     spec = json.loads(tok.to_str())
     return _write_hf(spec, Path(out).parent, special_tokens[0] if special_tokens else None, None)
-
-
-def iter_chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
-    """Consecutive slices of `items` of at most `size` elements."""
-    for i in range(0, len(items), size):
-        yield items[i:i + size]

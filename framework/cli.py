@@ -22,7 +22,6 @@ from framework.checkpoint import signals as stop_signals
 
 SUBCOMMAND_MODULES = [
     "data_pipeline.cli",
-    "framework.parallel.cli",
     "framework.checkpoint.cli",
     "framework.infer.cli",
     "framework.drivers.cli",
@@ -117,13 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_smoke)
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name and name.startswith(err.name):
-                continue  # that subsystem is not part of this build
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)  # every subsystem is part of every build
     return parser
 
 

@@ -27,15 +27,11 @@ from framework.errors import ParallelismError
 from framework.parallel.mesh import ParallelDims
 from launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError
 
-try:  # the checkpoint subsystem owns the code; 42 until it defines one
-    from framework.checkpoint import REQUEUE_EXIT_CODE  # type: ignore[attr-defined]
-except ImportError:
-    REQUEUE_EXIT_CODE = 42
-
 
 def requeue_exit_code(cfg: Config) -> int:
-    """The code the trainer exits with after a SIGUSR1 save: checkpoint.requeue_exit_code when configurable."""
-    return int(getattr(cfg.checkpoint, "requeue_exit_code", REQUEUE_EXIT_CODE))
+    """The code the trainer exits with after a SIGUSR1 save (checkpoint.requeue_exit_code)."""
+    return cfg.checkpoint.requeue_exit_code
+
 
 Mode = Literal["srun", "torchrun"]
 # Signals torchrun's agent traps and forwards to its workers. Its default (SIGTERM, SIGINT, SIGHUP, SIGQUIT) lacks
@@ -214,7 +210,7 @@ def _header(cfg: Config, spec: SlurmSpec, run_dir: str) -> list[str]:
 
 
 def _env_block(cfg: Config, spec: SlurmSpec) -> list[str]:
-    timeout = getattr(cfg.checkpoint, "collective_timeout_s", 600)
+    timeout = cfg.checkpoint.collective_timeout_s
     lines = [
         "# Threads: each rank gets --cpus-per-task cores; more OpenMP/MKL threads than cores only thrash.",
         f"export OMP_NUM_THREADS={spec.cpus_per_rank}",
@@ -316,5 +312,5 @@ def submit(script: str, run_dir: Path) -> str:
     return out.stdout.strip().split(";")[0]
 
 
-__all__ = ["REQUEUE_EXIT_CODE", "SlurmSpec", "check_cluster", "layout_degrees", "parse_time_s", "render_sbatch",
+__all__ = ["SlurmSpec", "check_cluster", "layout_degrees", "parse_time_s", "render_sbatch",
            "requeue_exit_code", "submit", "validate_spec"]

@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    from launch.slurm import REQUEUE_EXIT_CODE as default_code
+    from framework.checkpoint import REQUEUE_EXIT_CODE as default_code
 
     # The sbatch script exports the run's checkpoint.requeue_exit_code.
     REQUEUE_EXIT_CODE = int(os.environ.get("TESSERA_REQUEUE_EXIT_CODE", default_code))

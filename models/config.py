@@ -293,11 +293,4 @@ def model_config(preset: str | None = None, **overrides: object) -> ModelConfig:
     return cfg
 
 
-def resolve_preset_fields(cfg: ModelConfig, explicit: dict[str, object]) -> ModelConfig:
-    """Apply `cfg.preset` underneath the fields the user wrote explicitly (`explicit`)."""
-    if not cfg.preset:
-        return cfg
-    return model_config(cfg.preset, **{k: v for k, v in explicit.items() if k != "preset"})
-
-
 __all__ = ["PRESETS", "ROPE_TYPES", "MoEConfig", "ModelConfig", "RopeScaling", "model_config"]

@@ -7,8 +7,6 @@ stay stable across every layout, which is what checkpoints and per-FQN initializ
 
 from __future__ import annotations
 
-import hashlib
-import math
 from typing import Any
 
 import torch
@@ -16,6 +14,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.documents import block_causal_mask
+from models.init import copy_full_into, initial_value
 from models.kv_cache import KVCache, LayerKVCache
 from models.layers import Attention, FeedForward, build_norm, rope_tables
 
@@ -113,63 +112,12 @@ class Decoder(nn.Module):
         self.rope = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
                                 scaling=self.cfg.rope_scaling)
         for fqn, param in self.named_parameters():
-            full = initial_value(self.cfg, fqn, tuple(_full_shape(param)), seed)
-            _copy_full_into(param, full)
+            full = initial_value(self.cfg, fqn, tuple(param.shape), seed)  # DTensor.shape: the global shape
+            copy_full_into(param, full)
         for module in self.modules():  # state buffers (MoE routing bias) start from their reset value
             reset = getattr(module, "reset_buffers", None)
             if callable(reset):
                 reset()
-
-
-def _full_shape(param: torch.Tensor) -> torch.Size:
-    return param.shape  # DTensor.shape is the global shape
-
-
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        shard = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements,
-                                  src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full.to(param.device, param.dtype))
-
-
-def fqn_seed(seed: int, fqn: str) -> int:
-    """A 63-bit generator seed from the run seed and a parameter's canonical FQN."""
-    canonical = canonical_fqn(fqn)
-    digest = hashlib.sha256(f"{seed}:{canonical}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def canonical_fqn(fqn: str) -> str:
-    """Strip wrapper prefixes (activation checkpointing, torch.compile) so names match the plain model."""
-    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
-        fqn = fqn.replace(junk, "")
-    return fqn
-
-
-def initial_value(cfg: ModelConfig, fqn: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """The full initial value (fp32, CPU) of parameter `fqn`.
-
-    Norm weights are ones, biases zeros; embeddings and input projections N(0, init_std); output projections of
-    each block (`wo`, `w2`) N(0, init_std / sqrt(2 n_layers)) when `depth_scaled_init` (GPT-2, Megatron).
-    """
-    name = canonical_fqn(fqn)
-    if cfg.tied_embeddings and name == "output.weight":
-        name = "tok_embeddings.weight"  # a pipeline's last stage holds its own copy of the tied weight
-    parts = name.split(".")
-    leaf = parts[-1]
-    if len(parts) >= 2 and parts[-2].endswith("norm"):
-        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
-    if leaf == "bias" or leaf.endswith("_bias"):
-        return torch.zeros(shape)
-    std = cfg.init_std
-    if cfg.depth_scaled_init and (".wo." in name or ".w2" in name or name.endswith(".w2")):
-        std = std / math.sqrt(2 * cfg.n_layers)
-    gen = torch.Generator().manual_seed(fqn_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 def build_model(cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> Decoder:

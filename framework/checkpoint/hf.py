@@ -77,17 +77,52 @@ def check_exportable(cfg: ModelConfig) -> str:
     return "mixtral"
 
 
+# The one table of Tessera <-> Hugging Face names, read in both directions (export and import).
+_REQUIRED: Any = object()
+CONFIG_KEYS: tuple[tuple[str, str, str, Any], ...] = (
+    # (ModelConfig field, config.json key, ModelConfig attribute exported, default on import)
+    ("vocab_size", "vocab_size", "vocab_size", _REQUIRED),
+    ("hidden", "hidden_size", "hidden", _REQUIRED),
+    ("n_layers", "num_hidden_layers", "n_layers", _REQUIRED),
+    ("n_heads", "num_attention_heads", "n_heads", _REQUIRED),
+    ("n_kv_heads", "num_key_value_heads", "kv_heads", None),
+    ("max_seq_len", "max_position_embeddings", "max_seq_len", 4096),
+    ("norm_eps", "rms_norm_eps", "norm_eps", 1e-5),
+    ("tied_embeddings", "tie_word_embeddings", "tied_embeddings", False),
+)
+TOP_NAMES: tuple[tuple[str, str], ...] = (
+    # (Tessera FQN, HF name); the head is absent from both when the embeddings are tied
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+)
+LAYER_NAMES: tuple[tuple[str, str, str | None], ...] = (
+    # (under layers.{i}., under model.layers.{i}., the ModelConfig head count whose RoPE halves HF interleaves)
+    ("attention_norm.weight", "input_layernorm.weight", None),
+    ("ffn_norm.weight", "post_attention_layernorm.weight", None),
+    ("attention.wq.weight", "self_attn.q_proj.weight", "n_heads"),
+    ("attention.wk.weight", "self_attn.k_proj.weight", "kv_heads"),
+    ("attention.wv.weight", "self_attn.v_proj.weight", None),
+    ("attention.wo.weight", "self_attn.o_proj.weight", None),
+)
+DENSE_MLP_NAMES: tuple[tuple[str, str], ...] = (
+    ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
+    ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+    ("feed_forward.w2.weight", "mlp.down_proj.weight"),
+)
+MOE_NAMES = {"router": ("feed_forward.router.weight", "block_sparse_moe.gate.weight"),
+             "experts": ("feed_forward.experts.{k}", "block_sparse_moe.experts.{e}.{k}.weight")}
+"""Mixtral: the router, and each stacked expert weight k in w1/w2/w3 as one HF tensor per expert e."""
+
+
 def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None) -> dict[str, Any]:
     """config.json for the HF model (written for both the transformers 4.x and 5.x field names)."""
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "MixtralForCausalLM"], "model_type": arch,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        **{key: getattr(cfg, attr) for _, key, attr, _ in CONFIG_KEYS}, "head_dim": cfg.head_dim,
         "intermediate_size": (cfg.moe.expert_hidden or cfg.ffn) if arch == "mixtral" else cfg.ffn,
-        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": rope_parameters(cfg),
-        "rope_scaling": rope_scaling_4x(cfg),
-        "tie_word_embeddings": cfg.tied_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+        "hidden_act": "silu", "rope_theta": cfg.rope_theta, "rope_parameters": rope_parameters(cfg),
+        "rope_scaling": rope_scaling_4x(cfg), "attention_bias": False, "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
         "bos_token_id": 1, "eos_token_id": 2 if eos_id is None else eos_id,
     }
@@ -111,10 +146,9 @@ _ROPE_FIELDS = {"none": (), "linear": ("factor",),
 # Top-level config.json keys (docs/CHECKPOINTS.md holds the same table): read into ModelConfig, or ignored as
 # harmless (bookkeeping, inference switches, training-only noise/dropout); `_REQUIRED_VALUES` must hold a value
 # Tessera's blocks compute; any other key is refused by name.
-_MAPPED = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-           "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_parameters",
-           "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "num_local_experts",
-           "num_experts_per_tok", "router_aux_loss_coef"}
+_MAPPED = {key for _, key, _, _ in CONFIG_KEYS} | {
+    "model_type", "head_dim", "intermediate_size", "rope_theta", "rope_parameters", "rope_scaling",
+    "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"}
 _REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {"hidden_act": ("silu",), "attention_bias": (False,),
                                                 "mlp_bias": (False,), "sliding_window": (None,),
                                                 "partial_rotary_factor": (None, 1, 1.0)}
@@ -196,13 +230,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"config.json has model_type={arch!r}; only llama and mixtral can be imported")
     _check_keys(hf)
     theta, scaling = _rope_from_hf(hf)
-    data: dict[str, Any] = {
-        "vocab_size": hf["vocab_size"], "hidden": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
-        "n_heads": hf["num_attention_heads"], "n_kv_heads": hf.get("num_key_value_heads"),
-        "ffn_hidden": hf["intermediate_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
-        "rope_theta": theta, "rope_scaling": scaling, "max_seq_len": hf.get("max_position_embeddings", 4096),
-        "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    }
+    data: dict[str, Any] = {"ffn_hidden": hf["intermediate_size"], "rope_theta": theta, "rope_scaling": scaling}
+    for field, key, _, default in CONFIG_KEYS:
+        value = hf[key] if default is _REQUIRED else hf.get(key, default)
+        data[field] = type(default)(value) if default is not None and default is not _REQUIRED else value
     if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
         raise CheckpointError(f"config.json head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; "
                               f"Tessera derives head_dim = hidden / n_heads and cannot import it")
@@ -218,31 +249,26 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def to_hf_state(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tessera model state (FQN -> tensor) -> HF tensors."""
-    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
-    if not cfg.tied_embeddings:
-        out["lm_head.weight"] = sd["output.weight"]
+    """Tessera model state (FQN -> tensor) -> HF tensors, by the name tables above."""
+    out = {hf: sd[ours] for ours, hf in TOP_NAMES if not (cfg.tied_embeddings and ours == "output.weight")}
     for i in range(cfg.n_layers):
         t, h = f"layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = sd[t + "attention_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[t + "ffn_norm.weight"]
-        out[h + "self_attn.q_proj.weight"] = _rope_permute(sd[t + "attention.wq.weight"], cfg.n_heads)
-        out[h + "self_attn.k_proj.weight"] = _rope_permute(sd[t + "attention.wk.weight"], cfg.kv_heads)
-        out[h + "self_attn.v_proj.weight"] = sd[t + "attention.wv.weight"]
-        out[h + "self_attn.o_proj.weight"] = sd[t + "attention.wo.weight"]
+        for ours, hf, heads in LAYER_NAMES:
+            out[h + hf] = sd[t + ours] if heads is None else _rope_permute(sd[t + ours], getattr(cfg, heads))
         if cfg.is_moe_layer(i):
             bias = sd.get(t + "feed_forward.router.expert_bias")
             if bias is not None and bool(bias.any()):
                 raise CheckpointError(f"cannot export to Hugging Face: layer {i} has a non-zero routing bias "
                                       f"(feed_forward.router.expert_bias); Mixtral cannot hold it")
-            out[h + "block_sparse_moe.gate.weight"] = sd[t + "feed_forward.router.weight"]
+            router, experts = MOE_NAMES["router"], MOE_NAMES["experts"]
+            out[h + router[1]] = sd[t + router[0]]
             for k in ("w1", "w2", "w3"):
-                stacked = sd[t + f"feed_forward.experts.{k}"]
+                stacked = sd[t + experts[0].format(k=k)]
                 for e in range(cfg.moe.n_experts):
-                    out[h + f"block_sparse_moe.experts.{e}.{k}.weight"] = stacked[e]
+                    out[h + experts[1].format(e=e, k=k)] = stacked[e]
         else:
-            for k, name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[h + f"mlp.{name}.weight"] = sd[t + f"feed_forward.{k}.weight"]
+            for ours, hf in DENSE_MLP_NAMES:
+                out[h + hf] = sd[t + ours]
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
 
 
@@ -257,28 +283,25 @@ def _expert_weights(hf: dict[str, torch.Tensor], h: str, k: str, n: int) -> torc
 
 
 def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensors -> Tessera model state (the inverse of `to_hf_state`)."""
-    sd = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"],
-          "output.weight": hf["model.embed_tokens.weight"] if cfg.tied_embeddings else hf["lm_head.weight"]}
+    """HF tensors -> Tessera model state (the inverse of `to_hf_state`, by the same tables)."""
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tied_embeddings else {}
+    sd = {ours: hf[tied.get(name, name)] for ours, name in TOP_NAMES}
     for i in range(cfg.n_layers):
         t, h = f"layers.{i}.", f"model.layers.{i}."
-        sd[t + "attention_norm.weight"] = hf[h + "input_layernorm.weight"]
-        sd[t + "ffn_norm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        sd[t + "attention.wq.weight"] = _rope_unpermute(hf[h + "self_attn.q_proj.weight"], cfg.n_heads)
-        sd[t + "attention.wk.weight"] = _rope_unpermute(hf[h + "self_attn.k_proj.weight"], cfg.kv_heads)
-        sd[t + "attention.wv.weight"] = hf[h + "self_attn.v_proj.weight"]
-        sd[t + "attention.wo.weight"] = hf[h + "self_attn.o_proj.weight"]
+        for ours, name, heads in LAYER_NAMES:
+            sd[t + ours] = hf[h + name] if heads is None else _rope_unpermute(hf[h + name], getattr(cfg, heads))
         if cfg.is_moe_layer(i):
-            gate = hf.get(h + "block_sparse_moe.gate.weight", hf.get(h + "mlp.gate.weight"))
+            router = MOE_NAMES["router"]
+            gate = hf.get(h + router[1], hf.get(h + "mlp.gate.weight"))  # the hub layout, or transformers 5's
             if gate is None:
-                raise CheckpointError(f"HF weights lack the router of layer {i} ({h}block_sparse_moe.gate.weight)")
-            sd[t + "feed_forward.router.weight"] = gate
+                raise CheckpointError(f"HF weights lack the router of layer {i} ({h}{router[1]})")
+            sd[t + router[0]] = gate
             sd[t + "feed_forward.router.expert_bias"] = torch.zeros(cfg.moe.n_experts)
             for k in ("w1", "w2", "w3"):
-                sd[t + f"feed_forward.experts.{k}"] = _expert_weights(hf, h, k, cfg.moe.n_experts)
+                sd[t + MOE_NAMES["experts"][0].format(k=k)] = _expert_weights(hf, h, k, cfg.moe.n_experts)
         else:
-            for k, name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                sd[t + f"feed_forward.{k}.weight"] = hf[h + f"mlp.{name}.weight"]
+            for ours, name in DENSE_MLP_NAMES:
+                sd[t + ours] = hf[h + name]
     return {k: v.contiguous() for k, v in sd.items()}
 
 

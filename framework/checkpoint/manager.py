@@ -23,7 +23,7 @@ from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.manifest import VerifyMode, verify_manifest
 from framework.checkpoint.resume_rules import check_resume
 from framework.errors import CheckpointError
-from framework.train.run_dir import get_logger
+from framework.logs import get_logger
 
 log = get_logger("checkpoint")
 

@@ -50,7 +50,7 @@ def _future_phases_only(saved: dict[str, Any], now: dict[str, Any], step: int) -
 def _check_steps(saved: dict[str, Any], now: dict[str, Any], step: int, cfg: CheckpointConfig,
                  where: str) -> list[str]:
     from framework.train.config import TrainConfig
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     old_steps, new_steps = saved.get("steps"), now.get("steps")
     if old_steps is None or old_steps == new_steps or now.get("schedule") == "constant":

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from framework.train.run_dir import get_logger
+from framework.logs import get_logger
 
 log = get_logger("watchdog")
 

@@ -84,7 +84,7 @@ class Config:
                 f"data.seq_len={self.data.seq_len} must be divisible by parallel.tp={tp}: sequence parallelism cuts "
                 f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
                 f"parallel.sequence_parallel=false")
-        if self.train.compile:  # issue 20: only layouts whose compiled run matched eager (tests/train/test_compile.py)
+        if self.train.compile:  # only layouts whose compiled run matched eager (tests/parallel/test_compile.py)
             from framework.parallel.compile import refusal
 
             why = refusal(self.train.compile_backend, self.parallel, self.model)
@@ -108,9 +108,27 @@ def _resolve_model_preset(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "model": deep_merge(PRESETS[name], model)}
 
 
+def _derive_data_vocab(data: dict[str, Any]) -> dict[str, Any]:
+    """data.vocab_size follows model.vocab_size (the one canonical key) unless given; a different value still
+    works (a tokenizer smaller than the embedding) but says it is deprecated."""
+    model: Mapping[str, Any] = data["model"] if isinstance(data.get("model"), Mapping) else {}
+    section: Mapping[str, Any] = data["data"] if isinstance(data.get("data"), Mapping) else {}
+    model_vocab = model.get("vocab_size", ModelConfig.vocab_size)
+    if "vocab_size" not in section:
+        return {**data, "data": {**section, "vocab_size": model_vocab}}
+    if section["vocab_size"] != model_vocab:
+        from framework.logs import get_logger
+
+        get_logger("config").warning(
+            "data.vocab_size=%s differs from model.vocab_size=%s: data.vocab_size is deprecated (the tokenizer "
+            "vocabulary follows model.vocab_size); remove it, or keep it only for a tokenizer smaller than the "
+            "embedding", section["vocab_size"], model_vocab)
+    return data
+
+
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Strictly convert and validate a plain mapping."""
-    cfg = from_dict(Config, _resolve_model_preset(dict(data)))
+    cfg = from_dict(Config, _derive_data_vocab(_resolve_model_preset(dict(data))))
     validate_tree(cfg)
     return cfg
 

@@ -114,7 +114,8 @@ def stage_dirs(cfg: Config) -> str:
 def _train_steps(cfg: Config, batch: torch.Tensor, train_cfg: Any, steps: int,
                  lr_of: Callable[[int], float]) -> tuple[list[float], list[float]]:
     """Train a fresh single-process engine on the same `batch` for `steps`; losses and grad norms per step."""
-    from framework.train.local_engine import LocalEngine, resolve_device
+    from framework.engine import resolve_device
+    from framework.train.local_engine import LocalEngine
 
     engine = LocalEngine(cfg.model, train_cfg, resolve_device(cfg.run.device))
     losses, norms = [], []
@@ -141,7 +142,7 @@ def stage_overfit(cfg: Config, data: Any) -> str:
 
 
 def stage_batch(cfg: Config, data: Any) -> str:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     pf = cfg.observe.preflight
     n, mb = pf.batch_sequences, min(cfg.train.micro_batch_size, pf.batch_sequences)

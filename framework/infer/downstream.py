@@ -23,7 +23,7 @@ from framework.errors import DataError
 from framework.infer import stdlib_task
 from framework.infer.config import EvalConfig
 from framework.infer.tasks import Task, load_task, metrics, parse_item, score_items
-from framework.train.run_dir import get_logger
+from framework.logs import get_logger
 from models.config import ModelConfig
 
 log = get_logger("downstream")
@@ -35,7 +35,8 @@ def one_process_model(parts: list[nn.Module], model_cfg: ModelConfig, device: to
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from models.decoder import Decoder, canonical_fqn
+    from models.decoder import Decoder
+    from models.init import canonical_fqn
 
     if len(parts) == 1 and pp_group is None and not any(isinstance(p, DTensor) for p in parts[0].parameters()):
         return parts[0]

@@ -2,7 +2,7 @@
 
 The trainer calls, in order:
 
-    obs = Observer(cfg, run_dir, rank, world, device)   # builds wandb/TensorBoard sinks on rank 0
+    obs = Observer.for_config(cfg, run_dir, rank, world, device)   # wandb/TensorBoard sinks on rank 0
     record.update(obs.on_step(record))                   # per train step: tokens/s per device, MFU, HFU
     out.update(obs.eval_metrics(out))                     # per evaluation: val_ppl/<domain>
     obs.summary(step, final_eval, checkpoint_time_s)      # once per start: a `summary` record
@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from framework.observe.config import ObserveConfig
 from framework.observe.mfu import FlopsMeter, peak_tflops
+from framework.parallel.config import ParallelConfig
+from models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from framework.config import Config
 
 BREAKDOWN = ("data_time_s", "fwd_bwd_time_s", "optim_time_s")
 
@@ -26,32 +31,41 @@ class Observer:
     """Observability of one Trainer (see module docstring).
 
     Args:
-        cfg: the root config (the model shape and sequence length feed the FLOPs count; the whole tree is logged
-            as the wandb run config).
+        obs: the observe section.
+        model, seq_len, parallel: the model shape, sequence length and recompute setting feed the FLOPs count.
         run_dir: the run directory.
+        run_name, run_config: the wandb run's name and config (the resolved tree).
         rank: this process's global rank; only rank 0 builds sinks.
         world: number of devices sharing each step.
         device: this rank's device (selects the peak-FLOPs row).
     """
 
-    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int, device: torch.device) -> None:
-        obs: ObserveConfig = cfg.observe
+    def __init__(self, obs: ObserveConfig, model: ModelConfig, seq_len: int, parallel: ParallelConfig,
+                 run_dir: Path, *, run_name: str, run_config: dict[str, Any], rank: int, world: int,
+                 device: torch.device) -> None:
         self.meter: FlopsMeter | None = None
         if obs.mfu:
             peak = peak_tflops(device, obs.accelerator, obs.peak_tflops)
-            mode = "full" if obs.recompute else getattr(cfg.parallel, "recompute", "none")
-            every = max(1, int(getattr(cfg.parallel, "recompute_every", 1)))
-            fraction = len(range(0, cfg.model.n_layers, every)) / cfg.model.n_layers  # layers with i % k == 0
-            self.meter = FlopsMeter.for_model(cfg.model, cfg.data.seq_len, world, peak, mode, fraction)
+            mode = "full" if obs.recompute else parallel.recompute
+            every = max(1, parallel.recompute_every)
+            fraction = len(range(0, model.n_layers, every)) / model.n_layers  # layers with i % k == 0
+            self.meter = FlopsMeter.for_model(model, seq_len, world, peak, mode, fraction)
         self._n_steps, self._peak_mb = 0, 0.0
         self._last: dict[str, Any] | None = None
         self._sums: dict[str, float] = {}
         self.sinks: list[Any] = []
         if rank == 0:
-            from framework.config import to_dict
             from framework.observe.sinks import build_sinks
 
-            self.sinks = build_sinks(obs, run_dir, cfg.run.name, to_dict(cfg))
+            self.sinks = build_sinks(obs, run_dir, run_name, run_config)
+
+    @classmethod
+    def for_config(cls, cfg: Config, run_dir: Path, rank: int, world: int, device: torch.device) -> Observer:
+        """The observer of a run of `cfg`: each part gets its own section."""
+        from framework.config import to_dict
+
+        return cls(cfg.observe, cfg.model, cfg.data.seq_len, cfg.parallel, run_dir, run_name=cfg.run.name,
+                   run_config=to_dict(cfg), rank=rank, world=world, device=device)
 
     def on_step(self, record: dict[str, Any]) -> dict[str, float]:
         """Throughput per device, MFU (common and causal) and HFU of a train record; also feeds the summary."""

@@ -20,14 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.parallel.pipeline_schedules import schedule_spec
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules that split each stage's backward into input and weight halves: torch.distributed.pipelining
-refuses compiled stage modules for them ("not supported with stage modules that have used torch.compile")."""
 
 
 def refusal(backend: str, parallel: Any, model: Any) -> str | None:
@@ -39,7 +38,9 @@ def refusal(backend: str, parallel: Any, model: Any) -> str | None:
     parallel, TP x FSDP, PP under GPipe, 1F1B, Interleaved1F1B and LoopedBFS, cp, MoE with EP and with TP,
     full and selective recompute, NVMe-offloaded optimizer states; inductor on 1 process and DP2 ZeRO-3.
     """
-    if parallel.pp > 1 and parallel.pp_schedule in ZERO_BUBBLE:
+    # Schedules that split each stage's backward into input and weight halves: torch.distributed.pipelining
+    # refuses compiled stage modules for them ("not supported with stage modules that have used torch.compile").
+    if parallel.pp > 1 and schedule_spec(parallel.pp_schedule).split_backward:
         return (f"train.compile=true with parallel.pp_schedule={parallel.pp_schedule}: zero-bubble schedules run "
                 f"the input and weight halves of each stage's backward separately, which torch "
                 f"{torch.__version__}'s pipelining refuses for compiled stages; use pp_schedule=1F1B or "

@@ -6,12 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from framework.errors import ConfigError
-
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""The seven schedules of torch.distributed.pipelining, by the names its `get_schedule_class` accepts."""
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-"""V-shaped schedules: exactly two stages per rank, rank r holding stages r and 2*pp-1-r."""
+from framework.parallel.pipeline_schedules import schedule_spec
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -73,7 +68,8 @@ class ParallelConfig:
     loss_parallel: bool = True
     """With tp > 1, compute cross-entropy on vocab-sharded logits without gathering them."""
     pp_schedule: str = "1F1B"
-    """One of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
+    """One of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV
+    (the table in framework/parallel/pipeline_schedules.py)."""
     pp_virtual_stages: int = 0
     """Stages per pipeline rank; 0 means 1 for GPipe/1F1B and 2 for the multi-stage schedules."""
     pp_layer_split: list[int] | None = None
@@ -104,7 +100,7 @@ class ParallelConfig:
     def virtual_stages(self) -> int:
         if self.pp_virtual_stages:
             return self.pp_virtual_stages
-        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
+        return schedule_spec(self.pp_schedule).default_virtual()
 
     def validate(self) -> None:
         for name in ("tp", "pp", "dp_replicate", "cp", "ep", "recompute_every", "fsdp_layers_per_unit"):
@@ -112,22 +108,15 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to infer from the world size")
-        if self.pp_schedule not in SCHEDULES:
-            import difflib
-
-            lower = {s.lower(): s for s in SCHEDULES}
-            close = [lower[c] for c in difflib.get_close_matches(self.pp_schedule.lower(), list(lower), n=2)]
-            raise ConfigError(
-                f"parallel.pp_schedule={self.pp_schedule!r} is not a pipeline schedule; "
-                + (f"did you mean {', '.join(close)}? " if close else "") + f"valid: {', '.join(SCHEDULES)}")
+        shape = schedule_spec(self.pp_schedule).shape  # ConfigError naming the closest schedules
         v = self.virtual_stages
         if v < 1:
             raise ConfigError(f"parallel.pp_virtual_stages={self.pp_virtual_stages} must be >= 0 (0: automatic)")
-        if self.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        if shape == "single" and v != 1:
             raise ConfigError(
                 f"parallel.pp_virtual_stages={v} needs a multi-stage schedule; {self.pp_schedule} runs one stage "
                 f"per rank: set parallel.pp_virtual_stages=1 or parallel.pp_schedule=Interleaved1F1B")
-        if self.pp_schedule in V_SCHEDULES and v != 2:
+        if shape == "v" and v != 2:
             raise ConfigError(
                 f"parallel.pp_virtual_stages={v}: {self.pp_schedule} places exactly 2 stages per rank (a V); "
                 f"set parallel.pp_virtual_stages=2 or 0")
@@ -137,7 +126,7 @@ class ParallelConfig:
         self._validate_zeropp()
 
     def _validate_zeropp(self) -> None:
-        """ZeRO++ keys on their own; against the layout in `framework/parallel/zero.py` `zeropp_layout_problem`."""
+        """ZeRO++ keys on their own; against the layout in `framework/parallel/mesh.py` `zeropp_layout_problem`."""
         if self.zero_quant_block_size < 8 or self.zero_quant_block_size % 4:
             raise ConfigError(f"parallel.zero_quant_block_size={self.zero_quant_block_size} must be a multiple of 4 "
                               f"and >= 8 (one fp32 scale per block; 256 costs 1.6% extra bytes)")
@@ -158,28 +147,3 @@ class ParallelConfig:
                 "2.11-2.13 _fsdp_param.py all_gather_inputs raises NotImplementedError in SHARDED_POST_FORWARD); "
                 "use one of them (with zero_quantized_gradients if wanted) - docs/PARALLELISM.md, ZeRO++")
 
-
-def min_micro_batches(schedule: str, pp: int) -> int:
-    """The fewest micro-batches `schedule` runs on `pp` ranks (DualPipeV needs one per stage: 2 x pp)."""
-    return 2 * pp if schedule == "DualPipeV" else pp
-
-
-def _whole_rounds(pp: int, n_micro: int) -> bool:
-    return n_micro % max(1, n_micro // pp) == 0
-
-
-def schedule_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> str:
-    """Why `schedule` cannot run `n_micro` micro-batches on `pp` ranks ("" when it can).
-
-    The same conditions torch's schedule constructors check, so a layout fails before launch, not in N ranks.
-    """
-    need = min_micro_batches(schedule, pp)
-    if n_micro < need:
-        what = "2 x parallel.pp (one per stage of the V)" if schedule == "DualPipeV" else "parallel.pp"
-        return f"{schedule} needs at least {what} = {need} (fewer would idle stages)"
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and not _whole_rounds(pp, n_micro):
-        lower = next(n for n in range(n_micro - 1, 0, -1) if _whole_rounds(pp, n))
-        upper = next(n for n in range(n_micro + 1, 4 * n_micro) if _whole_rounds(pp, n))
-        return (f"{schedule} runs max(1, m // pp) = {n_micro // pp} rounds and needs m to be a multiple of them; "
-                f"the nearest that fit are {lower} and {upper}")
-    return ""

@@ -12,7 +12,7 @@ weights are replicated over tp with summed gradients; shared experts are tensor-
 Expert gradients are reduced over the "edp" ranks that hold the same experts (`ExpertGradSync`, or FSDP over
 the edp mesh with `gradient_divide_factor = dp_size`).
 
-Order of application (ARCHITECTURE.md): TP -> EP -> activation checkpointing -> FSDP -> pipeline stage wrap.
+Order of application: framework/parallel/parallelize.py (EP right after TP, expert FSDP before the blocks' FSDP).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from framework.errors import ParallelismError, divisors
 from framework.parallel.config import ParallelConfig
-from framework.parallel.mesh import EP_AXES, ParallelDims
+from framework.parallel.mesh import ParallelDims
 from models.config import ModelConfig
 from models.moe import MoE, combine, permute
 from models.moe.experts import GroupedExperts
@@ -186,7 +186,7 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None = None
 
     Args:
         model: built on any device (meta included), before `init_weights` and FSDP.
-        ep_mesh: the 1-D `ep` mesh (`ParallelDims.build_ep_mesh(...)["ep"]`); experts become DTensors
+        ep_mesh: the 1-D `ep` mesh (`ParallelDims.build_ep_mesh(mesh)["ep"]`); experts become DTensors
             Shard(0) over it, so initialization and checkpoints see their full shapes.
         tp_mesh: the 1-D `tp` mesh when tensor parallelism is on.
         sequence_parallel: the residual stream is sharded over the sequence (else replicated) under TP.
@@ -235,7 +235,7 @@ def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, **fs
 
     Args:
         model: a decoder or pipeline stage after `apply_expert_parallel` and `init_weights`.
-        edp_mesh: `ParallelDims.build_ep_mesh(...)["edp"]` (or `["dp_replicate", "edp"]` for HSDP).
+        edp_mesh: `ParallelDims.build_ep_mesh(mesh)["edp"]` (or `["dp_replicate", "edp"]` for HSDP).
         dp_size: data-parallel ranks (dp_replicate x dp_shard).
         **fsdp_kwargs: passed to `fully_shard` (mp_policy, offload_policy, reshard_after_forward).
     """
@@ -271,16 +271,6 @@ class ExpertGradSync:
             g.div_(self.dp_size)
 
 
-def ep_mesh_of(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The (pp, dp_replicate, edp, ep) expert mesh over the ranks of `mesh` (the engine's 5-axis mesh).
-
-    ep blocks are contiguous in the flattened (dp_shard, cp, tp) ranks (framework/parallel/mesh.py), so the
-    expert mesh is a reshape of the same rank tensor; built from `mesh` it also works for sub-world meshes.
-    """
-    ranks = mesh.mesh.reshape(dims.pp, dims.dp_replicate, -1, dims.ep)
-    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EP_AXES)
-
-
 class MoEParallel:
     """What the parallel engine does for MoE layers, in call order (each call a no-op for a dense model).
 
@@ -299,7 +289,7 @@ class MoEParallel:
         if not self.enabled:
             return
         check_expert_parallel(model_cfg.moe.n_experts, dims.ep)
-        self.ep_mesh = ep_mesh_of(mesh, dims)
+        self.ep_mesh = dims.build_ep_mesh(mesh)
         data_groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard") if dims.size(a) > 1]
         self.reduce = sum_over(data_groups)
         self.experts_fsdp = False

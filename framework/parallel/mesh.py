@@ -34,11 +34,27 @@ EP_AXES: tuple[str, ...] = ("pp", "dp_replicate", "edp", "ep")
 
 
 
+def tp_problem(model: ModelConfig, tp: int, *, replicate_kv: bool = True) -> tuple[str, int] | None:
+    """The first model dimension tensor parallelism of degree `tp` cannot split, as (config field, value), or
+    None: the one divisibility rule the engine (`ParallelDims.validate`) and the planner (`layout_problem`) apply.
+
+    tp shards the heads, the vocabulary and the FFN, so it must divide them; the KV heads are sharded when tp
+    divides them, else (`replicate_kv`, as the engine does) replicated when tp is a multiple of them
+    (framework/parallel/tensor.py). The planner's activation model still assumes sharded KV heads
+    (`replicate_kv=False`).
+    """
+    for field, value in (("n_heads", model.n_heads), ("vocab_size", model.vocab_size), ("ffn_hidden", model.ffn)):
+        if value % tp:
+            return field, value
+    kv = model.kv_heads
+    if kv % tp and (not replicate_kv or tp % kv):
+        return "n_kv_heads", kv
+    return None
+
+
 def valid_tp(model: ModelConfig) -> list[int]:
-    """Tensor-parallel degrees `model` admits: dividing heads, vocabulary and FFN; dividing the KV heads or a
-    multiple of them (KV heads replicated, framework/parallel/tensor.py)."""
-    return [t for t in divisors(math.gcd(model.n_heads, model.vocab_size, model.ffn))
-            if not (model.kv_heads % t and t % model.kv_heads)]
+    """Tensor-parallel degrees `model` admits (`tp_problem` finds nothing)."""
+    return [t for t in divisors(math.gcd(model.n_heads, model.vocab_size, model.ffn)) if tp_problem(model, t) is None]
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -93,8 +109,6 @@ class ParallelDims:
         if cfg.cpu_offload and self.dp_shard == 1:
             raise ParallelismError(
                 "parallel.cpu_offload=true needs FSDP sharding (parallel.dp_shard > 1); raise dp_shard or disable it")
-        from framework.parallel.zero import zeropp_layout_problem  # zero.py imports this module
-
         if problem := zeropp_layout_problem(cfg, self):
             raise ParallelismError(problem)
         if model is not None:
@@ -117,13 +131,12 @@ class ParallelDims:
                 f"computed per cp shard; set parallel.cp=1 for MoE models")
 
     def _validate_model(self, cfg: ParallelConfig, model: ModelConfig) -> None:
-        for field, value in (("n_heads", model.n_heads), ("vocab_size", model.vocab_size),
-                             ("ffn_hidden", model.ffn)):
-            if value % self.tp:
-                raise ParallelismError(
-                    f"parallel.tp={self.tp} must divide model.{field}={value} (tensor parallelism shards it); "
-                    f"valid tp for this model: {valid_tp(model)}")
-        if model.kv_heads % self.tp and self.tp % model.kv_heads:
+        problem = tp_problem(model, self.tp)
+        if problem is not None and problem[0] != "n_kv_heads":
+            raise ParallelismError(
+                f"parallel.tp={self.tp} must divide model.{problem[0]}={problem[1]} (tensor parallelism shards it); "
+                f"valid tp for this model: {valid_tp(model)}")
+        if problem is not None:
             raise ParallelismError(
                 f"parallel.tp={self.tp} and model.n_kv_heads={model.kv_heads}: tp must divide the KV heads (shard "
                 f"them) or be a multiple of them (replicate each over tp / n_kv_heads ranks); valid tp for this "
@@ -271,13 +284,17 @@ class ParallelDims:
                           mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp", "tp"))
         return root._unflatten(2, (self.dp_shard, self.cp), ("dp_shard", "cp"))
 
-    def build_ep_mesh(self, device_type: str) -> DeviceMesh:
-        """The expert mesh (pp, dp_replicate, edp, ep) over the same ranks; sub-meshes `["ep"]`, `["edp"]`."""
-        import torch
+    def build_ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The expert mesh (pp, dp_replicate, edp, ep) over the ranks of `mesh` (this layout's 5-axis mesh, from
+        `build_mesh`); sub-meshes `["ep"]`, `["edp"]`. Every rank of `mesh` must call it.
+
+        ep blocks are contiguous in the flattened (dp_shard, cp, tp) ranks, so the expert mesh is a reshape of
+        the same rank tensor (equal to `ep_layout()`); built from `mesh` it also works for sub-world meshes.
+        """
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = torch.tensor(self.ep_layout(), dtype=torch.int)
-        return DeviceMesh(device_type, ranks, mesh_dim_names=EP_AXES)
+        ranks = mesh.mesh.reshape(self.pp, self.dp_replicate, -1, self.ep)
+        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EP_AXES)
 
 
 def even_split(n_layers: int, stages: int) -> list[int]:
@@ -293,10 +310,30 @@ def stage_layers(n_layers: int, stages: int, split: Sequence[int] | None = None)
     return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
 
 
-def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """Stage indices held by pipeline rank `pp_rank`: looped (r, r+pp, ...) or V-shaped (r, 2pp-1-r)."""
-    from framework.parallel.config import V_SCHEDULES
+def zeropp_layout_problem(cfg: ParallelConfig, dims: ParallelDims) -> str:
+    """Why the ZeRO++ keys cannot run on this layout ("" when they can); checked with the layout, before launch
+    (`ParallelDims.validate`; the ZeRO++ options themselves are applied in framework/parallel/zero.py)."""
+    on = cfg.zero_quantized_weights or cfg.zero_quantized_gradients or cfg.zero_hpz_partition_size > 1
+    if not on:
+        return ""
+    shard = dims.dp_shard * dims.cp
+    if shard == 1:
+        return "ZeRO++ compresses FSDP's collectives and needs dp_shard x cp > 1"
+    if cfg.cpu_offload or dims.pp > 1 or (cfg.zero_quantized_weights and cfg.nvme_offload.enabled):
+        return ("ZeRO++ is not proven with parallel.cpu_offload, pp > 1, or qwZ with parallel.nvme_offload "
+                f"(got cpu_offload={cfg.cpu_offload}, pp={dims.pp}, nvme_offload={cfg.nvme_offload.enabled}); "
+                "drop one of them")
+    if dims.tp > 1 or dims.ep > 1:
+        # FSDP2 refuses to reshard DTensor (tp) parameters to a smaller mesh; the quantized paths are checked
+        # against the plain one on dense, tp=1 layouts only (tests/parallel/test_zeropp.py).
+        return f"ZeRO++ is proven on tp=1 dense layouts only (got tp={dims.tp}, ep={dims.ep})"
+    import torch
+    from torch.distributed.fsdp import FSDPModule
 
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(virtual)]
+    if cfg.zero_quantized_gradients and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        return f"parallel.zero_quantized_gradients needs FSDP2's set_custom_reduce_scatter (torch {torch.__version__})"
+    s = cfg.zero_hpz_partition_size
+    if s > 1 and (shard % s or s == shard):
+        return (f"parallel.zero_hpz_partition_size={s} must divide the data-sharding group dp_shard x cp = {shard} "
+                f"and be smaller than it (valid: {[d for d in range(2, shard) if shard % d == 0] or 'none'})")
+    return ""

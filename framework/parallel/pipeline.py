@@ -14,11 +14,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
-from framework.parallel.config import SINGLE_STAGE_SCHEDULES, ParallelConfig
-from framework.parallel.mesh import stage_layers, stages_of_rank
+from framework.parallel.config import ParallelConfig
+from framework.parallel.mesh import stage_layers
+from framework.parallel.pipeline_schedules import schedule_spec, stages_of_rank
+from framework.parallel.precision import local_grad
 from models.decoder import Decoder
 
 
@@ -49,8 +53,9 @@ def build_schedule(parts: Sequence[torch.nn.Module], stage_ids: Sequence[int], n
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
     """The named schedule over this rank's stages."""
     stages = [PipelineStage(part, sid, n_stages, device, group=pp_group) for part, sid in zip(parts, stage_ids)]
-    cls = get_schedule_class(schedule)
-    if schedule in SINGLE_STAGE_SCHEDULES:
+    spec = schedule_spec(schedule)
+    cls = get_schedule_class(spec.torch_class)
+    if spec.shape == "single":
         assert issubclass(cls, PipelineScheduleSingle) and len(stages) == 1
         return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)  # type: ignore[call-arg, arg-type]
@@ -76,3 +81,53 @@ def run_schedule(schedule: _PipelineSchedule, stage_ids: Sequence[int], n_stages
     else:
         schedule.eval(*args, **kwargs)
     return losses
+
+
+class TiedEmbeddings:
+    """A tied embedding and head on different pipeline stages: each holds its own copy, and after backward the
+    two gradient pieces are added so both copies take the same step (as the 1-process model's one tensor).
+
+    A V schedule puts stage 0 and the last stage on pp rank 0 (added in place); otherwise they sit on pp ranks 0
+    and pp-1 (looped schedules too), which swap their pieces point-to-point. Middle ranks take no part.
+    """
+
+    def __init__(self, embedding: torch.Tensor | None, head: torch.Tensor | None, local: bool,
+                 pp_group: dist.ProcessGroup, peer: int) -> None:
+        self.embedding, self.head = embedding, head
+        self.local, self.pp_group, self.peer = local, pp_group, peer
+
+    @classmethod
+    def between_stages(cls, parts: Sequence[nn.Module], stage_ids: Sequence[int], n_stages: int, schedule: str,
+                       pp_mesh: DeviceMesh, pp_rank: int) -> TiedEmbeddings:
+        embedding = head = None
+        if 0 in stage_ids:
+            tok = parts[stage_ids.index(0)].tok_embeddings
+            assert isinstance(tok, nn.Embedding)
+            embedding = tok.weight
+        if n_stages - 1 in stage_ids:
+            out = parts[stage_ids.index(n_stages - 1)].output
+            assert isinstance(out, nn.Linear)
+            head = out.weight
+        pp_ranks = pp_mesh.mesh.flatten().tolist()
+        peer = pp_ranks[-1] if pp_rank == 0 else pp_ranks[0]
+        return cls(embedding, head, schedule_spec(schedule).shape == "v", pp_mesh.get_group(), peer)
+
+    def sync_grads(self) -> None:
+        if self.local:
+            if self.embedding is None or self.head is None:
+                return  # a middle rank of the V
+            g_emb, _ = local_grad(self.embedding)
+            g_out, _ = local_grad(self.head)
+            g_emb.add_(g_out)
+            g_out.copy_(g_emb)
+            return
+        param = self.embedding if self.embedding is not None else self.head
+        if param is None:
+            return  # a middle pp rank holds neither copy
+        g, _ = local_grad(param)
+        other = torch.empty_like(g)
+        ops = [dist.P2POp(dist.isend, g, self.peer, self.pp_group),
+               dist.P2POp(dist.irecv, other, self.peer, self.pp_group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        g.add_(other)  # a + b == b + a bitwise: both copies stay identical

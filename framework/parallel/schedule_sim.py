@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from framework.errors import ParallelismError
-from framework.parallel.config import SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
-from framework.parallel.mesh import stages_of_rank
+from framework.errors import ConfigError, ParallelismError
+from framework.parallel.pipeline_schedules import SCHEDULES, schedule_spec, stages_of_rank
 
 F, B, I, W = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD,  # noqa: E741 (torch's own names)
               _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT)
@@ -47,9 +46,7 @@ class StageCosts:
 
 def stages_per_rank(schedule: str, virtual: int = 2) -> int:
     """Stages a rank holds: 1 for GPipe/1F1B, 2 for the V schedules, `virtual` for the looped ones."""
-    if schedule in SINGLE_STAGE_SCHEDULES:
-        return 1
-    return 2 if schedule in V_SCHEDULES else virtual
+    return schedule_spec(schedule).stages_per_rank(virtual)
 
 
 def action_table(schedule: str, pp: int, n_micro: int, virtual: int = 2) -> Table:
@@ -128,17 +125,22 @@ def executed_single_stage_table(schedule: str, pp: int, n_micro: int) -> Table:
     the forwards and so fails `validate_table`). GPipe: all forwards, then all backwards, in micro-batch order.
     1F1B: stage s runs min(m, pp - s) warm-up forwards, then alternates one backward and one forward, then the
     remaining backwards (torch's `Schedule1F1B._step_microbatches`; the bench checks it against the run)."""
-    if schedule not in SINGLE_STAGE_SCHEDULES:
+    try:
+        spec = schedule_spec(schedule)
+    except ConfigError as exc:
+        raise ParallelismError(str(exc)) from exc
+    if spec.shape != "single":
+        singles = [s for s, sp in SCHEDULES.items() if sp.shape == "single"]
         raise ParallelismError(f"{schedule} runs its pipeline_order; executed_single_stage_table() is only for "
-                               f"{list(SINGLE_STAGE_SCHEDULES)}")
+                               f"{singles}")
     table: Table = {}
     for s in range(pp):
         acts: list[_Action | None] = []
-        warm = n_micro if schedule == "GPipe" else min(n_micro, pp - s)
+        warm = n_micro if spec.forwards_first else min(n_micro, pp - s)
         acts += [_Action(s, F, k) for k in range(warm)]
         for k in range(n_micro):
             acts.append(_Action(s, B, k))
-            if warm + k < n_micro and schedule == "1F1B":
+            if warm + k < n_micro and not spec.forwards_first:
                 acts.append(_Action(s, F, warm + k))
         table[s] = acts
     return table

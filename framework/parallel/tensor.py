@@ -83,7 +83,7 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
 
     Tied embeddings stay tied within one module: the vocab-parallel embedding and the column-parallel head
     both shard the (vocab, hidden) weight on dim 0, so the head is re-pointed at the embedding's DTensor.
-    Never torch.compile these blocks: compile + TP gives wrong gradients in torch 2.13 (ARCHITECTURE.md).
+    Compile TP blocks only through `compile_blocks` (sub-layer regions; docs/ARCHITECTURE.md, known torch traps).
     """
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
@@ -97,6 +97,6 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
         block_plan["attention.wk"] = block_plan["attention.wv"] = ReplicatedKVHeads(kv, model.cfg.head_dim)
     moe_plan = {k: v for k, v in block_plan.items() if not k.startswith("feed_forward")}
     for block in model.layers.values():
-        # MoE (issue 5): framework/parallel/expert.py parallelizes an MoE layer's feed-forward
+        # MoE (docs/MOE.md): framework/parallel/expert.py parallelizes an MoE layer's feed-forward
         plan = moe_plan if isinstance(block.feed_forward, MoE) else block_plan  # type: ignore[union-attr]
         parallelize_module(block, tp_mesh, _present(block, plan))  # type: ignore[arg-type]

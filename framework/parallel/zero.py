@@ -105,31 +105,6 @@ def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, mp_p
     return [model, *units]  # type: ignore[list-item]
 
 
-def zeropp_layout_problem(cfg: ParallelConfig, dims: ParallelDims) -> str:
-    """Why the ZeRO++ keys cannot run on this layout ("" when they can); checked with the layout, before launch."""
-    on = cfg.zero_quantized_weights or cfg.zero_quantized_gradients or cfg.zero_hpz_partition_size > 1
-    if not on:
-        return ""
-    shard = dims.dp_shard * dims.cp
-    if shard == 1:
-        return "ZeRO++ compresses FSDP's collectives and needs dp_shard x cp > 1"
-    if cfg.cpu_offload or dims.pp > 1 or (cfg.zero_quantized_weights and cfg.nvme_offload.enabled):
-        return ("ZeRO++ is not proven with parallel.cpu_offload, pp > 1, or qwZ with parallel.nvme_offload "
-                f"(got cpu_offload={cfg.cpu_offload}, pp={dims.pp}, nvme_offload={cfg.nvme_offload.enabled}); "
-                "drop one of them")
-    if dims.tp > 1 or dims.ep > 1:
-        # FSDP2 refuses to reshard DTensor (tp) parameters to a smaller mesh; the quantized paths are checked
-        # against the plain one on dense, tp=1 layouts only (tests/parallel/test_zeropp.py).
-        return f"ZeRO++ is proven on tp=1 dense layouts only (got tp={dims.tp}, ep={dims.ep})"
-    if cfg.zero_quantized_gradients and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-        return f"parallel.zero_quantized_gradients needs FSDP2's set_custom_reduce_scatter (torch {torch.__version__})"
-    s = cfg.zero_hpz_partition_size
-    if s > 1 and (shard % s or s == shard):
-        return (f"parallel.zero_hpz_partition_size={s} must divide the data-sharding group dp_shard x cp = {shard} "
-                f"and be smaller than it (valid: {[d for d in range(2, shard) if shard % d == 0] or 'none'})")
-    return ""
-
-
 def quantized_reduce_scatter(dp_mesh: DeviceMesh, cfg: ParallelConfig) -> QuantizedReduceScatter:
     """qgZ's reduce-scatter over the shard dimension of `dp_mesh`; two hops with nodes of zero_hpz_partition_size."""
     s = cfg.zero_hpz_partition_size

@@ -116,7 +116,7 @@ def mlp_terms(cfg: ModelConfig, rows: int, ffn_t: int, p: int) -> list[SavedTerm
 def selective_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                     act_bytes: int = 2, kernel: AttnKernel = "flash") -> list[SavedTerm]:
     """What the selective policy keeps: the block input and the outputs of every mm/addmm/bmm, of the fused SDPA
-    kernels and of the tensor-parallel reduce-scatters (`framework.plan.measure.SELECTIVE_SAVE_OPS`).
+    kernels and of the tensor-parallel reduce-scatters (`framework.parallel.recompute.SAVED_OPS`).
 
     Row-parallel projections (wo, w2) output a full-width partial sum before the reduce-scatter, and the policy
     keeps it too (it cannot tell which matmul outputs backward needs). The math kernel's core is two bmm: the
@@ -207,25 +207,6 @@ def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int,
     return sbh * (10 + 24 / t + attn_core)
 
 
-def in_flight_factor(schedule: str, pp: int, n_micro: int, virtual: int = 1) -> float:
-    """Layers' worth of one micro-batch's activations that the first pipeline stage holds, over n_layers.
-
-    1F1B-like schedules keep min(p, m) micro-batches of L/p layers on stage 0, i.e. L layers when m >= p;
-    the interleaved schedule multiplies that by 1 + (p-1)/(p·v) (Korthikanti et al. 2022 §4.2.3); GPipe and
-    the breadth-first LoopedBFS keep all m micro-batches (m/p of L); DualPipeV keeps p+1 micro-batches
-    (DeepSeek-V3 report) of the L/p layers, counted here as (p+1)/p.
-    """
-    if pp == 1:
-        return 1.0
-    if schedule in ("GPipe", "LoopedBFS"):
-        return n_micro / pp
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        return min(pp, n_micro) / pp * (1 + (pp - 1) / (pp * virtual))
-    if schedule == "DualPipeV":
-        return min(pp + 1, n_micro) / pp
-    return min(pp, n_micro) / pp  # 1F1B, ZBVZeroBubble
-
-
 __all__ = ["RECOMPUTE_MODES", "AttnKernel", "Recompute", "SavedTerm", "embedding_bytes", "head_bytes",
-           "in_flight_factor", "korthikanti_layer_bytes", "mlp_terms", "selective_terms", "tessera_layer_bytes",
+           "korthikanti_layer_bytes", "mlp_terms", "selective_terms", "tessera_layer_bytes",
            "tessera_layer_terms"]

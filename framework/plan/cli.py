@@ -12,9 +12,10 @@ import sys
 from collections.abc import Sequence
 
 from framework.errors import ConfigError
+from framework.parallel.pipeline_schedules import SCHEDULES
 from framework.plan.estimate import Estimate
 from framework.plan.hardware import GIB, HARDWARE, Hardware, get_hardware, load_calibration, parse_overrides
-from framework.plan.layout import SCHEDULES, Precision, Workload
+from framework.plan.layout import Precision, Workload
 from framework.plan.search import (
     DEFAULT_SCHEDULES,
     PlanResult,

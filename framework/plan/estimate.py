@@ -26,7 +26,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from framework.plan.bubble import bubble_fraction
+from framework.parallel.pipeline_schedules import bubble_fraction
 from framework.plan.comm import (
     AxisComm,
     cp_comm_per_micro,

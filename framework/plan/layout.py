@@ -9,18 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from framework.parallel.config import schedule_micro_batch_problem
+from framework.parallel.mesh import tp_problem
+from framework.parallel.pipeline_schedules import schedule_micro_batch_problem, schedule_spec
 from framework.plan.activations import AttnKernel, Recompute
 from framework.plan.hardware import Hardware
 from models.config import ModelConfig
-
-Schedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                   "DualPipeV"]
-SCHEDULES: tuple[str, ...] = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                              "ZBVZeroBubble", "DualPipeV")
-MULTI_CHUNK = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-"""Two chunks per rank in a V: rank 0 holds the first and the last chunk (embedding and head)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,7 @@ class Layout:
 
     @property
     def sp(self) -> bool:
-        """Sequence parallelism is always on under TP (Tessera keeps SP on; ARCHITECTURE.md known traps)."""
+        """Sequence parallelism is always on under TP (Tessera keeps SP on; docs/ARCHITECTURE.md, known torch traps)."""
         return self.tp > 1
 
     @property
@@ -125,10 +118,9 @@ def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
     t, p = lay.tp, lay.pp
     if t > hw.gpus_per_node:
         return f"tp={t} exceeds the {hw.gpus_per_node} GPUs of a node (TP must stay on NVLink)"
-    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
-                    ("vocab_size", cfg.vocab_size)):
-        if n % t:
-            return f"tp={t} does not divide model.{what}={n}"
+    problem = tp_problem(cfg, t, replicate_kv=False)  # the engine's rule (framework/parallel/mesh.py)
+    if problem is not None:
+        return f"tp={t} does not divide model.{problem[0]}={problem[1]}"
     if lay.sp and work.seq_len % t:
         return f"tp={t} does not divide seq_len={work.seq_len} (sequence parallel)"
     if lay.cp > 1:
@@ -139,9 +131,10 @@ def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
             return f"cp={lay.cp} is not supported with MoE models (the engine refuses it)"
         if lay.zero_stage == 0:
             return f"cp={lay.cp} folds cp into the ZeRO sharding group; zero_stage=0 does not shard"
-    if lay.schedule in V_SHAPED and lay.virtual != 2:
+    shape = schedule_spec(lay.schedule).shape
+    if shape == "v" and lay.virtual != 2:
         return f"{lay.schedule} runs exactly 2 chunks per rank (virtual=2), not {lay.virtual}"
-    if lay.schedule not in MULTI_CHUNK + V_SHAPED and lay.virtual != 1:
+    if shape == "single" and lay.virtual != 1:
         return f"{lay.schedule} runs one chunk per rank (virtual=1), not {lay.virtual}"
     if p > cfg.n_layers or cfg.n_layers % (p * lay.virtual):
         return f"pp={p} x virtual={lay.virtual} does not divide n_layers={cfg.n_layers}"
@@ -159,4 +152,4 @@ def layout_problem(work: Workload, lay: Layout, hw: Hardware) -> str | None:
     return None
 
 
-__all__ = ["MULTI_CHUNK", "SCHEDULES", "V_SHAPED", "Layout", "Precision", "Schedule", "Workload", "layout_problem"]
+__all__ = ["Layout", "Precision", "Workload", "layout_problem"]

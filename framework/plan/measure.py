@@ -9,7 +9,6 @@ full checkpoint keeps. This works the same for no recompute, selective and full 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,42 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from framework.parallel.recompute import selective_context
 from framework.plan.activations import AttnKernel, Recompute
-
-# The selective-recompute policy the planner's formula assumes — the engine's (framework/parallel/recompute.py):
-# keep the outputs of matmuls, fused attention and tensor-parallel reduce-scatters, recompute everything else
-# (norms, RoPE, the kv-head repeat, activations, softmax, all-gathers).
-SELECTIVE_SAVE_OPS: tuple[str, ...] = (
-    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-    "_c10d_functional.reduce_scatter_tensor.default",
-)
-
-
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """`create_selective_checkpoint_contexts` policy: save `SELECTIVE_SAVE_OPS` outputs, recompute the rest."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if str(op) in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def selective_context_fn() -> Callable[[], Any]:
-    """The engine's selective context when it is installed (so measurements use the real policy), else ours."""
-    try:
-        from framework.parallel.recompute import selective_context  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return functools.partial(create_selective_checkpoint_contexts_lazy, selective_policy)
-    return selective_context  # type: ignore[no-any-return,unused-ignore]
-
-
-def create_selective_checkpoint_contexts_lazy(policy: Callable[..., Any]) -> Any:
-    """`torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`, imported when called."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(policy)
 
 
 @dataclass
@@ -156,7 +121,7 @@ def layer_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x_leaf: torch.
             return block(x, rope)  # type: ignore[no-any-return]
         context_fn: Callable[[], Any] = contextlib.nullcontext
         if recompute == "selective":
-            context_fn = selective_context_fn()
+            context_fn = selective_context  # the engine's policy (framework/parallel/recompute.py)
             return checkpoint(block, x, rope, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
         return checkpoint(block, x, rope, use_reentrant=False)  # type: ignore[no-any-return]
 
@@ -286,5 +251,5 @@ def trained_state_bytes(preset: str, *, shard: bool = False, seq: int = 16, batc
     return model_state_bytes(model, opt)
 
 
-__all__ = ["SELECTIVE_SAVE_OPS", "StorageTracker", "hooked_saved_bytes", "layer_saved_bytes", "model_saved_bytes",
-           "model_state_bytes", "saved_bytes", "selective_policy", "tp_layer_saved_bytes", "trained_state_bytes"]
+__all__ = ["StorageTracker", "hooked_saved_bytes", "layer_saved_bytes", "model_saved_bytes",
+           "model_state_bytes", "saved_bytes", "tp_layer_saved_bytes", "trained_state_bytes"]

@@ -17,18 +17,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from framework.parallel.pipeline_schedules import in_flight_factor, schedule_spec, stages_of_rank
 from framework.plan.activations import (
     FP32,
     INT64,
     Recompute,
     embedding_bytes,
     head_bytes,
-    in_flight_factor,
     korthikanti_layer_bytes,
     mlp_terms,
     tessera_layer_bytes,
 )
-from framework.plan.layout import MULTI_CHUNK, V_SHAPED, Layout, Precision, Workload
+from framework.plan.layout import Layout, Precision, Workload
 from models.config import ModelConfig
 
 
@@ -73,10 +73,7 @@ def layer_params(cfg: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tupl
 
 def rank_chunks(lay: Layout, rank: int) -> list[int]:
     """Pipeline chunks (0 .. p·v-1, in model order) that pipeline rank `rank` runs."""
-    p, v = lay.pp, lay.virtual
-    if lay.schedule in V_SHAPED and p > 1:
-        return [rank, 2 * p - 1 - rank]
-    return [rank + k * p for k in range(v)]
+    return stages_of_rank(rank, lay.pp, lay.virtual, lay.schedule)
 
 
 def rank_params(cfg: ModelConfig, lay: Layout, rank: int) -> RankParams:
@@ -189,7 +186,7 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     m = lay.n_micro(work.global_batch)
     chunks = rank_chunks(lay, rank)
     last = lay.pp * lay.virtual - 1 in chunks
-    if rank == 0 or lay.schedule in ("GPipe", "LoopedBFS") or lay.schedule in MULTI_CHUNK:
+    if rank == 0 or schedule_spec(lay.schedule).every_rank_in_flight:
         # Stage 0's in-flight count, as L-layer multiples, applied to this rank's share of the layers.
         in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual) * lay.pp
     else:

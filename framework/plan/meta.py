@@ -1,9 +1,10 @@
 """Count parameters per rank exactly from a meta-device build of the model, to check the planner's formulas.
 
 The model is built with `models.decoder.build_model(cfg, device="meta")` (nothing is allocated, so the large
-presets cost only Python objects), and each parameter's local shape under a layout follows the TP plan rules:
-column-parallel wq/wk/wv/w1/w3 shard dim 0 (and their biases), row-parallel wo/w2 shard dim 1 (their biases
-are replicated), the vocab-parallel embedding and output shard the vocab dim, norms are replicated; routed
+presets cost only Python objects), and each parameter's local shape under a layout follows the TP plans of
+models/plans.py (read from them, not restated): column-parallel wq/wk/wv/w1/w3 shard dim 0 (and their biases),
+row-parallel wo/w2 shard dim 1 (their biases are replicated), the vocab-parallel embedding and output shard the
+vocab dim, norms are replicated; routed
 experts are split over ep. Pipeline ownership comes from the FQN (`layers.<i>.`, `tok_embeddings`, `norm`,
 `output`) and `framework.plan.memory.rank_chunks`.
 """
@@ -12,12 +13,18 @@ from __future__ import annotations
 
 import math
 
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
 from framework.plan.layout import Layout
 from framework.plan.memory import rank_chunks
 from models.config import ModelConfig
+from models.plans import decoder_block_plan, decoder_top_plan
 
-COLWISE = ("wq", "wk", "wv", "w1", "w3")
-ROWWISE = ("wo", "w2")
+_BLOCK = decoder_block_plan(sequence_parallel=False)
+COLWISE = tuple(fqn.rsplit(".", 1)[-1] for fqn, style in _BLOCK.items() if isinstance(style, ColwiseParallel))
+ROWWISE = tuple(fqn.rsplit(".", 1)[-1] for fqn, style in _BLOCK.items() if isinstance(style, RowwiseParallel))
+VOCAB_PARALLEL = tuple(decoder_top_plan(sequence_parallel=False, loss_parallel=True))
+"""The embedding (row-wise over the vocabulary) and the head (column-wise over it): dim 0 is the vocab."""
 
 
 def local_numel(fqn: str, shape: tuple[int, ...], tp: int, ep: int) -> int:
@@ -28,7 +35,7 @@ def local_numel(fqn: str, shape: tuple[int, ...], tp: int, ep: int) -> int:
     if ".experts." in fqn or fqn.split(".")[-1].startswith("experts_"):
         dims[0] //= ep  # routed experts stacked on dim 0, one group per ep rank
         return math.prod(dims)
-    if module in COLWISE or fqn.startswith(("tok_embeddings", "output")):
+    if module in COLWISE or fqn.startswith(VOCAB_PARALLEL):
         dims[0] //= tp
     elif module in ROWWISE and leaf == "weight":
         dims[1] //= tp
@@ -67,4 +74,4 @@ def meta_rank_params(cfg: ModelConfig, lay: Layout) -> list[int]:
     return counts
 
 
-__all__ = ["COLWISE", "ROWWISE", "local_numel", "meta_rank_params", "owner_chunk"]
+__all__ = ["COLWISE", "ROWWISE", "VOCAB_PARALLEL", "local_numel", "meta_rank_params", "owner_chunk"]

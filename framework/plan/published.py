@@ -1,4 +1,4 @@
-"""Published Megatron-LM layouts the planner must find (issue 9), as data.
+"""Published Megatron-LM layouts the planner must find, as data.
 
 Megatron-LM README (H100 80 GB, seq 4096, vocab 131,072, DP 48): 177B at TP8 PP6 on 2,304 GPUs, global batch
 1,152, 44% MFU; 462B at TP8 PP16 on 6,144 GPUs, batch 3,072, 47% MFU. Narayanan et al. 2021 (A100 80 GB,

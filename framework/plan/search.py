@@ -18,10 +18,11 @@ from typing import Any
 from tqdm import tqdm
 
 from framework.errors import ParallelismError, divisors
+from framework.parallel.pipeline_schedules import schedule_spec
 from framework.plan.activations import RECOMPUTE_MODES
 from framework.plan.estimate import Estimate, estimate
 from framework.plan.hardware import GIB, Hardware
-from framework.plan.layout import MULTI_CHUNK, V_SHAPED, Layout, Workload, layout_problem
+from framework.plan.layout import Layout, Workload, layout_problem
 from framework.plan.memory import peak_memory
 
 DEFAULT_SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -99,9 +100,10 @@ def _schedules(lay: Layout, work: Workload, space: SearchSpace) -> Iterator[tupl
         return
     per_rank = work.model.n_layers // lay.pp
     for name in space.schedules:
-        if name in MULTI_CHUNK:
+        shape = schedule_spec(name).shape
+        if shape == "looped":
             yield from ((name, v) for v in divisors(per_rank) if 1 < v <= space.max_virtual)
-        elif name in V_SHAPED:
+        elif shape == "v":
             if per_rank % 2 == 0:
                 yield name, 2
         else:
@@ -139,7 +141,7 @@ def candidates(work: Workload, gpus: int, hw: Hardware, space: SearchSpace) -> I
 
 
 def _zeropp(lay: Layout, zero: int, hw: Hardware, space: SearchSpace) -> dict[str, Any]:
-    """The ZeRO++ fields of a candidate (framework/parallel/zero.py `zeropp_layout_problem`'s rules)."""
+    """The ZeRO++ fields of a candidate (framework/parallel/mesh.py `zeropp_layout_problem`'s rules)."""
     if zero == 0 or lay.shard_group == 1 or lay.tp > 1 or lay.ep > 1:  # proven on tp=1 dense layouts only
         return {}
     node = hw.gpus_per_node // lay.tp

@@ -1,96 +1,28 @@
-"""The seam between the training loop and parallelism.
+"""`LocalEngine`: one process, one device — the reference every parallel layout is parity-tested against.
 
-The loop (framework/train/trainer.py) only talks to an `Engine`: it hands over this rank's micro-batches for
-one optimizer step and gets back the global mean loss. `LocalEngine` is the single-process engine — the
-reference every parallel layout is parity-tested against; framework/parallel builds the multi-rank one with
-the same interface.
+It implements the `Engine` protocol (framework/engine.py) that the loop talks to; the multi-rank engine beside
+it (framework/train/parallel_engine.py) implements the same protocol over a model that
+framework/parallel/parallelize.py parallelized.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from framework.engine import autocast, cross_entropy
 from framework.parallel.compile import compile_blocks
+from framework.parallel.memory import model_state_report
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.decoder import build_model
 from models.documents import DocumentMasking, model_kwargs
 from models.moe.step import discard_routing_counts, moe_metrics, set_aux_loss_scale, update_routing_bias
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class Engine(Protocol):
-    model_parts: list[nn.Module]
-    optimizers: list[torch.optim.Optimizer]
-    device: torch.device
-    dp_rank: int
-    dp_size: int
-
-    def forward_backward(self, batch: torch.Tensor) -> float:
-        """Forward and backward over this rank's micro-batches (n_micro, B, T+1); return the global mean loss."""
-        ...
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip gradients to `max_norm` (0: measure only) and return the global norm before clipping."""
-        ...
-
-    def grads_overflowed(self) -> bool:
-        """fp16: whether a gradient of this step overflowed under the loss scale (the scaler then skips the step
-        and backs off; not a guard verdict). Always False in fp32/bf16. Valid after backward."""
-        ...
-
-    def optimizer_step(self, lr: float, apply: bool = True) -> bool:
-        """End the step: update with learning rate `lr` unless `apply` is False (a guard skip) or the gradients
-        overflowed; drop the gradients either way. True when the weights were updated.
-
-        A skipped step changes nothing a step would change: no weight or optimizer update, no routing-bias update
-        (its expert counts are dropped), and after a guard skip the loss scale and its growth tracker stay put;
-        after an overflow the scale backs off.
-        """
-        ...
-
-    def extra_state(self) -> dict[str, Any]:
-        """JSON-safe state a step mutates besides the weights and optimizer (the fp16 loss scale and its growth
-        tracker), saved in every checkpoint's meta and restored by `load_extra_state` on resume and rollback."""
-        ...
-
-    def load_extra_state(self, state: dict[str, Any] | None) -> None:
-        """Restore `extra_state()` (None or a missing entry: keep the current value, e.g. an fp32 checkpoint)."""
-        ...
-
-    def eval_loss(self, batch: torch.Tensor) -> float:
-        """Mean loss over `batch` (n_micro, B, T+1) without gradients (global mean over data ranks)."""
-        ...
-
-    def extra_metrics(self) -> dict[str, float]:
-        """Engine-specific metrics for this step (loss scale, MoE load ...)."""
-        ...
-
-
-def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(0, 1))
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_DTYPES[precision])
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class LocalEngine:
@@ -124,7 +56,7 @@ class LocalEngine:
         batch = batch.to(self.device, non_blocking=True)
         n_micro = batch.shape[0]
         total = torch.zeros((), device=self.device)
-        if self.is_moe:  # MoE (issue 5): aux losses join the gradients through each layer's output, scaled as the loss
+        if self.is_moe:  # MoE (docs/MOE.md): aux losses join the gradients via each layer's output, scaled as the loss
             loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
             set_aux_loss_scale(self.model_parts, loss_scale / n_micro)
         for mb in batch:
@@ -170,7 +102,7 @@ class LocalEngine:
         else:
             self.scaler.update(new_scale=self.scaler.get_scale())  # a guard skip: scale and growth tracker stay
         self._unscaled = False
-        if self.is_moe:  # MoE (issue 5): auxiliary-loss-free balancing moves the routing bias after the step
+        if self.is_moe:  # MoE (docs/MOE.md): auxiliary-loss-free balancing moves the routing bias after the step
             (update_routing_bias if applied else discard_routing_counts)(self.model_parts)
         return applied
 
@@ -195,8 +127,12 @@ class LocalEngine:
             losses.append(cross_entropy(logits, mb[:, 1:]))
         return float(torch.stack(losses).mean())
 
+    def memory_report(self) -> dict[str, int]:
+        """Model-state bytes of this process by kind and dtype (framework/parallel/memory.py)."""
+        return model_state_report(self.model_parts, self.optimizers)
+
     def extra_metrics(self) -> dict[str, float]:
         out = {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
-        if self.is_moe:  # MoE (issue 5): per-layer load, drops, aux and z losses of the step
+        if self.is_moe:  # MoE (docs/MOE.md): per-layer load, drops, aux and z losses of the step
             out.update(moe_metrics(self.model_parts))
         return out

@@ -36,7 +36,7 @@ def _impl_flags(cfg: TrainConfig, device: torch.device, params: list[torch.Tenso
     impl = cfg.optimizer_impl
     if impl == "auto":
         mixed = any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params)
-        # foreach over a mix of DTensors and plain tensors fails (ARCHITECTURE.md, known traps)
+        # foreach over a mix of DTensors and plain tensors fails (docs/ARCHITECTURE.md, known torch traps)
         impl = "fused" if device.type == "cuda" else ("for_loop" if mixed else "foreach")
     return {"fused": impl == "fused", "foreach": impl == "foreach"}
 

@@ -1,6 +1,10 @@
-"""The parallel engine: TP -> (EP) -> activation checkpointing -> FSDP -> pipeline stages, behind `Engine`.
+"""The parallel step engine: runs the model framework/parallel/parallelize.py built, behind `Engine`.
 
-    engine = build_parallel_engine(cfg, device)   # every rank; the default process group is initialized
+    engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, device)   # every rank, process group up
+
+It owns what a step needs beyond the model: the optimizers (one per part, optionally on NVMe), the loss
+scaler, the pipeline schedules (one per micro-batch count, built at first use), the gradient reductions after
+backward and the global clipping.
 
 The loop hands each rank its data-parallel replica's micro-batches (n_micro, B, T+1); ranks of one replica
 (its tp, cp and pp ranks) get the same batch, and cp ranks keep their own load-balanced chunks of it
@@ -22,38 +26,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from framework.engine import autocast, cross_entropy
 from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
-from framework.parallel.compile import compile_blocks
-from framework.parallel.config import V_SCHEDULES, ParallelConfig, min_micro_batches, schedule_micro_batch_problem
-from framework.parallel.context import ContextParallel
-from framework.parallel.expert import MoEParallel
+from framework.parallel.config import ParallelConfig
 from framework.parallel.memory import model_state_report, unsharded_bytes
 from framework.parallel.mesh import AXES, ParallelDims
 from framework.parallel.offload import io_metrics, offload_optimizers
-from framework.parallel.pipeline import build_schedule, cut_stage, local_stages, run_schedule
+from framework.parallel.parallelize import parallelize
+from framework.parallel.pipeline import build_schedule, run_schedule
+from framework.parallel.pipeline_schedules import min_micro_batches, schedule_micro_batch_problem
 from framework.parallel.precision import (
     LossScaler,
     global_grad_norm,
-    local_grad,
     resolve_partial_grads,
     scale_grads,
 )
-from framework.parallel.recompute import apply_recompute
-from framework.parallel.tensor import apply_tensor_parallel
-from framework.parallel.zero import (
-    ReplicatedGradSync,
-    apply_fsdp,
-    fsdp_mesh,
-    fsdp_mp_policy,
-    set_micro_batch_sync,
-    zeropp_axes,
-)
+from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
 from framework.train.config import TrainConfig
-from framework.train.local_engine import _DTYPES, autocast, cross_entropy
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
-from models.decoder import Decoder
 from models.documents import DocumentMasking, model_kwargs
 
 
@@ -99,20 +91,17 @@ class ParallelEngine:
         self.use_loss_parallel = dims.tp > 1 and pcfg.loss_parallel
         self.scaler = LossScaler(train_cfg.precision == "fp16", init_scale=train_cfg.loss_scale_init,
                                  growth_interval=train_cfg.loss_scale_growth_interval)
-        self.tied_copy: torch.Tensor | None = None  # the last stage's copy of a tied embedding
-        self.moe = MoEParallel(model_cfg, pcfg, dims, mesh)  # MoE (issue 5); every call a no-op for dense models
-        # Context parallelism (issue 16): each rank keeps its 2 load-balanced chunks of every sequence
-        self.context = ContextParallel(mesh["cp"].get_group(), _DTYPES[train_cfg.precision]) if dims.cp > 1 else None
-        self._build_parts()
+        pm = parallelize(model_cfg, pcfg, dims, mesh, device, seed=train_cfg.seed, precision=train_cfg.precision,
+                         compile_backend=train_cfg.compile_backend if train_cfg.compile else None)
+        self.model_parts: list[nn.Module] = pm.parts
+        self.stage_ids, self.n_stages = pm.stage_ids, pm.n_stages
+        self.moe, self.context, self.tied, self.replica_sync = pm.moe, pm.context, pm.tied, pm.replica_sync
+        self.tied_copy = self.tied.head if self.tied is not None else None  # the last stage's copy of a tied embedding
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
                                                         for p in self.model_parts]
         self._fix_tied_decay()
-        self.optimizers = offload_optimizers(  # ZeRO-Infinity (issue 19): AdamW states on local NVMe
+        self.optimizers = offload_optimizers(  # ZeRO-Infinity (docs/PARALLELISM.md): AdamW states on local NVMe
             self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
-        self.replica_sync: ReplicatedGradSync | None = None
-        if dims.fsdp_size == 1 and dims.dp_replicate > 1:
-            self.replica_sync = ReplicatedGradSync(list(self.parameters()), mesh["dp_replicate"].get_group(),
-                                                   dims.dp_replicate)
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
         self._found_inf = self._unscaled = False
@@ -120,56 +109,6 @@ class ParallelEngine:
 
     def _comm(self) -> contextlib.AbstractContextManager[Any]:
         return self.comm.active() if self.comm is not None else contextlib.nullcontext()
-
-    # --- construction ---------------------------------------------------------------------------------------
-    def _build_parts(self) -> None:
-        self._fsdp_mesh = fsdp_mesh(self.mesh, self.dims)
-        with torch.device("meta"):
-            whole = Decoder(self.model_cfg)
-        if self.dims.pp > 1:
-            self.stage_ids, layers, self.n_stages = local_stages(self.pcfg, self.pp_rank, self.model_cfg.n_layers)
-            parts = [cut_stage(whole, s, layers[s], self.n_stages) for s in self.stage_ids]
-        else:
-            self.stage_ids, self.n_stages, parts = [0], 1, [whole]
-        for part in parts:
-            self._parallelize(part)
-        self.model_parts: list[nn.Module] = list(parts)
-        if self.model_cfg.tied_embeddings and self.dims.pp > 1:
-            self._tie_setup(parts)
-
-    def _parallelize(self, part: Decoder) -> None:
-        dims, pcfg = self.dims, self.pcfg
-        if dims.tp > 1:
-            apply_tensor_parallel(part, self.mesh["tp"], sequence_parallel=pcfg.sequence_parallel,
-                                  loss_parallel=pcfg.loss_parallel)
-        self.moe.parallelize(part)  # MoE (issue 5): experts over ep, routing on the tp sequence shards
-        if self.context is not None:
-            self.context.install(part)
-        part.to_empty(device=self.device)
-        if self.model_cfg.tied_embeddings and part.tok_embeddings is not None and part.output is not None:
-            # to_empty gives each module its own storage: without this a pp=1 run of a tied model trains untied.
-            part.output.weight = part.tok_embeddings.weight
-        part.init_weights(self.train_cfg.seed)  # per-FQN seeds: bitwise the 1-process values, any layout
-        apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)
-        if self.train_cfg.compile:  # after TP and recompute, before FSDP (whose hooks stay outside the graphs)
-            compile_blocks(part.layers, self.train_cfg.compile_backend, tensor_parallel=dims.tp > 1)
-        mp_policy = fsdp_mp_policy(pcfg, self.train_cfg.precision)
-        # MoE (issue 5): experts FSDP-sharded over the edp ranks (before FSDP wraps their blocks), or hand-synced
-        self.moe.shard(part, mp_policy=mp_policy)
-        if self._fsdp_mesh is not None:
-            apply_fsdp(part, self._fsdp_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
-
-    def _tie_setup(self, parts: list[Decoder]) -> None:
-        last = self.n_stages - 1
-        if last in self.stage_ids:
-            head = parts[self.stage_ids.index(last)].output
-            assert head is not None
-            self.tied_copy = head.weight
-        # A V schedule puts stage 0 and the last stage on pp rank 0; otherwise they sit on pp ranks 0 and pp-1
-        # (looped schedules too), which swap their gradient pieces point-to-point after backward.
-        self._tie_local = self.pcfg.pp_schedule in V_SCHEDULES
-        pp_ranks = self.mesh["pp"].mesh.flatten().tolist()
-        self._tie_peer = pp_ranks[-1] if self.pp_rank == 0 else pp_ranks[0]
 
     def _fix_tied_decay(self) -> None:
         """The head's copy of a tied embedding follows the embedding's (no) weight decay, as in the 1-process run."""
@@ -199,39 +138,14 @@ class ParallelEngine:
         self._sum_over_layout(t)
         return float(t) / (self.dims.world_size // self.dims.pp)
 
-    def _sync_tied(self) -> None:
-        emb: torch.Tensor | None = None
-        if 0 in self.stage_ids:
-            tok = self.model_parts[self.stage_ids.index(0)].tok_embeddings
-            assert isinstance(tok, nn.Embedding)
-            emb = tok.weight
-        if self._tie_local:
-            if emb is None or self.tied_copy is None:
-                return  # a middle rank of the V
-            g_emb, _ = local_grad(emb)
-            g_out, _ = local_grad(self.tied_copy)
-            g_emb.add_(g_out)
-            g_out.copy_(g_emb)
-            return
-        param = emb if emb is not None else self.tied_copy
-        if param is None:
-            return  # a middle pp rank holds neither copy
-        g, _ = local_grad(param)
-        other = torch.empty_like(g)
-        group = self.mesh["pp"].get_group()
-        ops = [dist.P2POp(dist.isend, g, self._tie_peer, group), dist.P2POp(dist.irecv, other, self._tie_peer, group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        g.add_(other)  # a + b == b + a bitwise: both copies stay identical
-
     def _after_backward(self) -> None:
-        self.moe.after_backward(self.model_parts)  # MoE (issue 5): expert gradients over edp without FSDP
+        self.moe.after_backward(self.model_parts)  # MoE (docs/MOE.md): expert gradients over edp without FSDP
         if self.dims.tp > 1:
             resolve_partial_grads(self.parameters())
         if self.replica_sync is not None:
             self.replica_sync()
-        if self.model_cfg.tied_embeddings and self.dims.pp > 1:
-            self._sync_tied()
+        if self.tied is not None:
+            self.tied.sync_grads()
 
     # --- the Engine interface -------------------------------------------------------------------------------
     def _split(self, rows_BT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -276,7 +190,7 @@ class ParallelEngine:
     def _forward_backward(self, batch: torch.Tensor) -> float:
         batch = batch.to(self.device, non_blocking=True)
         self._found_inf = False
-        # MoE (issue 5): the aux losses' gradient per forward; the pipeline schedule divides by n_micro itself
+        # MoE (docs/MOE.md): the aux losses' gradient per forward; the pipeline schedule divides by n_micro itself
         self.moe.before_step(self.model_parts, self.scaler.scale / (1 if self.dims.pp > 1 else batch.shape[0]))
         if self.dims.pp > 1:
             local = self._pipeline(batch, train=True)
@@ -332,7 +246,7 @@ class ParallelEngine:
             opt.zero_grad(set_to_none=True)
         if applied or overflow:
             self.scaler.update(overflow)  # a guard skip leaves the scale and its growth tracker alone
-        # MoE (issue 5): routing-bias update from this step's counts, or the counts dropped with the step
+        # MoE (docs/MOE.md): routing-bias update from this step's counts, or the counts dropped with the step
         self.moe.after_optimizer_step(self.model_parts, applied)
         self._found_inf = self._unscaled = False
         return applied
@@ -360,8 +274,8 @@ class ParallelEngine:
 
     def extra_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
-        out.update(self.moe.metrics(self.model_parts))  # MoE (issue 5): load, drops, aux/z losses per layer
-        out.update(io_metrics(self.optimizers))  # NVMe offload (issue 19): cumulative bytes read / written
+        out.update(self.moe.metrics(self.model_parts))  # MoE (docs/MOE.md): load, drops, aux/z losses per layer
+        out.update(io_metrics(self.optimizers))  # NVMe offload (docs/PARALLELISM.md): cumulative bytes read / written
         if self.comm is not None:
             out.update(self.comm.summary())
             self.comm.reset()
@@ -374,11 +288,11 @@ class ParallelEngine:
         return report
 
 
-def build_parallel_engine(cfg: Any, device: torch.device, mesh: DeviceMesh | None = None,
-                          documents: DocumentMasking | None = None) -> ParallelEngine:
-    """The engine for `cfg` (a framework.config.Config) on the whole world, or on `mesh` when given."""
+def build_parallel_engine(model_cfg: ModelConfig, train_cfg: TrainConfig, pcfg: ParallelConfig, device: torch.device,
+                          mesh: DeviceMesh | None = None, documents: DocumentMasking | None = None) -> ParallelEngine:
+    """The engine for the layout `pcfg` on the whole world, or on `mesh` when given."""
     world = mesh.size() if mesh is not None else dist.get_world_size()
-    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dims = ParallelDims.from_config(pcfg, world, model_cfg)
     if mesh is None:
         mesh = dims.build_mesh(device.type)
-    return ParallelEngine(cfg.model, cfg.train, cfg.parallel, device, dims, mesh, documents)
+    return ParallelEngine(model_cfg, train_cfg, pcfg, device, dims, mesh, documents)

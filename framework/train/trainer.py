@@ -24,13 +24,16 @@ import torch.distributed as dist
 from framework.checkpoint.guard import Verdict
 from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
+from framework.engine import Engine, resolve_device
 from framework.errors import ConfigError, DivergenceError
 from framework.locks import DirLock
+from framework.logs import get_logger, setup_logging
 from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
-from framework.train.local_engine import Engine, LocalEngine, resolve_device
-from framework.train.run_dir import RunDir, get_logger, setup_logging
-from framework.train.schedule import lr_at
+from framework.train.local_engine import LocalEngine
+from framework.train.lr_schedule import lr_at
+from framework.train.parallel_engine import build_parallel_engine
+from framework.train.run_dir import RunDir
 from models.documents import DocumentMasking
 
 log = get_logger("train")
@@ -105,16 +108,9 @@ def build_engine(cfg: Config, device: torch.device, documents: DocumentMasking |
     p = cfg.parallel
     if world == 1 and p.tp == p.pp == p.ep == p.dp_replicate == 1 and p.dp_shard in (-1, 1):
         local = LocalEngine(cfg.model, cfg.train, device, documents)
-        local.optimizers = offload_optimizers(local.optimizers, p.nvme_offload, device)  # NVMe offload (issue 19)
+        local.optimizers = offload_optimizers(local.optimizers, p.nvme_offload, device)  # NVMe (PARALLELISM.md)
         return local
-    try:
-        from framework.train.parallel_engine import build_parallel_engine  # type: ignore[import-not-found]
-    except ImportError as err:
-        raise ConfigError(
-            f"parallel layout tp={p.tp} pp={p.pp} dp_shard={p.dp_shard} on world size {world} needs the parallel "
-            f"engine (framework/parallel), which failed to import: {err}") from err
-    engine: Engine = build_parallel_engine(cfg, device, documents=documents)
-    return engine
+    return build_parallel_engine(cfg.model, cfg.train, cfg.parallel, device, documents=documents)
 
 
 class Trainer:
@@ -137,9 +133,10 @@ class Trainer:
         self.loader = self._make_loader()
         from framework.observe.observer import Observer
 
-        self.observer = Observer(cfg, self.run_dir.path, self.rank, self.world, self.device)
+        self.observer = Observer.for_config(cfg, self.run_dir.path, self.rank, self.world, self.device)
         self.sinks: list[MetricSink] = [JsonlSink(self.run_dir), *self.observer.sinks] if self.rank == 0 else []
         self.step = 0
+        self._memory_due = False  # write the engine's memory report during this step (`train`)
         self.ft = FaultTolerance(cfg.checkpoint, self.run_dir.path, self.device)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         from framework.infer.downstream import DownstreamEval
@@ -267,6 +264,9 @@ class Trainer:
         lr = lr_at(self.cfg.train, self.step)
         # An fp16 overflow is the loss scaler's skip (it backs off), not a guard verdict: it never counts to a rollback.
         overflow = self.engine.grads_overflowed()
+        if self._memory_due:  # gradients and (after a first step or a resume) optimizer states are all held now
+            self._memory_due = False
+            self.log_record({"type": "memory", "step": self.step + 1, **self.engine.memory_report()})
         verdict = Verdict(False) if overflow else self.ft.guard.check(loss, grad_norm)
         applied = self.engine.optimizer_step(lr, apply=not verdict.skip)  # the engine ends every step
         t_end = time.perf_counter()
@@ -382,7 +382,8 @@ class Trainer:
         self.ft.manager.remove_partial_saves()
         self.resume()
         result = TrainResult(self.run_dir.path, self.step, self.step)
-        times, ckpt_time = [], 0.0
+        times: list[float] = []
+        ckpt_time = 0.0
         log.info("training %s from step %d to %d on %d rank(s), %s", self.cfg.run.name, self.step,
                  self.cfg.train.steps, self.world, self.device)
         end = min(self.cfg.train.steps, stop_at) if stop_at is not None else self.cfg.train.steps
@@ -395,6 +396,7 @@ class Trainer:
             self.log_record({"type": "eval", "step": 0, **self.downstream.evaluate(self.engine, self.cfg.model, 0)})
         with self.ft.running():
             while self.step < end:
+                self._memory_due = len(times) == 1  # the second step of this start: see train_step
                 record = self.train_step()
                 result.losses[self.step] = record["loss"]
                 times.append(record["step_time_s"])

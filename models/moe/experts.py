@@ -3,7 +3,7 @@
 Shape legend: M routed rows (token-expert assignments sorted by expert), E experts held here (all of them on one
 device; E / ep under expert parallelism), F expert hidden, D model hidden.
 Weights follow nn.Linear's (out, in) convention per expert, so `w1_EFD[e]` is what a dense MLP calls
-`w1.weight`; FQNs `experts.w1 / w2 / w3` get N(0, init_std), `w2` depth-scaled (models/decoder.initial_value).
+`w1.weight`; FQNs `experts.w1 / w2 / w3` get N(0, init_std), `w2` depth-scaled (models/init.py `initial_value`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ MAX_LOGGED_EXPERTS = 64
 
 def moe_layers(parts: Iterable[nn.Module]) -> Iterator[tuple[str, MoE]]:
     """(layer name, MoE module) for every MoE layer, named by the canonical FQN of its block (`layers.3`)."""
-    from models.decoder import canonical_fqn
+    from models.init import canonical_fqn
 
     for part in parts:
         for fqn, module in part.named_modules():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,18 +13,11 @@ from framework.checkpoint.hf import check_exportable, export_tokenizer, load_mod
 from framework.cli import main
 from framework.config import load_config
 from framework.errors import CheckpointError
+from framework.testing.tiny import TINY
 from framework.train.trainer import Trainer
 from models.config import model_config
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train(run: Path, *overrides: str) -> None:

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -25,11 +24,7 @@ from framework.config import load_config
 from framework.testing import run_distributed
 from framework.train.trainer import Trainer
 
-pytestmark = [
-    pytest.mark.distributed, pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("framework.train.parallel_engine") is None,
-                       reason="the parallel engine (framework/train/parallel_engine.py) is not in this build"),
-]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 10
 TP2_DP2 = (f"train.steps={STEPS}", "checkpoint.interval=2", "train.warmup_steps=2", "parallel.tp=2",

@@ -10,15 +10,13 @@ import pytest
 
 from framework.checkpoint import dcp, manifest
 from framework.checkpoint.dcp import prune_checkpoints
-from framework.config import load_config
 from framework.errors import CheckpointError
+from framework.testing.tiny import TINY, tiny_config
 from framework.train.trainer import Trainer
-
-TINY = Path(__file__).resolve().parents[2] / "configs/smoke/tiny.yaml"
 
 
 def _cfg(run: Path, *extra: str):  # type: ignore[no-untyped-def]
-    return load_config(TINY, [f"run.dir={run}", "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=2",
+    return tiny_config(run, *["train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=2",
                               "train.eval_interval=0", *extra])
 
 

@@ -4,29 +4,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from framework.config import Config, load_config
+from framework.config import Config
 from framework.errors import CheckpointError
+from framework.testing.tiny import tiny_config
 from framework.train.trainer import Trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(run: Path, *overrides: str) -> Config:
-    return load_config(TINY, [f"run.dir={run}", "data.seed=7", "train.steps=10", "checkpoint.interval=2",
+    return tiny_config(run, *["data.seed=7", "train.steps=10", "checkpoint.interval=2",
                               "train.warmup_steps=2", *overrides])
 
 

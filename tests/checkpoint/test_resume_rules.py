@@ -15,10 +15,10 @@ from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.resume_rules import check_resume
 from framework.config import load_config, to_dict
 from framework.errors import CheckpointError
-from framework.train.schedule import lr_at
+from framework.testing.tiny import TINY
+from framework.train.lr_schedule import lr_at
 from framework.train.trainer import Trainer
 
-TINY = Path(__file__).resolve().parents[2] / "configs/smoke/tiny.yaml"
 STEP = 10
 
 

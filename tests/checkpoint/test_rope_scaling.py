@@ -18,11 +18,11 @@ from framework.checkpoint.hf import config_from_hf, hf_config, load_model, resol
 from framework.cli import main
 from framework.config import load_config
 from framework.errors import CheckpointError, ConfigError
+from framework.testing.tiny import TINY
 from framework.train.trainer import Trainer
 from models.config import model_config
 from models.rope import inv_freq
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
 SCALINGS: dict[str, list[str]] = {
     "linear": ["model.rope_scaling.type=linear", "model.rope_scaling.factor=4.0"],
     "llama3": ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=4.0",

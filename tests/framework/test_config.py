@@ -121,3 +121,22 @@ def test_base_inheritance(tmp_path: Path) -> None:
     (tmp_path / "child.yaml").write_text("base: base.yaml\ntrain: {steps: 7}\n")
     cfg = load_config(tmp_path / "child.yaml")
     assert cfg.train.steps == 7 and cfg.train.lr == 0.01
+
+
+def test_data_vocab_follows_the_model_and_the_old_key_warns() -> None:
+    import logging
+
+    cfg = load_config(REPO / "configs/smoke/tiny.yaml", ["model.vocab_size=1024"])
+    assert cfg.data.vocab_size == cfg.model.vocab_size == 1024  # one canonical key, the other derived
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("tessera.config")
+    logger.addHandler(handler)
+    try:
+        assert load_config(REPO / "configs/smoke/tiny.yaml", ["data.vocab_size=512"]).data.vocab_size == 512
+        assert not seen  # equal to model.vocab_size: redundant, silent
+        assert load_config(REPO / "configs/smoke/tiny.yaml", ["data.vocab_size=256"]).data.vocab_size == 256
+    finally:
+        logger.removeHandler(handler)
+    assert len(seen) == 1 and "data.vocab_size=256" in seen[0] and "deprecated" in seen[0]

@@ -24,10 +24,10 @@ import torch
 
 from framework.config import Config, load_config
 from framework.testing import run_distributed
+from framework.testing.tiny import TINY
 from framework.train.local_engine import LocalEngine
 from framework.train.trainer import Trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
 MOE = ("model.preset=test-moe", "model.n_layers=2", "model.moe.n_experts=4", "model.moe.top_k=2",
        "model.moe.bias_update_rate=0.01")
 
@@ -183,7 +183,7 @@ def _two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     out["meta"] = json.loads((tmp / "run" / "checkpoints" / "step_4" / "meta.json").read_text())
     # fp16 guard skip on the parallel engine: weights and scale unchanged, the next step trains.
     cfg = config("train.precision=fp16", "parallel.dp_shard=2", "parallel.tp=1")
-    engine = build_parallel_engine(cfg, torch.device("cpu"))
+    engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
     data = batches(cfg, 3)[:, rank * 2:(rank + 1) * 2]
     assert step(engine, data[0])
     before, scale = snapshot(engine), engine.extra_state()
@@ -193,7 +193,7 @@ def _two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     assert step(engine, data[2]) and engine.extra_state()["loss_scale"]["growth_tracker"] == 2
     # MoE: skipping the middle step == never seeing it (weights, routing biases), over 2 data ranks.
     cfg = config(*MOE, "parallel.dp_shard=2")
-    skipped, never = build_parallel_engine(cfg, torch.device("cpu")), build_parallel_engine(cfg, torch.device("cpu"))
+    skipped, never = (build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu")) for _ in "ab")
     data = batches(cfg, 3)[:, rank * 2:(rank + 1) * 2]
     assert step(skipped, data[0]) and step(never, data[0])
     before = snapshot(skipped)
@@ -211,7 +211,7 @@ def _gathered_dtypes(fsdp_mixed_precision: str) -> dict[str, Any]:
 
     cfg = config("train.precision=bf16", "parallel.dp_shard=2", "parallel.zero_stage=3", "parallel.comm_log=true",
                  f"parallel.fsdp_mixed_precision={fsdp_mixed_precision}")
-    engine = build_parallel_engine(cfg, torch.device("cpu"))
+    engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
     assert engine.comm is not None
     step(engine, batches(cfg, 1)[0, :2])
     dtypes = {op: ds for (axis, op), ds in engine.comm.dtypes.items() if axis == "dp_shard"}

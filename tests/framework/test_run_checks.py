@@ -11,9 +11,8 @@ import torch
 from framework.checkpoint import dcp
 from framework.config import load_config
 from framework.errors import CheckpointError, ConfigError
+from framework.testing.tiny import TINY
 from framework.train.run_dir import RunDir
-
-TINY = Path(__file__).resolve().parents[2] / "configs/smoke/tiny.yaml"
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from framework.config import load_config
+from framework.testing.tiny import tiny_config
 from framework.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/smoke/tiny.yaml"
 
 
 def _cfg(tmp_path: Path, name: str, *extra: str):  # type: ignore[no-untyped-def]
-    return load_config(TINY, [f"run.dir={tmp_path / name}", "train.steps=8", "checkpoint.interval=0", *extra])
+    return tiny_config(tmp_path / name, *["train.steps=8", "checkpoint.interval=0", *extra])
 
 
 def test_exact_resume_bitwise(tmp_path: Path) -> None:
@@ -62,7 +61,7 @@ def test_run_directory_contents(tmp_path: Path) -> None:
 
 
 def test_logged_lr_follows_schedule(tmp_path: Path) -> None:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     cfg = _cfg(tmp_path, "wsd", "train.schedule=wsd", "train.steps=10", "train.lr=3e-3")
     Trainer(cfg).train()

@@ -3,7 +3,6 @@ figures on one process and on TP2 x PP2 (equal), and the stdlib next-line task b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -18,9 +17,8 @@ from framework.errors import DataError
 from framework.infer.generate import load_generator
 from framework.infer.tasks import load_task, metrics, score_items
 from framework.testing import run_distributed
+from framework.testing.tiny import TINY
 from framework.train.trainer import Trainer
-
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
 
 
 def _write_tasks(tmp: Path) -> tuple[Path, Path]:
@@ -92,7 +90,6 @@ def _train_ranks(rank: int, world: int, overrides: list[str]) -> dict[str, float
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(importlib.util.find_spec("framework.train.parallel_engine") is None, reason="no parallel engine")
 def test_in_loop_figures_are_logged_and_equal_on_tp2_pp2(tmp_path: Path) -> None:
     mc, cloze = _write_tasks(tmp_path)
     common = ["train.steps=4", "train.eval_interval=2", "checkpoint.interval=0", f"eval.tasks=[{mc}, {cloze}]",

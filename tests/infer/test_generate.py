@@ -13,9 +13,9 @@ from framework.cli import main
 from framework.config import load_config
 from framework.errors import ConfigError
 from framework.infer.generate import SamplingConfig, filter_logits, generate, load_generator
+from framework.testing.tiny import TINY
 from framework.train.trainer import Trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
 PROMPTS = [[5, 17, 9, 300, 41, 7], [88], [3, 3, 3, 120]]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models import build_model, model_config
-from models.decoder import initial_value
+from models.init import initial_value
 
 
 def test_forward_shape_and_causality() -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from data_pipeline.config import DataConfig
 from framework.config import load_config
 from framework.errors import ConfigError, DataError
+from framework.testing.tiny import TINY
 from framework.train.documents import resolve_documents
 from framework.train.local_engine import LocalEngine
 from models.config import ModelConfig
@@ -18,7 +19,6 @@ from models.decoder import build_model
 from models.documents import DocumentMasking, block_causal_mask, document_ids, document_positions
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/smoke/tiny.yaml"
 EOD = 511
 # Document lengths (without their EOD) of two packed rows of 33 tokens (inputs 32 + the last label): the first
 # segment stands for the tail of a document cut by packing, a 0 is a document that is only an EOD, and the last

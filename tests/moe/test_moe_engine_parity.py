@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +17,8 @@ import torch
 
 from framework.config import Config, load_config
 from framework.testing import run_distributed
+from framework.testing.tiny import TINY
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
 WORLD, STEPS = 8, 5
 MODES = {
     "dropless": ("model.moe.bias_update_rate=0.01", "model.moe.n_shared_experts=1"),
@@ -45,7 +44,7 @@ def _batches(cfg: Config) -> torch.Tensor:
 
 
 def _train(engine: Any, cfg: Config) -> list[tuple[float, float, float]]:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     out = []
     data = _batches(cfg)
@@ -74,7 +73,8 @@ def _all_layouts(rank: int, world: int) -> dict[str, list[tuple[float, float, fl
     for mode in MODES:
         for layout in LAYOUTS:
             cfg = _config(mode, layout)
-            out[f"{mode} {layout}"] = _train(build_parallel_engine(cfg, torch.device("cpu")), cfg)
+            engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
+            out[f"{mode} {layout}"] = _train(engine, cfg)
     return out
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from framework.engine import cross_entropy
 from framework.parallel.config import ParallelConfig
 from framework.parallel.expert import (
     ExpertGradSync,
@@ -30,7 +31,7 @@ from framework.parallel.expert import (
 from framework.parallel.mesh import ParallelDims
 from framework.testing import run_distributed
 from framework.train.config import TrainConfig
-from framework.train.local_engine import LocalEngine, cross_entropy
+from framework.train.local_engine import LocalEngine
 from framework.train.optim import build_optimizer
 from models import model_config
 from models.config import ModelConfig
@@ -78,7 +79,8 @@ def _full_grad_sq(model: torch.nn.Module, only: str = "") -> float:
 def _run_layout(rank: int, cfg: ModelConfig, ep: int, tp: int, batches: list[torch.Tensor], fsdp: bool = False
                 ) -> list[tuple[float, ...]]:
     dims = ParallelDims.from_config(ParallelConfig(ep=ep, tp=tp), WORLD, cfg)
-    mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
+    mesh = dims.build_mesh("cpu")
+    ep_mesh = dims.build_ep_mesh(mesh)
     with torch.device("meta"):
         model = Decoder(cfg)
     apply_expert_parallel(model, ep_mesh=ep_mesh["ep"] if ep > 1 else None, tp_mesh=mesh["tp"] if tp > 1 else None,

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from framework.engine import cross_entropy
 from framework.train.config import TrainConfig
-from framework.train.local_engine import LocalEngine, cross_entropy
+from framework.train.local_engine import LocalEngine
 from models import build_model, model_config
 from models.moe import MoE, capacity_mask, expert_capacity, grouped_mm_available, load_balancing_loss, router_z_loss
 from models.moe.step import moe_metrics

@@ -5,28 +5,20 @@ metrics.jsonl."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from framework.config import Config, load_config
+from framework.config import Config
+from framework.testing.tiny import tiny_config
 from framework.train.trainer import Trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(run: Path) -> Config:
-    return load_config(TINY, [f"run.dir={run}", "model.preset=test-moe", "model.n_layers=2", "train.steps=7",
+    return tiny_config(run, *["model.preset=test-moe", "model.n_layers=2", "train.steps=7",
                               "checkpoint.interval=3", "model.moe.bias_update_rate=0.001",
                               "model.moe.capacity_factor=1.0", "model.moe.z_loss_coef=0.001"])
 

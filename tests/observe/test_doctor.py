@@ -20,9 +20,9 @@ from framework.cli import main
 from framework.config import load_config
 from framework.observe.doctor import Finding, diagnose
 from framework.testing import DistributedTestError, run_distributed
+from framework.testing.tiny import TINY
 from framework.train.trainer import Trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "smoke" / "tiny.yaml")
 STEPS = ["train.steps=16", "train.warmup_steps=2", "checkpoint.interval=8", "train.eval_interval=0"]
 
 

@@ -10,6 +10,7 @@ import torch
 
 from framework.config import load_config
 from framework.observe.observer import Observer
+from framework.testing.tiny import TINY
 from models.flops import flops_per_token
 
 
@@ -20,8 +21,8 @@ def _record(step: int, dt: float) -> dict:
 
 
 def test_observer_fields_and_summary(tmp_path: Path) -> None:
-    cfg = load_config("configs/smoke/tiny.yaml", ["observe.peak_tflops=0.5"])
-    obs = Observer(cfg, tmp_path, rank=0, world=2, device=torch.device("cpu"))
+    cfg = load_config(TINY, ["observe.peak_tflops=0.5"])
+    obs = Observer.for_config(cfg, tmp_path, rank=0, world=2, device=torch.device("cpu"))
     assert obs.sinks == []  # wandb/TensorBoard are off by default
     recs = [_record(1, 2.0), _record(2, 0.5), _record(3, 0.25)]
     extra = [obs.on_step(r) for r in recs]

@@ -8,6 +8,7 @@ import pytest
 
 from framework.observe.config import ObserveConfig, WandbConfig
 from framework.observe.sinks import TensorBoardSink, build_sinks, read_wandb_offline, scalars
+from framework.testing.tiny import TINY
 
 SECRET = "sk-tessera-test-key-0123456789abcdef"
 
@@ -89,7 +90,7 @@ def test_trainer_writes_wandb_tensorboard_and_observe_fields(tmp_path: Path,
     torch.set_num_threads(1)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
-    cfg = load_config("configs/smoke/tiny.yaml", [f"run.dir={tmp_path / 'run'}", "train.eval_interval=3",
+    cfg = load_config(TINY, [f"run.dir={tmp_path / 'run'}", "train.eval_interval=3",
                                                   "observe.wandb.enabled=true", "observe.tensorboard=true"])
     result = Trainer(cfg).train()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

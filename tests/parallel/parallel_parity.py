@@ -11,10 +11,10 @@ import torch
 
 from framework.config import Config, load_config
 from framework.parallel.mesh import ParallelDims
+from framework.testing.tiny import TINY
 from framework.train.documents import resolve_documents
 from models.documents import DocumentMasking
 
-TINY = "configs/smoke/tiny.yaml"
 STEPS = 5
 
 
@@ -64,7 +64,7 @@ def param_checksums(engine: Any) -> Checksums:
     """
     from torch.distributed.tensor import DTensor
 
-    from models.decoder import canonical_fqn
+    from models.init import canonical_fqn
 
     out = {}
     for part in engine.model_parts:
@@ -77,7 +77,7 @@ def param_checksums(engine: Any) -> Checksums:
 
 
 def train_engine(engine: Any, cfg: Config, steps: int = STEPS) -> tuple[Steps, Checksums]:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     out = []
     data = batches(cfg, steps)

@@ -12,6 +12,7 @@ import pytest
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from framework.errors import ParallelismError
+from framework.parallel.pipeline_schedules import bubble_fraction
 from framework.parallel.schedule_sim import (
     StageCosts,
     Table,
@@ -23,7 +24,6 @@ from framework.parallel.schedule_sim import (
     stages_per_rank,
     validate_table,
 )
-from framework.plan.bubble import bubble_fraction
 from framework.testing import run_distributed
 
 F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD

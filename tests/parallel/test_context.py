@@ -31,6 +31,7 @@ from framework.errors import ParallelismError
 from framework.parallel.context import gathered_indices, local_indices
 from framework.parallel.mesh import ParallelDims
 from framework.testing import run_distributed
+from framework.testing.tiny import TINY
 
 SAVED_AT = 2
 
@@ -54,7 +55,7 @@ def test_rank_i_holds_chunks_i_and_2cp_minus_1_minus_i() -> None:
 ])
 def test_seq_len_not_divisible_fails_at_config_load(overrides: list[str], match: str) -> None:
     with pytest.raises(ParallelismError, match=match):
-        load_config("configs/smoke/tiny.yaml", overrides)
+        load_config(TINY, overrides)
 
 
 @pytest.mark.parametrize("overrides, world, match", [
@@ -64,7 +65,7 @@ def test_seq_len_not_divisible_fails_at_config_load(overrides: list[str], match:
     (["parallel.cp=2", "model.preset=test-moe"], 2, r"cp=2 with a mixture-of-experts model"),
 ])
 def test_unsupported_layouts_fail_before_launch(overrides: list[str], world: int, match: str) -> None:
-    cfg = load_config("configs/smoke/tiny.yaml", overrides)
+    cfg = load_config(TINY, overrides)
     with pytest.raises(ParallelismError, match=match):
         ParallelDims.from_config(cfg.parallel, world, cfg.model)
 
@@ -92,7 +93,7 @@ def _ckpt_phase(rank: int, world: int, root: str) -> list[tuple[float, float]]:
     from framework.train.parallel_engine import build_parallel_engine
 
     def run(engine: Any, cfg: Any, steps: range) -> list[tuple[float, float]]:
-        from framework.train.schedule import lr_at
+        from framework.train.lr_schedule import lr_at
 
         data, out = batches(cfg), []
         for step in steps:
@@ -103,11 +104,13 @@ def _ckpt_phase(rank: int, world: int, root: str) -> list[tuple[float, float]]:
         return out
 
     cfg2 = make_config(("parallel.cp=2", "parallel.dp_shard=4"))
-    engine = build_parallel_engine(cfg2, torch.device("cpu"), documents=documents(cfg2))
+    engine = build_parallel_engine(cfg2.model, cfg2.train, cfg2.parallel, torch.device("cpu"),
+                                   documents=documents(cfg2))
     run(engine, cfg2, range(SAVED_AT))
     path = save_checkpoint(Path(root), SAVED_AT, engine.model_parts, engine.optimizers, {})
     cfg4 = make_config(("parallel.cp=4", "parallel.dp_shard=2"))
-    engine = build_parallel_engine(cfg4, torch.device("cpu"), documents=documents(cfg4))
+    engine = build_parallel_engine(cfg4.model, cfg4.train, cfg4.parallel, torch.device("cpu"),
+                                   documents=documents(cfg4))
     load_checkpoint(path, engine.model_parts, engine.optimizers)
     return run(engine, cfg4, range(SAVED_AT, STEPS))
 
@@ -119,7 +122,7 @@ def _spawn(rank: int, world: int, rounds: list[list[dict[str, Any]]], root: str)
 def _resume_on_one_process(path: Path) -> list[tuple[float, float]]:
     from framework.checkpoint.dcp import load_checkpoint
     from framework.train.local_engine import LocalEngine
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     cfg = make_config()
     engine = LocalEngine(cfg.model, cfg.train, torch.device("cpu"), documents(cfg))

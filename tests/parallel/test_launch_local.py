@@ -9,9 +9,8 @@ import pytest
 
 from framework.cli import main
 from framework.errors import ParallelismError
+from framework.testing.tiny import TINY
 from launch.local import layout_world, rank_command, rank_envs, validate
-
-TINY = "configs/smoke/tiny.yaml"
 
 
 def test_bad_layout_is_refused_before_launch() -> None:
@@ -28,7 +27,7 @@ def test_command_and_layout_world() -> None:
         "py", "-m", "framework.cli", "train", TINY, "parallel.tp=2"]
     envs = rank_envs(2, 1, 12345)
     assert [(e["RANK"], e["WORLD_SIZE"], e["MASTER_PORT"]) for e in envs] == [("0", "2", "12345"), ("1", "2", "12345")]
-    assert layout_world("configs/smoke/smoke.yaml", []) == 8
+    assert layout_world(str(Path(TINY).with_name("smoke.yaml")), []) == 8
 
 
 @pytest.mark.slow

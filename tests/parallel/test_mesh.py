@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from framework.errors import ConfigError, ParallelismError
 from framework.parallel.config import ParallelConfig
-from framework.parallel.mesh import AXES, ParallelDims, stage_layers, stages_of_rank
+from framework.parallel.mesh import AXES, ParallelDims, stage_layers
+from framework.parallel.pipeline_schedules import stages_of_rank
 from models.config import model_config
 
 BIG = ParallelDims(pp=8, dp_replicate=4, dp_shard=16, cp=1, tp=8, ep=32)  # 4,096 ranks

@@ -36,7 +36,7 @@ def _overrides(world: int, nvme: Path | None, **kw: Any) -> tuple[str, ...]:
 
 
 def _steps(engine: Any, cfg: Any, data: torch.Tensor, start: int, stop: int) -> Run:
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     out = []
     for step in range(start, stop):
@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, root: str, one_rank_ckpt: str = "") -> dict[s
 
     def engine(overrides: tuple[str, ...]) -> tuple[Any, Any]:
         cfg = make_config(overrides)
-        return build_parallel_engine(cfg, cpu), cfg
+        return build_parallel_engine(cfg.model, cfg.train, cfg.parallel, cpu), cfg
 
     out: dict[str, Any] = {}
     ref, cfg = engine(_overrides(world, None))

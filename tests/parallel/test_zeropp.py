@@ -58,7 +58,7 @@ block's absmax; through the matmuls these errors average out: measured gaps are 
 def _steps(engine: Any, cfg: Any, start: int, stop: int, save: list[Path] | None = None) -> list[tuple[float, float]]:
     """Train steps [start, stop); with `save` = [root], checkpoint before step SAVE_AT and append its path."""
     from framework.checkpoint.dcp import save_checkpoint
-    from framework.train.schedule import lr_at
+    from framework.train.lr_schedule import lr_at
 
     data = batches(cfg, STEPS)
     out = []
@@ -83,14 +83,14 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     save = [Path(root)]
     for name, overrides in CASES.items():
         cfg = make_config((*BASE, *overrides))
-        engine = build_parallel_engine(cfg, torch.device("cpu"))
+        engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
         steps = _steps(engine, cfg, 0, STEPS, save if name == "qwz_qgz" else None)
         comm = engine.comm
         out[name] = {"steps": steps, "wire": dict(comm.wire), "buffers": {k: sorted(v, key=str) for k, v in
                                                                          comm.buffers.items()}}
     # Resume: the checkpoint holds plain fp32 shards (no wrapper); reloaded, the quantized run goes on exactly.
     cfg = make_config((*BASE, *CASES["qwz_qgz"]))
-    resumed = build_parallel_engine(cfg, torch.device("cpu"))
+    resumed = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
     load_checkpoint(save[1], resumed.model_parts, resumed.optimizers)
     out["resumed"] = _steps(resumed, cfg, SAVE_AT, STEPS)
     return out

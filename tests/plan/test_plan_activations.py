@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from framework.parallel.pipeline_schedules import in_flight_factor
 from framework.plan.activations import (
     embedding_bytes,
     head_bytes,
-    in_flight_factor,
     korthikanti_layer_bytes,
     tessera_layer_bytes,
     tessera_layer_terms,

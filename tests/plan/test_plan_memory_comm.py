@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from framework.errors import ConfigError
-from framework.plan.bubble import bubble_fraction
+from framework.parallel.pipeline_schedules import bubble_fraction
 from framework.plan.comm import dp_comm_per_step, pp_comm_per_step, ring_factor, tp_comm_per_micro
 from framework.plan.estimate import estimate
 from framework.plan.hardware import get_hardware, parse_overrides

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from framework.train.config import TrainConfig
-from framework.train.schedule import lr_at
+from framework.train.lr_schedule import lr_at
 
 
 def test_warmup_then_cosine() -> None:

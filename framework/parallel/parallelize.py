@@ -1,0 +1,122 @@
+"""The one parallelize recipe: how this rank's part of the model is built under a layout, top to bottom.
+
+    pm = parallelize(model_cfg, pcfg, dims, mesh, device, seed=train.seed, precision=train.precision)
+    pm.parts          # this rank's pipeline stages (one Decoder per stage; the whole model without pp)
+
+The order, each step needing the one before (docs/ARCHITECTURE.md "Where each parallelism lives"):
+
+  1. the whole model on the meta device: nothing is allocated, FQNs are the 1-process ones
+  2. pipeline: cut this rank's stages by FQN (framework/parallel/pipeline.py)
+  then for every stage:
+  3. TP + SP: the plans of models/plans.py make the parameters DTensors over `tp` (tensor.py)
+  4. EP: experts over `ep`, routing on the tp sequence shards (expert.py)
+  5. CP: attention exchanges K/V over `cp` (context.py)
+  6. `to_empty` + per-FQN init (models/init.py): after sharding, so a rank allocates only its shards, and
+     bitwise the 1-process values under any layout; a tied head is re-tied (to_empty gives it its own storage)
+  7. activation checkpointing on every k-th block (recompute.py)
+  8. torch.compile per block (compile.py): after TP and recompute, before FSDP, whose hooks stay outside
+  9. FSDP (zero.py): experts over the edp ranks first, then the blocks and the root over `zero.fsdp_mesh`
+     (dp_shard, with cp folded in), moving the dtypes `zero.fsdp_mp_policy` chooses
+  after all stages:
+ 10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients
+ 11. ZeRO-0 / DDP over dp_replicate without FSDP: the replica gradient all-reduce after backward
+
+The optimizers are not built here (framework/train/parallel_engine.py does, and the planner and tests can
+parallelize a model without them), nor the pipeline *schedule*: it needs the loss function and the micro-batch
+count, so the engine builds one per count at its first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from framework.engine import DTYPES
+from framework.parallel.compile import compile_blocks
+from framework.parallel.config import ParallelConfig
+from framework.parallel.context import ContextParallel
+from framework.parallel.expert import MoEParallel
+from framework.parallel.mesh import AXES, ParallelDims
+from framework.parallel.pipeline import TiedEmbeddings, cut_stage, local_stages
+from framework.parallel.recompute import apply_recompute
+from framework.parallel.tensor import apply_tensor_parallel
+from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mesh, fsdp_mp_policy
+from models.config import ModelConfig
+from models.decoder import Decoder
+
+
+@dataclass
+class ParallelModel:
+    """This rank's parallelized model and what the step engine needs to run it."""
+
+    parts: list[nn.Module]
+    """This rank's pipeline stages, in stage order (one part without pipeline parallelism)."""
+    stage_ids: list[int]
+    n_stages: int
+    moe: MoEParallel
+    """Expert-parallel hooks around the step (every call a no-op for a dense model)."""
+    context: ContextParallel | None
+    """Splits full rows into this rank's cp chunks (None without cp)."""
+    tied: TiedEmbeddings | None
+    """Tied embedding and head on different pipeline stages (None otherwise)."""
+    replica_sync: ReplicatedGradSync | None
+    """ZeRO-0 / DDP: the gradient all-reduce over dp_replicate (None under FSDP or without replicas)."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+
+def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh,
+                device: torch.device, *, seed: int, precision: str, compile_backend: str | None = None
+                ) -> ParallelModel:
+    """Build and parallelize this rank's part of `model_cfg` on `mesh` (a 5-axis mesh over the layout's ranks).
+
+    Args:
+        seed: the run seed of the per-FQN initialization (train.seed).
+        precision: train.precision (fp32, bf16 or fp16): FSDP's all-gather dtype and the cp mask dtype.
+        compile_backend: torch.compile each block with this backend (train.compile), or None.
+    """
+    coord = dict(zip(AXES, mesh.get_coordinate() or ()))
+    moe = MoEParallel(model_cfg, pcfg, dims, mesh)
+    context = ContextParallel(mesh["cp"].get_group(), DTYPES[precision]) if dims.cp > 1 else None
+    shard_mesh = fsdp_mesh(mesh, dims)
+    mp_policy = fsdp_mp_policy(pcfg, precision)
+
+    with torch.device("meta"):  # 1
+        whole = Decoder(model_cfg)
+    if dims.pp > 1:  # 2
+        stage_ids, layers, n_stages = local_stages(pcfg, coord["pp"], model_cfg.n_layers)
+        parts = [cut_stage(whole, s, layers[s], n_stages) for s in stage_ids]
+    else:
+        stage_ids, n_stages, parts = [0], 1, [whole]
+
+    for part in parts:
+        if dims.tp > 1:  # 3
+            apply_tensor_parallel(part, mesh["tp"], sequence_parallel=pcfg.sequence_parallel,
+                                  loss_parallel=pcfg.loss_parallel)
+        moe.parallelize(part)  # 4
+        if context is not None:  # 5
+            context.install(part)
+        part.to_empty(device=device)  # 6
+        if model_cfg.tied_embeddings and part.tok_embeddings is not None and part.output is not None:
+            # to_empty gives each module its own storage: without this a pp=1 run of a tied model trains untied.
+            part.output.weight = part.tok_embeddings.weight
+        part.init_weights(seed)
+        apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 7
+        if compile_backend is not None:  # 8
+            compile_blocks(part.layers, compile_backend, tensor_parallel=dims.tp > 1)
+        moe.shard(part, mp_policy=mp_policy)  # 9: experts over edp (before FSDP wraps their blocks), or hand-synced
+        if shard_mesh is not None:
+            apply_fsdp(part, shard_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
+
+    tied = None  # 10
+    if model_cfg.tied_embeddings and dims.pp > 1:
+        tied = TiedEmbeddings.between_stages(parts, stage_ids, n_stages, pcfg.pp_schedule, mesh["pp"], coord["pp"])
+    replica_sync = None  # 11
+    if dims.fsdp_size == 1 and dims.dp_replicate > 1:
+        replica_sync = ReplicatedGradSync([p for part in parts for p in part.parameters()],
+                                          mesh["dp_replicate"].get_group(), dims.dp_replicate)
+    return ParallelModel(list(parts), stage_ids, n_stages, moe, context, tied, replica_sync)
