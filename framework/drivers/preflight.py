@@ -235,7 +235,7 @@ def _layout_name(p: ParallelConfig) -> str:
 
 def _local_slots(cfg: Config) -> int | None:
     """How many ranks this node can run: its GPUs for a CUDA run, None (any number, gloo) on CPU."""
-    from framework.train.local_engine import resolve_device
+    from framework.engine import resolve_device
 
     return torch.cuda.device_count() if resolve_device(cfg.run.device).type == "cuda" else None
 
