@@ -120,7 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dry:
         args.samples, args.seq_len, args.docs, args.repeats = 64, 64, 300, 1
-    logging.disable(logging.WARNING)
+    quiet = logging.getLogger("megatron")  # megatron-core logs every index it builds; only for this run
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return _run(args)
+    finally:
+        quiet.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     from data_pipeline.indexed import IndexedTokens
     from data_pipeline.packing import PackedSource
 
