@@ -208,7 +208,8 @@ def table(cases: list[Case], args: argparse.Namespace, load: str, seconds: float
              f"`sent after`: the step metrics.jsonl showed when the signal was sent (seeded random); `stop`: the "
              f"newest committed checkpoint after the first start, which must be its last logged step; `exit`: the "
              f"ranks' code as the script logged it (want); `left`: processes of the run alive 20 s after the step "
-             f"ended; `exit s`: from the signal to the step's end. Then the job: its final state, `Restarts`, the "
+             f"ended; `exit s`: from the signal to the step's end as the bench's 0.5 s poll saw it (the `ranks exited` "
+             f"line; 12 jobs of 2 ranks on 2 cores). Then the job: its final state, `Restarts`, the "
              f"step the requeued start resumed from, and its losses vs the uninterrupted `launch local` run.", "",
              "| mode | signal | to | sent after | stop | exit (want) | partial | left | exit s | job | restarts | "
              "resumed | losses vs local | ok |",
