@@ -14,8 +14,8 @@ the stop step and the last logged step, and no partial `.tmp-*` checkpoint remai
 steps of the step the signal was sent after (the ranks agree on the next step boundary); no process of the run
 is alive 20 s after the launcher exited. The last start's losses must equal the reference's bitwise.
 
-The SLURM rows are tests/launch/test_launch_slurm_train.py (USR1 by `scancel` on the real 2-node test cluster,
-requeue, resume, loss parity with `launch local`); this script does not start a cluster.
+The SLURM rows are bench/signal_matrix_slurm.py (every signal to the batch script and to the ranks, both launch
+modes, on the real 2-node test cluster); this script does not start a cluster.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ The rendered script is meant to be read by a person before it is submitted (`--d
   seconds before the time limit (`--signal=USR1@lead`; it reaches every process of the step);
 - runs the ranks either directly (`srun python -m framework.cli train ...`, one task per rank, `launch.env`
   reads SLURM's variables) or through torchrun (`srun` one agent per node, c10d rendezvous on the first node);
-- on SIGUSR1 the trainer saves a checkpoint and exits with `checkpoint.requeue_exit_code` (42); the script sees it and
-  runs `scontrol requeue`, and the restarted job resumes from `latest` in the same run directory.
+- on SIGUSR1 or SIGTERM the trainer saves a checkpoint and exits with `checkpoint.requeue_exit_code` (42); the script
+  sees it and runs `scontrol requeue`, and the restarted job resumes from `latest` in the same run directory; after
+  SIGINT the ranks save and exit 130, which the script passes on (not requeued);
+- a signal sent to the script itself (`scancel --batch`) is forwarded to every rank (`_forward_block`).
 """
 
 from __future__ import annotations
@@ -227,6 +229,36 @@ def _env_block(cfg: Config, spec: SlurmSpec) -> list[str]:
     return lines
 
 
+def _forward_block(spec: SlurmSpec) -> list[str]:
+    """Traps that pass a signal sent to this script (`scancel --batch --signal=X`, `--signal=B:X@T`) to the ranks.
+
+    Without them bash dies of SIGTERM/SIGUSR1 (the job FAILS, not requeued, and the ranks get only SLURM's
+    cleanup TERM then KILL after KillWait) and ignores SIGINT while srun runs. srun itself is no relay: it turns
+    SIGTERM into SIGKILL of the tasks and answers a single SIGINT with a status line. So the trap signals every
+    step of the job with scancel (what `scancel --signal=X <job>` does), and `signal_lead_s` later kills the step
+    if it still runs; the script then exits with the ranks' code as usual.
+    """
+    grace = spec.signal_lead_s
+    return [
+        "# A signal to this script (scancel --batch --signal=X) goes to every rank through scancel: srun would",
+        "# SIGKILL the ranks on SIGTERM and only print a status on one SIGINT. The step is killed if it is still",
+        f"# running {grace} s (--signal-lead) later; the ranks' code below then decides as usual.",
+        "killer=",
+        "forward() {",
+        '    echo "[tessera] batch script got SIG$1: forwarding it to the ranks at $(date -u +%FT%TZ)"',
+        '    scancel --signal="$1" "$SLURM_JOB_ID"',
+        '    if [ -z "$killer" ]; then',
+        f"        ( trap 'kill $timer 2>/dev/null; exit 0' TERM; sleep {grace} & timer=$!; wait $timer",
+        f'          echo "[tessera] ranks still running {grace} s after SIG$1: killing them"; kill -KILL "$step" ) &',
+        "        killer=$!",
+        "    fi",
+        "}",
+        "trap 'forward TERM' TERM",
+        "trap 'forward USR1' USR1",
+        "trap 'forward INT' INT",
+    ]
+
+
 def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
     prog = " ".join(shlex.quote(a) for a in program)
     if spec.mode == "srun":
@@ -234,7 +266,7 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
             "# One task per rank: launch.env reads SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS and the MASTER_* above.",
             "# srun gets --cpus-per-task again: since SLURM 22.05 it no longer inherits it from sbatch.",
             f'srun --ntasks-per-node={spec.procs_per_node} --cpus-per-task={spec.cpus_per_rank} \\',
-            f'    "$PYTHON" {prog}',
+            f'    "$PYTHON" {prog} &',
         ]
     return [
         "# One torchrun agent per node; c10d rendezvous on the first node. SIGUSR1 must be among the signals the",
@@ -249,7 +281,7 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
         '    "$PYTHON" -m launch.torchrun \\',
         f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={spec.procs_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\',
-        f'    --max-restarts=0 {prog}',
+        f'    --max-restarts=0 {prog} &',
     ]
 
 
@@ -288,11 +320,17 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
         "",
         'echo "[tessera] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST' +
         ' ($MASTER_ADDR:$MASTER_PORT) at $(date -u +%FT%TZ)"',
+        "",
+        *_forward_block(spec),
         *_launch_block(spec, program),
-        "rc=$?",
+        "step=$!",
+        "# `wait` returns early when a trapped signal arrives: wait again until the step has really ended.",
+        'wait "$step"; rc=$?',
+        'while kill -0 "$step" 2>/dev/null; do wait "$step"; rc=$?; done',
+        '[ -n "$killer" ] && kill "$killer" 2>/dev/null',
         'echo "[tessera] ranks exited with $rc at $(date -u +%FT%TZ)"',
         'if [ "$rc" -eq "$TESSERA_REQUEUE_EXIT_CODE" ]; then',
-        '    echo "[tessera] checkpoint saved on SIGUSR1: requeueing job $SLURM_JOB_ID"',
+        '    echo "[tessera] checkpoint saved on SIGTERM/SIGUSR1: requeueing job $SLURM_JOB_ID"',
         '    scontrol requeue "$SLURM_JOB_ID"',
         "    exit 0",
         "fi",

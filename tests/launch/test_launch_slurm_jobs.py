@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,48 @@ def test_allreduce_across_two_nodes_in_both_modes(slurm: SlurmCluster, tmp_path:
             assert {r["source"] for r in records} == {"torchrun"}
             assert sorted(r["local_rank"] for r in records) == [0, 0, 1, 1]
 
+
+
+# (mode, signal, to the batch script?): what the sbatch script must do when `scancel --batch` signals it, and
+# torchrun's agent with a step's signal (it reaches the workers too: the agent must not send it a second time).
+SIGNAL_CASES = [("srun", "TERM", True), ("srun", "USR1", True), ("srun", "INT", True),
+                ("torchrun", "TERM", False), ("torchrun", "INT", False), ("torchrun", "INT", True)]
+
+
+@pytest.mark.slow
+def test_signals_to_the_script_and_to_torchrun_reach_the_ranks_once(slurm: SlurmCluster, tmp_path: Path) -> None:
+    cfg = load_config(TINY)
+    jobs = {}
+    for mode, sig, batch in SIGNAL_CASES:
+        spec = SlurmSpec(nodes=2, procs_per_node=1, time="10", signal_lead_s=60, mode=mode)  # type: ignore[arg-type]
+        script = render_sbatch(cfg, spec, str(TINY), [], python=sys.executable, degrees={"dp_shard": 2},
+                               program=[str(REPO / "tests" / "launch" / "signal_rank.py")])
+        out = tmp_path / f"{mode}-{sig}-{batch}"
+        (out / "runs" / cfg.run.name).mkdir(parents=True)
+        (out / "job.sbatch").write_text(script)
+        job = slurm.sbatch(out / "job.sbatch", env=job_env(), cwd=out)
+        jobs[(mode, sig, batch)] = (job, out / "runs" / cfg.run.name / f"slurm-{job}.out")
+
+    def log(path: Path) -> str:
+        return path.read_text() if path.exists() else ""
+
+    pending = dict(jobs)
+    deadline = time.monotonic() + 240
+    while pending and time.monotonic() < deadline:  # signal each job once both ranks are in their loop
+        for key, (job, path) in list(pending.items()):
+            if "start 0" in log(path) and "start 1" in log(path):
+                slurm.run("scancel", *(["--batch"] if key[2] else []), f"--signal={key[1]}", job)
+                del pending[key]
+        time.sleep(0.3)
+    assert not pending, f"ranks never started: {pending}\n{slurm.logs()}"
+    for (_mode, sig, batch), (job, path) in jobs.items():
+        if sig == "INT":
+            assert slurm.wait(job, FINAL, timeout=120) == "FAILED", log(path)
+            assert "ranks exited with 130" in log(path) and slurm.restarts(job) == 0, log(path)
+        else:
+            assert slurm.wait(job, ("PENDING",), timeout=120) == "PENDING" and slurm.restarts(job) == 1, log(path)
+            assert "ranks exited with 42" in log(path) and f"requeueing job {job}" in log(path), log(path)
+            slurm.run("scancel", job)  # held by SLURM's requeue BeginTime: never starts again
+        assert "second SIGINT" not in log(path) and "Traceback" not in log(path), log(path)
+        if batch:
+            assert f"batch script got SIG{sig}: forwarding it to the ranks" in log(path), log(path)

@@ -115,7 +115,7 @@ def test_cli_overrides_may_follow_the_options(capsys: pytest.CaptureFixture[str]
     assert main(["launch", "slurm", "configs/smoke/tiny.yaml", "train.lr=0.01", "--nodes", "2", "--procs-per-node",
                  "2", "parallel.tp=2", "--time", "30", "--dry-run"]) == 0
     script = capsys.readouterr().out
-    assert "train configs/smoke/tiny.yaml train.lr=0.01 parallel.tp=2\n" in script
+    assert "train configs/smoke/tiny.yaml train.lr=0.01 parallel.tp=2 &\n" in script
     assert "= 4 ranks = tp 2 x pp 1 x dp_replicate 1 x dp_shard 2." in script
 
 
