@@ -7,8 +7,12 @@ Tokenizers, all trained here on a sample of the same text (no download):
   sentencepiece : `tokenizer.type=sentencepiece` (BPE, byte fallback), a `.model`;
   hf_bpe        : `tokenizer.type=hf_bpe`, GPT-2-style byte-level BPE trained with HF tokenizers — also what a
                   given byte-level `tokenizer.json` runs through (the same encoder);
-  tiktoken      : a tiktoken ranks file (the hf_bpe vocabulary as ranks) converted by the build to tokenizer.json
-                  with the cl100k pattern (`tiktoken_to_hf`).
+  tiktoken      : a tiktoken ranks file (the hf_bpe vocabulary as ranks) as a build takes it (`_given_tokenizer`):
+                  converted to tokenizer.json with the cl100k pattern, the ranks kept beside it, encoded natively
+                  by tiktoken;
+  tiktoken_hf   : the same converted tokenizer.json without the ranks beside it: encoded by HF tokenizers (what
+                  the stage did before it encoded natively; the same ids).
+The tokenizer is loaded before the clock starts (a worker loads it once, not per shard; load time printed).
 Reference in the same run: the library's own batch encode of the same texts on one thread (sentencepiece
 `encode(list)`, tokenizers `encode_batch`, tiktoken `encode_ordinary_batch` on the original ranks): the ratio
 is the stage's overhead (EOS, int64 arrays, the writer, stats). CPU time from getrusage, threads included.
@@ -70,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         args.mb, args.vocab = 0.05, 600
     import tiktoken
 
+    from data_pipeline.build import _given_tokenizer
+    from data_pipeline.build_config import BuildConfig, TokenizerConfig
     from data_pipeline.indexed import import_megatron_builder
-    from data_pipeline.stages import _tokenize_task
+    from data_pipeline.stages import _tokenize_task, load_tokenizer
     from data_pipeline.tokenizer import (
         CL100K_PATTERN,
         Tokenizer,
@@ -98,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         ranks = {tok: r for r, (tok, _) in enumerate(vocab)}
         tik = root / "ranks.tiktoken"
         tik.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
-        models["tiktoken"] = tiktoken_to_hf(tik, root / "tik" / "tokenizer.json")
+        models["tiktoken"] = _given_tokenizer(BuildConfig(output_dir=str(root), sources=[], tokenizer=TokenizerConfig(
+            model=str(tik))), root / "tik")
+        models["tiktoken_hf"] = tiktoken_to_hf(tik, root / "tik_hf")
         enc = tiktoken.Encoding("bench", pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
         for kind, docs in texts.items():
             shard = root / f"{kind}.jsonl"
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             mbytes = sum(len(t.encode()) for t in docs) / 1e6
             for name, model in models.items():
                 tok = Tokenizer(model)
+                load_s, _ = timed(lambda model=model: len(load_tokenizer(str(model)).path))
+                assert (tok._tiktoken is not None) == (name == "tiktoken")
 
                 def stage(name: str = name, model: Path = model, kind: str = kind, shard: Path = shard,
                           docs: list[str] = docs) -> int:
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "sentencepiece":
                     def library(tok: Tokenizer = tok, docs: list[str] = docs) -> int:
                         return sum(len(x) for x in tok._sp.encode(docs, num_threads=1))
-                elif name == "tiktoken":
+                elif name.startswith("tiktoken"):
                     def library(tok: Tokenizer = tok, docs: list[str] = docs) -> int:
                         return sum(len(x) for x in enc.encode_ordinary_batch(docs, num_threads=1))
                 else:
@@ -125,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                 (cpu, n), (lib_cpu, lib_n) = timed(stage), timed(library)
                 rows[f"{kind}/{name}"] = {"MB": round(mbytes, 2), "tokens": n, "stage_tokens_per_cpu_s": n / cpu,
                                           "library_tokens_per_cpu_s": lib_n / lib_cpu, "stage_cpu_s": cpu,
-                                          "bytes_per_token": mbytes * 1e6 / n}
+                                          "bytes_per_token": mbytes * 1e6 / n, "load_cpu_s": load_s}
                 print(f"{kind:5s} {name:14s} {mbytes:5.1f} MB {n:9d} tokens ({mbytes * 1e6 / n:4.2f} B/token): stage "
                       f"{n / cpu:10.0f} tokens/CPU-s; library alone {lib_n / lib_cpu:10.0f}; stage / library "
-                      f"{(n / cpu) / (lib_n / lib_cpu):.2f}", flush=True)
+                      f"{(n / cpu) / (lib_n / lib_cpu):.2f}; load {load_s:.2f} CPU-s", flush=True)
     print(f"vocab {args.vocab}; RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS')}; load {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -38,6 +38,7 @@ from data_pipeline.shards import CorpusIndex, exact_stage, minhash_stage, near_s
 from data_pipeline.stages import REMOVED_SAMPLE, ingest_stage, read_shard_texts, tokenize_shards
 from data_pipeline.tokenizer import (
     CL100K_PATTERN,
+    TIKTOKEN_RANKS,
     Tokenizer,
     sample_lines,
     tiktoken_to_hf,
@@ -132,9 +133,11 @@ def _given_tokenizer(cfg: BuildConfig, folder: Path) -> Path:
     tc = cfg.tokenizer
     src = Path(str(tc.model))
     kind = tokenizer_kind(src)
-    if kind == "tiktoken":
-        return tiktoken_to_hf(src, folder, pattern=tc.pattern or CL100K_PATTERN, special_tokens=tc.special_tokens,
+    if kind == "tiktoken":  # the ranks kept beside the tokenizer.json: the tokenize stage encodes with tiktoken
+        made = tiktoken_to_hf(src, folder, pattern=tc.pattern or CL100K_PATTERN, special_tokens=tc.special_tokens,
                               eos_token=tc.eos_token, bos_token=tc.bos_token)
+        shutil.copyfile(src, folder / TIKTOKEN_RANKS)
+        return made
     if kind == "hf":
         shutil.copyfile(src, folder / "tokenizer.json")
         if (src.parent / "tokenizer_config.json").is_file():

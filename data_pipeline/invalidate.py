@@ -82,7 +82,8 @@ def _outputs(unit: str, out: Path) -> list[Path]:
     return {"exact": [work / "exact"],
             "near": [work / "pairs", work / "verify", work / "near", out / "cluster_report.json",
                      out / "near_duplicates.jsonl"],
-            "tokenizer": [out / p for p in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json")],
+            "tokenizer": [out / p for p in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                                             "tokenizer.tiktoken")],
             "manifest": [out / MANIFEST]}[stage]
 
 

@@ -389,11 +389,25 @@ def run_pool(fn: Any, jobs: list[Any], workers: int, desc: str, unit: str = "uni
 
 # ---- tokenize kept documents, one shard per task ----
 
-def _tokenize_task(args: tuple[Path, Path, str, np.ndarray]) -> None:
+_TOKENIZERS: dict[tuple[str, int], Any] = {}
+
+
+def load_tokenizer(model: str) -> Any:
+    """The Tokenizer of `model`, loaded once per process (keyed by path and modification time): a worker reuses
+    it across shards, and one loaded before the pool forks is inherited (a 100k-vocabulary tokenizer.json takes
+    ~0.5 s to load, as long as tokenizing a few MB)."""
     from data_pipeline.tokenizer import Tokenizer
 
+    key = (model, os.stat(model).st_mtime_ns)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = Tokenizer(model)
+    return _TOKENIZERS[key]
+
+
+def _tokenize_task(args: tuple[Path, Path, str, np.ndarray]) -> None:
     shard, out_prefix, model, status = args  # status per doc: 0 kept, 1 exact duplicate, 2 near duplicate
-    tok = Tokenizer(model)
+    tok = load_tokenizer(model)
     writer = IndexedWriter(out_prefix, tok.vocab_size)
     tokens = np.zeros(3, dtype=np.int64)
     chars = np.zeros(3, dtype=np.int64)
@@ -423,4 +437,5 @@ def tokenize_shards(cfg: BuildConfig, model: Path, shards: Sequence[tuple[Path, 
             jobs.append((jsonl, prefix, str(model), status_of(k)))
     if jobs:
         import_megatron_builder()  # once in the parent: forked workers inherit it instead of paying ~4.5 s each
+        load_tokenizer(str(model))  # likewise
     run_pool(_tokenize_task, jobs, cfg.workers, "tokenize", "shard")

@@ -9,6 +9,11 @@ line break). A byte-level BPE needs neither: every byte is in its base alphabet.
 
 BOS/EOS/pad of a `tokenizer.json` come from the tokenizer's own config: `tokenizer_config.json` beside it
 (`eos_token`, `bos_token`, `pad_token`), else the first special token with a known end-of-text name.
+
+A build given a tiktoken file keeps the ranks beside the converted `tokenizer.json` (`tokenizer.tiktoken`):
+`Tokenizer` then encodes with tiktoken itself, 5-15x faster than HF tokenizers on the same regex, and the ids are
+the same (the converted file is the reference: the same vocabulary is checked at load, and tests compare both
+encoders on code, unicode, whitespace runs and long lines).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import numpy as np
 from framework.errors import ConfigError, DataError
 
 USER_SYMBOLS = ("\n", "\t")
+TIKTOKEN_RANKS = "tokenizer.tiktoken"
+"""The ranks file a build keeps beside a `tokenizer.json` converted from it: its presence makes `Tokenizer` encode
+natively with tiktoken."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,9 @@ class Tokenizer:
         path: The file.
     """
 
+    _tiktoken: Any = None
+    """A tiktoken Encoding equal to the tokenizer.json (a build's converted tiktoken file), used to encode."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         if not Path(self.path).is_file():
@@ -151,6 +162,9 @@ class Tokenizer:
             self.bos_id, self.pad_id = _special_id(self._hf, conf.get("bos_token")), \
                 _special_id(self._hf, conf.get("pad_token"))
             self.unk_id = _special_id(self._hf, conf.get("unk_token"))
+            ranks = Path(self.path).with_name(TIKTOKEN_RANKS)
+            if ranks.is_file():
+                self._tiktoken = _native_tiktoken(self._hf, Path(self.path), ranks)
         else:
             import sentencepiece as spm
 
@@ -173,13 +187,17 @@ class Tokenizer:
 
     def encode_docs(self, texts: Sequence[str], threads: int = 1) -> list[np.ndarray]:
         """Token ids of each text followed by EOS (the document separator), as int64 arrays."""
-        if self.kind == "hf":
+        if self._tiktoken is not None:
+            ids = [self._tiktoken.encode(t, allowed_special="all") for t in texts]
+        elif self.kind == "hf":
             ids = [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
         else:
             ids = self._sp.encode(list(texts), num_threads=threads)
         return [np.asarray([*doc, self.eos_id], dtype=np.int64) for doc in ids]
 
     def encode(self, text: str) -> list[int]:
+        if self._tiktoken is not None:
+            return list(self._tiktoken.encode(text, allowed_special="all"))
         if self.kind == "hf":
             return list(self._hf.encode(text, add_special_tokens=False).ids)
         return list(self._sp.encode(text))
@@ -188,6 +206,28 @@ class Tokenizer:
         if self.kind == "hf":
             return str(self._hf.decode([int(i) for i in ids], skip_special_tokens=False))
         return str(self._sp.decode([int(i) for i in ids]))
+
+
+def _native_tiktoken(hf: Any, path: Path, ranks_file: Path) -> Any:
+    """A tiktoken Encoding of `ranks_file` with the tokenizer.json's pre-tokenizer regex and special tokens,
+    refused (DataError) unless every rank is the tokenizer.json's id of the same bytes — so the two encode alike.
+    Special tokens in a text are encoded as their ids, as HF tokenizers does with added tokens."""
+    import tiktoken
+
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    pattern = next((p["pattern"]["Regex"] for p in (spec.get("pre_tokenizer") or {}).get("pretokenizers", [])
+                    if p.get("type") == "Split"), None)
+    ranks = read_tiktoken(ranks_file)
+    specials = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", [])}
+    b2u = _bytes_to_unicode()
+    vocab = hf.get_vocab(with_added_tokens=False)
+    model = spec.get("model") or {}
+    if (pattern is None or model.get("type") != "BPE" or not model.get("ignore_merges") or len(vocab) != len(ranks)
+            or any(vocab.get("".join(b2u[x] for x in tok)) != rank for tok, rank in ranks.items())):
+        raise DataError(f"{ranks_file} does not match {path} (not the ranks it was converted from); delete "
+                        f"{ranks_file.name} to encode with the tokenizer.json alone, or rebuild the tokenizer")
+    return tiktoken.Encoding(path.parent.name or "tessera", pat_str=pattern, mergeable_ranks=ranks,
+                             special_tokens=specials)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -17,7 +17,8 @@ from data_pipeline.build import run_build
 from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.dedup import DedupConfig
 from data_pipeline.indexed import IndexedTokens
-from data_pipeline.tokenizer import CL100K_PATTERN, _bytes_to_unicode, train_hf_bpe
+from data_pipeline.tokenizer import CL100K_PATTERN, Tokenizer, _bytes_to_unicode, train_hf_bpe
+from framework.errors import DataError
 from framework.testing.tiny import TINY
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
@@ -103,7 +104,8 @@ def test_a_tiktoken_file_and_a_tokenizer_json_build_train_and_export(raw) -> Non
         assert manifest["tokenizer"]["path"] == "tokenizer.json"
         assert eos == (len(ranks) if name == "tiktoken" else 0)  # tiktoken: after the ranks; trained: the first
         built = _built_docs(out)
-        if name == "tiktoken":  # the converted tokenizer.json encodes exactly as tiktoken does
+        if name == "tiktoken":  # encoded by tiktoken itself, from the ranks kept beside the tokenizer.json
+            assert Tokenizer(out / "tokenizer.json")._tiktoken is not None
             assert built == [[*enc.encode(d), eos] for d in docs]
         else:  # the given file, loaded by HF tokenizers itself
             from tokenizers import Tokenizer as HF
@@ -149,3 +151,54 @@ def test_a_vocabulary_past_65535_writes_int32(raw) -> None:  # type: ignore[no-u
     built = _built_docs(out)
     assert built == [[*enc.encode(d), len(ranks)] for d in docs]
     assert max(max(b) for b in built) > 65_535
+
+
+def _real_shaped_texts() -> list[str]:
+    """Code, unicode, whitespace runs, long lines and special-token text: where two regex engines and two BPE
+    implementations could part."""
+    from data_pipeline.stdlib_corpus import list_stdlib_files
+
+    code = [p.read_text(encoding="utf-8", errors="replace") for _, p in list_stdlib_files()[:40]]
+    unicode = ["ünïcödé naïve café — “quotes” «guillemets» 日本語のテキスト 中文 한국어 العربية עברית हिन्दी",
+               "emoji 🙂👍🏽 👨‍👩‍👧 flags 🇫🇷 combining e\u0301 a\u0308 zero\u200bwidth \ufeffbom ﬁ ligature ½ ² Ⅻ",
+               "math ∀x∈ℝ: x²≥0, ∑ᵢ aᵢ → ∞; greek αβγ ΑΒΓ; cyrillic Привет, мир! 123 4567 89012 ٣٤٥"]
+    spaces = ["a  b   c    d\t\te\t \tf\n\n\n g \r\n h\r\r\n\n  \n", " " * 70 + "x" + "\t" * 30 + "\n" * 12,
+              "trailing spaces   \n   leading\n\u00a0\u2003\u3000 unicode spaces \u2028 \u2029 end   ",
+              "I'm you're they'LL it'S we'd O'Neil's 's 'd"]
+    long = ["x = [" + ", ".join(str(i) for i in range(3000)) + "]", "aGVsbG8gd29ybGQ" * 800,
+            "word " * 4000, "-" * 5000 + "=" * 3000, "".join(chr(0x4E00 + i % 500) for i in range(6000))]
+    special = ["before <|endoftext|> after", "<|endoftext|><|endoftext|>x<|endoftext"]
+    return code + unicode + spaces + long + special
+
+
+def test_native_tiktoken_encodes_as_the_converted_tokenizer_json(tmp_path: Path) -> None:
+    """The build's tiktoken path (tiktoken itself, on the ranks kept beside the tokenizer.json) gives the ids the
+    converted tokenizer.json gives through HF tokenizers, on real-shaped text; a ranks file that is not the one the
+    tokenizer.json was converted from is refused."""
+    from tokenizers import Tokenizer as HF
+
+    from data_pipeline.build import _given_tokenizer
+    from data_pipeline.tokenizer import TIKTOKEN_RANKS
+
+    texts = _real_shaped_texts()
+    trained = train_hf_bpe([ln for t in texts[:40] for ln in t.split("\n")], tmp_path / "bpe/tokenizer.json",
+                           vocab_size=3000)
+    ranks = _ranks_from(trained)
+    cfg = BuildConfig(output_dir=str(tmp_path / "unused"), sources=[SourceConfig(name="x", path=str(tmp_path))],
+                      tokenizer=TokenizerConfig(model=str(_write_tiktoken(tmp_path / "r.tiktoken", ranks))))
+    made = _given_tokenizer(cfg, tmp_path / "build")
+    native, converted = Tokenizer(made), HF.from_file(str(made))
+    assert native._tiktoken is not None and (made.parent / TIKTOKEN_RANKS).is_file()
+    eos = native.eos_id
+    expected = [[*converted.encode(t, add_special_tokens=False).ids, eos] for t in texts]
+    got = [a.tolist() for a in native.encode_docs(texts)]
+    assert got == expected
+    assert sum(map(len, got)) > 100_000 and expected[-2].count(eos) == 2  # the text's special token is EOS too
+    assert [native.decode(ids[:-1]) for ids in got] == texts
+
+    swapped = dict(ranks)
+    a, b = list(ranks)[300:302]
+    swapped[a], swapped[b] = ranks[b], ranks[a]
+    _write_tiktoken(made.parent / TIKTOKEN_RANKS, swapped)
+    with pytest.raises(DataError, match="does not match"):
+        Tokenizer(made)
