@@ -80,7 +80,7 @@ def _tokenizer(cfg: BuildConfig, index: CorpusIndex, out: Path) -> Path:
                 _name_specials(tmp, tc)
             else:
                 made = train_sentencepiece(lines, tmp / "tokenizer.model", vocab_size=tc.vocab_size,
-                                           model_type=tc.type, threads=cfg.workers)
+                                           model_type=tc.type, threads=tc.threads)
         Tokenizer(made)
         for f in sorted(tmp.iterdir(), key=lambda p: p.name in TOKENIZER_FILES):  # the tokenizer file last
             f.replace(out / f.name)

@@ -66,8 +66,14 @@ class TokenizerConfig:
     eos_token: str | None = None
     """tiktoken files and hf_bpe: the end-of-document token (None: the first special token)."""
     bos_token: str | None = None
+    threads: int = 2
+    """Sentencepiece training threads. Its trained model depends on the thread count (1, 2 and 4 threads give three
+    different models, each repeatable), so this is a tokenizer setting — part of the tokenizer's stamp, changing it
+    retrains — and never the build's `workers`: the same config trains the same bytes whatever the parallelism."""
 
     def validate(self) -> None:
+        if self.threads < 1:
+            raise ConfigError(f"tokenizer.threads={self.threads} must be >= 1 (sentencepiece training threads)")
         for name in (self.eos_token, self.bos_token):
             if name is not None and name not in self.special_tokens:
                 raise ConfigError(f"tokenizer eos_token/bos_token {name!r} is not in tokenizer.special_tokens "
@@ -84,7 +90,7 @@ class BuildConfig:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     workers: int = 2
-    """Worker processes for filtering, signatures and tokenization."""
+    """Worker processes for filtering, signatures and tokenization; no output byte depends on it."""
     shard_docs: int = 2000
     """Documents per shard (the unit of work, resumption and SLURM array tasks)."""
     rejects: bool = True

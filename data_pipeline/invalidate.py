@@ -8,7 +8,8 @@ changed, and says which. The dependency table (docs/DATA.md):
     minhash/<s>   ingest/<s> and the signature settings (ngram, bands, rows)
     bands/<s>     minhash/<s>, exact (exact duplicates get no band keys) and probe
     near          exact, every bands key, dedup.near and the rest of dedup (pairs, verify and near)
-    tokenizer     a given tokenizer file's bytes; or (trained) near, the tokenizer settings and seed
+    tokenizer     a given tokenizer file's bytes; or (trained) near, the tokenizer settings (its training
+                  threads included) and seed
     tokenize/<s>  tokenizer and near (the kept documents of every source can change with any source's filter)
     manifest      all of the above
 

@@ -13,6 +13,7 @@ import pytest
 
 from data_pipeline.build import run_build
 from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.invalidate import stage_keys
 from framework.errors import ConfigError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -64,6 +65,10 @@ def test_three_config_edits_redo_what_the_dependency_table_says(base) -> None:  
     cosmetic = dataclasses.replace(cfg, workers=1)
     redone, manifest = _edit_and_rebuild(cfg, cosmetic)
     assert redone == set()
+    # sentencepiece's thread count changes its model: a tokenizer setting, stamped (`workers` is not).
+    threads = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, threads=1))
+    changed = {k for k, v in stage_keys(threads).items() if stage_keys(cfg)[k] != v}
+    assert changed == {"tokenizer", "tokenize/a", "tokenize/b", "manifest"}
 
     # The tokenizer only: the tokenizer and every source's tokenize step (and the manifest).
     tok = dataclasses.replace(cosmetic, tokenizer=TokenizerConfig(vocab_size=320, sample_chars=50_000))
