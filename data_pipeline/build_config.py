@@ -93,6 +93,10 @@ class BuildConfig:
     """Worker processes for filtering, signatures and tokenization; no output byte depends on it."""
     shard_docs: int = 2000
     """Documents per shard (the unit of work, resumption and SLURM array tasks)."""
+    unit_bytes: int = 1 << 27
+    """Ingest units: a jsonl file is read as byte ranges of this size (each line in the range it starts in), a
+    parquet file as runs of row groups and a saved HF dataset as row ranges of about this size, so one large file
+    splits across tasks; compressed files cannot be read from an offset and are one unit each."""
     rejects: bool = True
     """Write malformed records with their reason to work/<source>/rejects.jsonl."""
     seed: int = 0
@@ -111,8 +115,9 @@ class BuildConfig:
             raise ConfigError("sources is empty; list at least one source (name, path)")
         if len(set(names)) != len(names):
             raise ConfigError(f"sources names {names} repeat; give every source its own name")
-        if self.workers < 1 or self.shard_docs < 1:
-            raise ConfigError(f"workers={self.workers} and shard_docs={self.shard_docs} must be >= 1")
+        if self.workers < 1 or self.shard_docs < 1 or self.unit_bytes < 1:
+            raise ConfigError(f"workers={self.workers}, shard_docs={self.shard_docs} and unit_bytes={self.unit_bytes} "
+                              f"must be >= 1")
 
 
 def load_build_config(path: str | Path, overrides: list[str] | None = None) -> BuildConfig:

@@ -151,8 +151,16 @@ def read_chunks(path: Path) -> Iterator[bytes]:
         raise FileError("unreadable_file", f"{path}: {err}") from err
 
 
-def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, line without its newline) of a (compressed) file; a leading UTF-8 BOM is dropped."""
+def read_lines(path: Path, span: tuple[int, int] | None = None,
+               tally: dict[str, int] | None = None) -> Iterator[tuple[int, bytes]]:
+    """(line number, line without its newline) of a (compressed) file; a leading UTF-8 BOM is dropped.
+
+    With `span` = (a, b), an uncompressed file's lines that start at a byte offset in [a, b): every line belongs to
+    exactly one of a file's consecutive spans, and its number counts from the span's first line (1). `tally`
+    gets the number of lines read ("lines"), blank ones included, once the file or span is read to its end."""
+    if span is not None:
+        yield from _span_lines(path, span, tally)
+        return
     buf, n = b"", 0
     for chunk in read_chunks(path):
         if n == 0 and not buf and chunk.startswith(_BOM):
@@ -163,7 +171,47 @@ def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
             n += 1
             yield n, line
     if buf:
-        yield n + 1, buf
+        n += 1
+        yield n, buf
+    if tally is not None:
+        tally["lines"] = n
+
+
+def _span_lines(path: Path, span: tuple[int, int], tally: dict[str, int] | None) -> Iterator[tuple[int, bytes]]:
+    a, b = span
+    n = 0
+    try:
+        with open(path, "rb", buffering=_READ) as f:
+            if a > 0:
+                f.seek(a - 1)
+                if f.read(1) != b"\n":
+                    f.readline()  # the line under way at `a` started in an earlier span: it is that span's
+            pos = f.tell()
+            while pos < b:
+                line = f.readline()
+                if not line:
+                    break
+                pos += len(line)
+                n += 1
+                if n == 1 and a == 0 and line.startswith(_BOM):
+                    line = line[len(_BOM):]
+                yield n, line[:-1] if line.endswith(b"\n") else line
+    except OSError as err:
+        raise FileError("unreadable_file", f"{path}: {err}") from err
+    if tally is not None:
+        tally["lines"] = n
+
+
+TO_END = 1 << 62
+"""The end of a file's last byte range: whatever the file holds from its start on."""
+
+
+def byte_spans(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
+    """An uncompressed file cut into consecutive byte ranges of `unit_bytes`, the last one to the end; none when
+    the file fits in one."""
+    starts = range(0, path.stat().st_size, unit_bytes)
+    return [(a, starts[i + 1] if i + 1 < len(starts) else TO_END) for i, a in enumerate(starts)] if len(starts) > 1 \
+        else []
 
 
 def _field_text(obj: Any, field: str, where: str, raw: str) -> Record:
@@ -185,11 +233,14 @@ def _file_error(path: Path, err: FileError, records: int) -> Record:
     return Record(None, str(path), err.reason, f"{err}; {records} records read before it")
 
 
-def read_jsonl(path: Path, field: str) -> Iterator[Record]:
-    """One record per line of a (compressed) JSON-lines file; blank lines are skipped."""
+def read_jsonl(path: Path, field: str, span: tuple[int, int] | None = None,
+               tally: dict[str, int] | None = None) -> Iterator[Record]:
+    """One record per line of a (compressed) JSON-lines file, or of the lines starting in a byte `span` of an
+    uncompressed one (`where` then numbers lines from the span's first; `tally["lines"]`: its lines, see
+    read_lines); blank lines are skipped."""
     read = 0
     try:
-        for n, line in read_lines(path):
+        for n, line in read_lines(path, span, tally):
             where = f"{path}:{n}"
             if not line.strip():
                 continue
@@ -218,8 +269,30 @@ def parquet_columns(path: Path) -> list[str]:
     return list(pq.ParquetFile(path).schema_arrow.names)
 
 
-def read_parquet(path: Path, field: str, batch_rows: int = 1024) -> Iterator[Record]:
-    """One record per row of a parquet file, read batch by batch (only the text column)."""
+def parquet_spans(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
+    """A parquet file's row groups cut into consecutive ranges [a, b) of about `unit_bytes` (uncompressed, from
+    the footer); none when the footer cannot be read."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception:  # unreadable: read whole, and counted malformed by the reader
+        return []
+    spans, a, size = [], 0, 0
+    for g in range(meta.num_row_groups):
+        size += meta.row_group(g).total_byte_size
+        if size >= unit_bytes:
+            spans.append((a, g + 1))
+            a, size = g + 1, 0
+    if a < meta.num_row_groups or not spans:
+        spans.append((a, max(a + 1, meta.num_row_groups)))
+    return spans
+
+
+def read_parquet(path: Path, field: str, batch_rows: int = 1024,
+                 row_groups: tuple[int, int] | None = None) -> Iterator[Record]:
+    """One record per row of a parquet file (or of its row groups [a, b)), read batch by batch (only the text
+    column); `where` is the file's row number, counted from its first row."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -229,7 +302,13 @@ def read_parquet(path: Path, field: str, batch_rows: int = 1024) -> Iterator[Rec
         if field not in pf.schema_arrow.names:
             raise DataError(f"{path} has no column {field!r} (columns: {pf.schema_arrow.names}); set the source's "
                             f"text_field to the column holding the text")
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=[field]):
+        groups = None
+        if row_groups is not None:
+            groups = list(range(row_groups[0], min(row_groups[1], pf.metadata.num_row_groups)))
+            row = sum(pf.metadata.row_group(g).num_rows for g in range(row_groups[0]))
+            if not groups:
+                return
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=[field], row_groups=groups):
             for value in batch.column(0).to_pylist():
                 row += 1
                 yield _field_text({field: value}, field, f"{path}:{row}", repr(value)[:2000])
@@ -254,14 +333,28 @@ def hf_columns(path: Path, split: str) -> list[str]:
     return list(_hf_split(path, split).column_names)
 
 
-def read_hf(path: Path, field: str, split: str = "train") -> Iterator[Record]:
-    """Records of one split of a Hugging Face dataset saved with `save_to_disk` (a plain Dataset: all of it)."""
+def hf_spans(path: Path, split: str, unit_bytes: int) -> list[tuple[int, int]]:
+    """A saved dataset's rows cut into consecutive ranges [a, b) of about `unit_bytes` (of its memory-mapped
+    arrow data)."""
+    ds = _hf_split(path, split)
+    n, size = len(ds), max(1, int(ds.data.nbytes))
+    per = max(1, n * unit_bytes // size)
+    return [(a, min(n, a + per)) for a in range(0, max(n, 1), per)]
+
+
+def read_hf(path: Path, field: str, split: str = "train", rows: tuple[int, int] | None = None) -> Iterator[Record]:
+    """Records of one split of a Hugging Face dataset saved with `save_to_disk` (a plain Dataset: all of it), or
+    of its rows [a, b); `where` is the row number, counted from the split's first row."""
     ds = _hf_split(path, split)
     if field not in ds.column_names:
         raise DataError(f"{path} has no column {field!r} (columns: {ds.column_names}); set text_field")
-    for i, value in enumerate(ds.select_columns([field]).iter(batch_size=1)):
-        v = value[field][0]
-        yield _field_text({field: v}, field, f"{path}:{i + 1}", repr(v)[:2000])
+    first = 0
+    if rows is not None:
+        first = rows[0]
+        ds = ds.select(range(first, min(rows[1], len(ds))))
+    for i, batch in enumerate(ds.select_columns([field]).iter(batch_size=256)):
+        for j, v in enumerate(batch[field]):
+            yield _field_text({field: v}, field, f"{path}:{first + 256 * i + j + 1}", repr(v)[:2000])
 
 
 def read_hf_files(path: Path, field: str, builder: str, split: str = "train") -> Iterator[Record]:

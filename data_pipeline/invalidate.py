@@ -3,7 +3,7 @@ on, stored in `work/stamps.json`; a rerun with an edited config deletes (and so 
 changed, and says which. The dependency table (docs/DATA.md):
 
     ingest/<s>    source s's own settings (path, format, fields, split, glob, its filters and their
-                  parameters, its effective normalization) and shard_docs
+                  parameters, its effective normalization), shard_docs and unit_bytes
     exact         every ingest key, every priority, dedup.exact and dedup.partition_docs
     minhash/<s>   ingest/<s> and the signature settings (ngram, bands, rows)
     bands/<s>     minhash/<s>, exact (exact duplicates get no band keys) and probe
@@ -29,9 +29,9 @@ from data_pipeline.filters import resolve_filters
 from framework.config.core import to_dict
 
 STAMPS = "stamps.json"
-INGEST_VERSION = 3
+INGEST_VERSION = 4
 """Bump when ingest's output for the same settings changes (a new filter rule, the per-document `where`; 3: ingest
-units and sorted hashes)."""
+units and sorted hashes; 4: byte-range units of a jsonl file, row-group and row-range units)."""
 
 
 def file_sha256(path: str | Path) -> str:
@@ -51,7 +51,7 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
         own = {k: v for k, v in to_dict(src).items() if k not in ("priority", "normalize")}
         keys[f"ingest/{src.name}"] = config_key({
             "v": INGEST_VERSION, "source": own, "filters": names, "shard_docs": cfg.shard_docs,
-            "params": {n: to_dict(getattr(cfg.filters, n)) for n in names},
+            "unit_bytes": cfg.unit_bytes, "params": {n: to_dict(getattr(cfg.filters, n)) for n in names},
             "normalize": to_dict(cfg.source_normalize(src))})
     ingest = [[s.name, s.priority, keys[f"ingest/{s.name}"]] for s in cfg.sources]
     keys["exact"] = config_key([ingest, cfg.dedup.exact, cfg.dedup.partition_docs])

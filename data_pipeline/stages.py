@@ -22,6 +22,7 @@ import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,14 @@ from data_pipeline.cache import write_json_atomic
 from data_pipeline.filters import apply_filters, resolve_filters
 from data_pipeline.indexed import IndexedWriter, import_megatron_builder
 from data_pipeline.ingest import (
+    COMPRESSED,
     Record,
+    byte_spans,
+    hf_spans,
     input_files,
     list_text_files,
+    parquet_spans,
+    read_hf,
     read_jsonl,
     read_parquet,
     read_records,
@@ -49,6 +55,8 @@ from data_pipeline.removed_tokens import RemovedSample
 _CHUNK = 256  # records per worker task
 FILTERED_SAMPLES = 20
 """Documents kept per filter rule in ingest/<source>/filtered.jsonl, to see what a rule removes."""
+UNITS = "units.json"
+"""ingest/<source>/units.json: per ingest unit, the base of its line numbers (`line_base`, see _line_bases)."""
 REMOVED_SAMPLE = "removed_sample*.jsonl"
 """ingest/<source>/: seeded samples of the removed text per rule (data_pipeline/removed_tokens.py); one file per
 ingest unit (removed_sample-unit-U.jsonl): they add up."""
@@ -70,9 +78,13 @@ def read_shard_texts(path: Path) -> list[str]:
 
 
 def read_shard_where(path: Path) -> list[str]:
-    """Where each document of an ingest shard came from (file:line, or the file of a text tree)."""
+    """Where each document of an ingest shard came from (file:line, or the file of a text tree). A shard of a
+    byte-range unit stores lines counted from the range's start; the source's units.json (written once every unit
+    is done) gives the base that makes them the file's line numbers."""
+    bases = path.with_name(UNITS)
+    base = json.loads(bases.read_text())["line_base"][int(path.name.split("-")[1])] if bases.is_file() else 0
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line).get("w", "?") for line in f]
+        return [_rebase(json.loads(line).get("w", "?"), base) for line in f]
 
 
 def list_shards(work: Path, stage: str, source: str, suffix: str) -> list[Path]:
@@ -204,36 +216,77 @@ def new_counts() -> dict[str, Any]:
                       "trimmed": Counter()}}
 
 
-Unit = list[Path] | None
-"""The files one ingest unit reads (None: the whole source, for sources that cannot be split)."""
+@dataclass(frozen=True)
+class Unit:
+    """What one ingest unit reads: `files` (none: the whole source, for sources read through `hf_builder`), or
+    a `span` of one file — a byte range of an uncompressed jsonl file (the lines starting in it), row groups
+    [a, b) of a parquet file, rows [a, b) of a saved HF dataset (`files` is then its directory)."""
+
+    files: tuple[Path, ...] = ()
+    span: tuple[int, int] | None = None
 
 
-def source_units(src: SourceConfig, shard_docs: int) -> list[Unit]:
-    """A source cut into units of ingest work, independent of the task count: one per file of a jsonl or parquet
-    directory, `shard_docs` files of a text tree, the whole source for HF datasets and a single file."""
+def source_units(src: SourceConfig, shard_docs: int, unit_bytes: int) -> list[Unit]:
+    """A source cut into units of ingest work, independent of the task count: `shard_docs` files of a text tree;
+    per file of a jsonl source (a file or a directory of them), byte ranges of `unit_bytes` (a compressed file,
+    which cannot be read from an offset: the whole file); per parquet file, runs of row groups of about
+    `unit_bytes`; for a saved HF dataset, row ranges of about `unit_bytes` of its arrow data; the whole source
+    when read through `hf_builder`."""
     path = Path(os.path.expanduser(src.path))
     fmt = resolve_format(path, src.format)
-    if src.hf_builder is not None or fmt == "hf" or path.is_file():
-        return [None]
+    if src.hf_builder is not None:
+        return [Unit()]
+    if fmt == "hf":
+        return _span_units(path, hf_spans(path, src.split, unit_bytes))
     if fmt == "text":
         files = list_text_files(path, src.glob)
-        return [files[i:i + shard_docs] for i in range(0, len(files), shard_docs)]
-    return [[f] for f in input_files(path, fmt)]
+        return [Unit(tuple(files[i:i + shard_docs])) for i in range(0, len(files), shard_docs)]
+    units = []
+    for f in input_files(path, fmt):
+        if fmt == "parquet":
+            units += _span_units(f, parquet_spans(f, unit_bytes))
+        else:
+            units += _span_units(f, [] if f.name.lower().endswith(COMPRESSED) else byte_spans(f, unit_bytes))
+    return units
 
 
-def _unit_records(src: SourceConfig, unit: Unit) -> Iterator[Record]:
-    if unit is None:
+def _span_units(path: Path, spans: list[tuple[int, int]]) -> list[Unit]:
+    """One unit per span, or one for the whole file when it has fewer than two."""
+    return [Unit((path,), span) for span in spans] if len(spans) > 1 else [Unit((path,))]
+
+
+def _unit_records(src: SourceConfig, unit: Unit, tally: dict[str, int]) -> Iterator[Record]:
+    if not unit.files:
         yield from read_records(src.path, src.format, src.text_field, src.glob, src.hf_builder, src.split,
                                 src.encoding_fallback)
         return
     fmt = resolve_format(src.path, src.format)
-    for f in unit:
+    for f in unit.files:
         if fmt == "text":
             yield from read_text_tree(f, "*", src.encoding_fallback)
+        elif fmt == "hf":
+            yield from read_hf(f, src.text_field, src.split, unit.span)
         elif fmt == "parquet":
-            yield from read_parquet(f, src.text_field)
+            yield from read_parquet(f, src.text_field, row_groups=unit.span)
         else:
-            yield from read_jsonl(f, src.text_field)
+            yield from read_jsonl(f, src.text_field, unit.span, tally)
+
+
+def _line_bases(units: list[Unit], lines: list[int]) -> list[int]:
+    """Per unit, the lines of its file before its span (0 but for the later byte ranges of a jsonl file): a
+    range unit numbers its lines from its own first, and the file's line number is that plus its base."""
+    bases, before = [], dict[Path, int]()
+    for unit, n in zip(units, lines, strict=True):
+        f = unit.files[0] if unit.files else Path()
+        bases.append(before.get(f, 0))
+        before[f] = before.get(f, 0) + n
+    return bases
+
+
+def _rebase(where: str, base: int) -> str:
+    """`file:line` of a range unit with its line made the file's (`file`, a file with no line, unchanged)."""
+    head, _, line = where.rpartition(":")
+    return f"{head}:{int(line) + base}" if base and head and line.isdigit() else where
 
 
 def unit_name(u: int) -> str:
@@ -246,7 +299,7 @@ def ingest_stage(cfg: BuildConfig, work: Path, task: int = 0, tasks: int = 1) ->
     g = 0
     for src in cfg.sources:
         out = work / "ingest" / src.name
-        units = source_units(src, cfg.shard_docs)
+        units = source_units(src, cfg.shard_docs, cfg.unit_bytes)
         mine = [u for u in range(len(units)) if (g + u) % tasks == task]
         g += len(units)
         if (out / "counts.json").is_file():
@@ -256,7 +309,7 @@ def ingest_stage(cfg: BuildConfig, work: Path, task: int = 0, tasks: int = 1) ->
         if todo:
             _ingest_units(cfg, src, out, units, todo)
         if all((out / f"{unit_name(u)}.counts.json").is_file() for u in range(len(units))):
-            _finish_source(out, len(units))
+            _finish_source(out, units)
 
 
 def _ingest_units(cfg: BuildConfig, src: SourceConfig, out: Path, units: list[Unit], todo: list[int]) -> None:
@@ -287,8 +340,9 @@ def _ingest_unit(cfg: BuildConfig, src: SourceConfig, out: Path, u: int, unit: U
     samples = open(out / f"{unit_name(u)}.filtered.jsonl", "w", encoding="utf-8")
     wheres: deque[list[str]] = deque()
     removed_sample = RemovedSample(cfg.seed + u)  # what the filters removed, its tokens counted once a tokenizer exists
+    tally: dict[str, int] = {}
     try:
-        chunks = _chunks(src, _unit_records(src, unit), counts, rejects, wheres)
+        chunks = _chunks(src, _unit_records(src, unit, tally), counts, rejects, wheres)
         for results in _ordered(pool, chunks, depth=4 * cfg.workers):
             for (kept, reason, n_chars, trimmed, removed), where in zip(results, wheres.popleft(), strict=True):
                 if reason is not None and reason.startswith("malformed:"):
@@ -316,6 +370,8 @@ def _ingest_unit(cfg: BuildConfig, src: SourceConfig, out: Path, u: int, unit: U
         if rejects is not None:
             rejects.close()
     counts["shards"] = writer.k
+    if unit.span is not None and "lines" in tally:
+        counts["lines"] = tally["lines"]  # a byte range's lines: the later ranges' line numbers start after them
     write_json_atomic(out / f"{unit_name(u)}.counts.json", _plain(counts))
     return counts
 
@@ -342,27 +398,33 @@ def _merge_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
         tc[key].update(pc[key])
 
 
-def _finish_source(out: Path, n_units: int) -> None:
-    """A source's counts.json (the sum over its units) and filtered.jsonl (the first samples per rule, in order)."""
+def _finish_source(out: Path, units: list[Unit]) -> None:
+    """A source's units.json (line bases), counts.json (the sum over its units), filtered.jsonl (the first
+    samples per rule, in order) and rejects.jsonl, with every `where` the file's own line number."""
     total = new_counts()
     total["shards"] = 0
+    unit_counts = [json.loads((out / f"{unit_name(u)}.counts.json").read_text()) for u in range(len(units))]
+    bases = _line_bases(units, [c.get("lines", 0) for c in unit_counts])
+    write_json_atomic(out / UNITS, {"line_base": bases})
     per_rule: Counter[str] = Counter()
     tmp = out / "filtered.jsonl.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        for u in range(n_units):
-            _merge_counts(total, json.loads((out / f"{unit_name(u)}.counts.json").read_text()))
+        for u, counts in enumerate(unit_counts):
+            _merge_counts(total, counts)
             for line in (out / f"{unit_name(u)}.filtered.jsonl").read_text(encoding="utf-8").splitlines():
-                reason = json.loads(line)["reason"]
-                per_rule[reason] += 1
-                if per_rule[reason] <= FILTERED_SAMPLES:
-                    f.write(line + "\n")
+                row = json.loads(line)
+                per_rule[row["reason"]] += 1
+                if per_rule[row["reason"]] <= FILTERED_SAMPLES:
+                    f.write(json.dumps({**row, "where": _rebase(row["where"], bases[u])}, ensure_ascii=False) + "\n")
     tmp.replace(out / "filtered.jsonl")
-    rejects = [out / f"{unit_name(u)}.rejects.jsonl" for u in range(n_units)]
+    rejects = [out / f"{unit_name(u)}.rejects.jsonl" for u in range(len(units))]
     if any(p.is_file() for p in rejects):
-        with open(out / "rejects.jsonl.tmp", "wb") as f:
-            for p in rejects:
+        with open(out / "rejects.jsonl.tmp", "w", encoding="utf-8") as f:
+            for u, p in enumerate(rejects):
                 if p.is_file():
-                    f.write(p.read_bytes())
+                    for line in p.read_text(encoding="utf-8").splitlines():
+                        row = json.loads(line)
+                        f.write(json.dumps({**row, "where": _rebase(row["where"], bases[u])}) + "\n")
         (out / "rejects.jsonl.tmp").replace(out / "rejects.jsonl")
     write_json_atomic(out / "counts.json", _plain(total))
 

@@ -1,6 +1,8 @@
-"""Sharded builds: 1 task or N tasks (and any partition size) give the same manifest and the same .bin/.idx bytes,
-and so does a build SIGKILLed in any stage and rerun; removed near duplicates each name a kept document they are
-near, and a chain of documents is never removed through."""
+"""Sharded builds: 1 task or N tasks (and any partition size, any worker count) give the same manifest and the same
+.bin/.idx bytes, and so does a build SIGKILLed in any stage and rerun; removed near duplicates each name a kept
+document they are near, and a chain of documents is never removed through. One large file is cut into ingest units
+(byte ranges of a jsonl file, row groups of a parquet file, row ranges of a saved HF dataset) that read every record
+once, with the file's own line numbers."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -219,10 +220,6 @@ def test_killed_in_every_stage_and_rerun_gives_the_same_bytes(straight) -> None:
 
     root, _ = straight
     cfg = _config(root, "killed", workers=1)  # one worker: every write is in the stopped process
-    # sentencepiece trains with `workers` threads and its result depends on the thread count: reuse the straight
-    # build's tokenizer (the tokenizer stage then keeps it) so that one worker here compares with two there.
-    (root / "killed").mkdir()
-    shutil.copyfile(root / "one" / "tokenizer.model", root / "killed" / "tokenizer.model")
     cfg_file = root / "killed.yaml"
     cfg_file.write_text(yaml.safe_dump(to_dict(cfg)))
     for stage in ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenize", "manifest"):
@@ -244,3 +241,124 @@ def test_killed_in_every_stage_and_rerun_gives_the_same_bytes(straight) -> None:
         assert not (root / "killed" / "manifest.json").exists()
     _sharded_build(dataclasses.replace(cfg, workers=2), 2)
     assert _outputs(root / "killed") == _outputs(root / "one")
+
+
+def _records_by_units(src: SourceConfig, unit_bytes: int) -> tuple[int, list[tuple[str | None, str, str | None]]]:
+    """(number of units, every record as (text, where, reason)) read unit by unit, `where` rebased as the build
+    does (the line bases from each range's line count)."""
+    from data_pipeline.stages import _line_bases, _rebase, _unit_records, source_units
+
+    units = source_units(src, 8, unit_bytes)
+    per_unit, lines = [], []
+    for unit in units:
+        tally: dict[str, int] = {}
+        per_unit.append([(r.text, r.where, r.reason) for r in _unit_records(src, unit, tally)])
+        lines.append(tally.get("lines", 0))
+    bases = _line_bases(units, lines)
+    return len(units), [(t, _rebase(w, b), r) for recs, b in zip(per_unit, bases, strict=True) for t, w, r in recs]
+
+
+def test_one_large_file_is_cut_into_units_that_read_each_record_once(tmp_path: Path) -> None:
+    """Byte ranges of a jsonl file (every size from 1 byte up: ranges start inside a BOM, inside CRLFs, at a line
+    start, inside a line longer than several ranges), row groups of a parquet file and row ranges of a saved HF
+    dataset: unit by unit, the same records with the same `file:line` as reading the file whole."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_pipeline.ingest import read_records
+
+    lines = [b"\xef\xbb\xbf" + json.dumps({"text": "first, after a BOM"}).encode(), b"", b"   ",
+             json.dumps({"text": "crlf line"}).encode() + b"\r", b"{not json", json.dumps({"text": "x" * 300}).encode(),
+             json.dumps({"nope": 1}).encode(), *(json.dumps({"text": f"doc {i} é"}).encode() for i in range(12)),
+             b"", json.dumps({"text": "last, no newline"}).encode()]
+    (tmp_path / "one.jsonl").write_bytes(b"\n".join(lines))
+    src = SourceConfig(name="j", path=str(tmp_path / "one.jsonl"))
+    whole = [(r.text, r.where, r.reason) for r in read_records(src.path)]
+    assert len(whole) == 18 and whole[-1][1].endswith(":21") and whole[0][0] == "first, after a BOM"
+    for unit_bytes in (1, 2, 3, 7, 40, 64, 333, 10**9):
+        n, got = _records_by_units(src, unit_bytes)
+        assert got == whole, unit_bytes
+        assert n == (1 if unit_bytes == 10**9 else -(-(tmp_path / "one.jsonl").stat().st_size // unit_bytes))
+    (tmp_path / "dir").mkdir()  # a directory of files, each cut: line bases per file
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "dir" / name).write_bytes((tmp_path / "one.jsonl").read_bytes())
+    src = SourceConfig(name="d", path=str(tmp_path / "dir"))
+    assert _records_by_units(src, 50)[1] == [(r.text, r.where, r.reason) for r in read_records(src.path)]
+
+    texts = [f"row {i} " + "y" * (i % 7) for i in range(50)]
+    pq.write_table(pa.table({"text": [*texts[:20], None, *texts[20:]]}), tmp_path / "t.parquet", row_group_size=6)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "hf"))
+    for name in ("t.parquet", "hf"):
+        src = SourceConfig(name="p", path=str(tmp_path / name))
+        whole = [(r.text, r.where, r.reason) for r in read_records(src.path)]
+        n, got = _records_by_units(src, 60)
+        assert n >= 4 and got == whole, name
+        assert _records_by_units(src, 10**9) == (1, whole)
+
+
+def _one_file(root: Path) -> tuple[Path, int]:
+    """One jsonl file of 66 records — near and exact duplicates, whitespace-only documents (filtered), a bad JSON
+    line and a record without the field — and a unit size that puts a range boundary exactly at the bad line's
+    start, so other boundaries fall inside records."""
+    rng = random.Random(1)
+    base = [_doc(rng, rng.randint(50, 80)) for _ in range(50)]
+    docs = [*base, *(_edit(base[i], rng, 1) for i in range(8)), *base[10:14], "   ", "\t"]
+    rng.shuffle(docs)
+    lines = [json.dumps({"text": t}) for t in docs]
+    lines[30:30] = ["{bad json", json.dumps({"other": "field"})]
+    while len("\n".join(lines[:30])) % 5 != 4:  # the bad line's start a multiple of 5
+        lines[0] += " "
+    data = "\n".join(lines) + "\n"
+    (root / "big.jsonl").write_text(data)
+    start = len("\n".join(lines[:30])) + 1  # the bad line's first byte
+    return root / "big.jsonl", start // 5  # boundaries at k x start / 5: the 5th is the bad line's start
+
+
+def test_a_single_jsonl_file_split_across_tasks_gives_the_same_bytes_and_lines(tmp_path: Path) -> None:
+    """A single-file jsonl source in byte-range units, built as 1 task and stage by stage as 3 tasks, and as one
+    unit: byte-identical .bin/.idx and manifest, the same accounting, and every `where` (rejects, filter samples,
+    near-duplicate report) the file's own line number."""
+    path, unit_bytes = _one_file(tmp_path)
+    raw = path.read_text().split("\n")
+    cuts = range(unit_bytes, path.stat().st_size, unit_bytes)
+    starts = [sum(len(x) + 1 for x in raw[:i]) for i in range(len(raw))]
+    assert len(cuts) >= 8 and starts[30] in cuts  # the bad line starts at a boundary
+    assert any(s < c < s + len(x) for c in cuts for s, x in zip(starts, raw, strict=True))  # records span ones
+
+    def cfg(out: str, ub: int) -> BuildConfig:
+        return BuildConfig(output_dir=str(tmp_path / out), unit_bytes=ub, shard_docs=8, workers=2,
+                           sources=[SourceConfig(name="big", path=str(path), profile="minimal")],
+                           dedup=DedupConfig(partition_docs=16),
+                           tokenizer=TokenizerConfig(vocab_size=300, sample_chars=30_000))
+
+    one = run_build(cfg("one", unit_bytes))
+    _sharded_build(cfg("three", unit_bytes), 3)
+    run_build(cfg("whole", 10**9))
+    assert _outputs(tmp_path / "three") == _outputs(tmp_path / "one") == _outputs(tmp_path / "whole")
+    work = tmp_path / "three" / "work" / "ingest" / "big"
+    assert len(list(work.glob("unit-*.counts.json"))) == len(cuts) + 1
+    d = one["sources"]["big"]["documents"]
+    assert d["in"] == 66 and d["malformed"] == {"bad_json": 1, "missing_field": 1}
+    assert d["filtered"] == {"empty": 2} and d["exact_duplicate"] == 4 and d["near_duplicate"] >= 6
+    assert d["kept"] + 2 + 2 + d["exact_duplicate"] + d["near_duplicate"] == d["in"]
+
+    def line_of(where: str) -> str:
+        file, _, n = where.rpartition(":")
+        assert file == str(path)
+        return raw[int(n) - 1]
+
+    for build in ("one", "three"):
+        def rows(name: str, build: str = build) -> list[dict]:
+            return [json.loads(x) for x in (tmp_path / build / name).read_text().splitlines()]
+
+        rejects = rows("work/ingest/big/rejects.jsonl")
+        assert [(r["reason"], line_of(r["where"])) for r in rejects] == [("bad_json", raw[30]),
+                                                                         ("missing_field", raw[31])]
+        filtered = rows("work/ingest/big/filtered.jsonl")
+        assert sorted(json.loads(line_of(f["where"]))["text"] for f in filtered) == ["\t", "   "]
+        near = rows("near_duplicates.jsonl")
+        assert len(near) == d["near_duplicate"]
+        for r in near:
+            a, b = (json.loads(line_of(r[k].split(":", 1)[1]))["text"] for k in ("removed", "kept"))
+            assert abs(true_jaccard(a, b) - r["jaccard"]) < 0.05
