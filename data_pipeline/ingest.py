@@ -296,7 +296,7 @@ def read_parquet(path: Path, field: str, batch_rows: int = 1024,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    row = 0
+    first = row = 0
     try:
         pf = pq.ParquetFile(path)
         if field not in pf.schema_arrow.names:
@@ -305,7 +305,7 @@ def read_parquet(path: Path, field: str, batch_rows: int = 1024,
         groups = None
         if row_groups is not None:
             groups = list(range(row_groups[0], min(row_groups[1], pf.metadata.num_row_groups)))
-            row = sum(pf.metadata.row_group(g).num_rows for g in range(row_groups[0]))
+            first = row = sum(pf.metadata.row_group(g).num_rows for g in range(row_groups[0]))
             if not groups:
                 return
         for batch in pf.iter_batches(batch_size=batch_rows, columns=[field], row_groups=groups):
@@ -313,8 +313,8 @@ def read_parquet(path: Path, field: str, batch_rows: int = 1024,
                 row += 1
                 yield _field_text({field: value}, field, f"{path}:{row}", repr(value)[:2000])
     except (pa.ArrowException, OSError) as err:
-        yield Record(None, str(path), "corrupt_file" if row else "unreadable_file",
-                     f"{path}: {err}; {row} rows read before it")
+        yield Record(None, str(path), "corrupt_file" if row > first else "unreadable_file",
+                     f"{path}: {err}; {row - first} rows read before it")
 
 
 def _hf_split(path: Path, split: str) -> Any:
