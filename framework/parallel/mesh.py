@@ -6,8 +6,9 @@ carved out of the data ranks: the flattened (dp_shard, cp, tp) ranks of one (pp,
 into contiguous blocks of `ep` ranks; dense gradients reduce over all data ranks, expert gradients over the
 "edp" ranks (same position inside an ep block, any block, any dp_replicate index).
 
-Everything here except `build_mesh` / `build_ep_mesh` is arithmetic: no process group is needed to validate a
-layout or to know which ranks talk to which, so the layout is golden-tested at thousands of ranks.
+Everything here except `build_mesh` / `build_ep_mesh` / `groups_created` is arithmetic: no process group is
+needed to validate a layout or to know which ranks talk to which, so the layout is golden-tested at thousands of
+ranks. `build_mesh` creates the process groups of a layout (the engine may add more only on the whole world).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh axes, slowest first."""
 EP_AXES: tuple[str, ...] = ("pp", "dp_replicate", "edp", "ep")
 """Axes of the expert mesh: edp = (dp_shard x cp x tp) / ep blocks."""
+_EXPERT_MESH = "_tessera_expert_mesh"
+"""Attribute of a mesh from `ParallelDims.build_mesh(..., experts=True)` holding its expert mesh."""
 
 
 
@@ -265,13 +268,27 @@ class ParallelDims:
         return sorted(out)
 
     # --- process groups ---------------------------------------------------------------------------------------
-    def build_mesh(self, device_type: str, ranks: torch.Tensor | None = None) -> DeviceMesh:
-        """The 5-axis `DeviceMesh` over the world, or over `ranks` (a sub-world; every rank must call this).
+    def build_mesh(self, device_type: str, ranks: torch.Tensor | None = None, *, experts: bool = False
+                   ) -> DeviceMesh:
+        """The 5-axis `DeviceMesh` over the world, or over `ranks` (a sub-world); with `experts` (an MoE model)
+        also its expert mesh (`build_ep_mesh`). Every rank of the world must call this, in the same order.
 
         With cp > 1 the mesh is unflattened from a root whose third axis is dp_shard x cp ("dp_shard_cp"), so
         FSDP's shard mesh (framework/parallel/zero.py: `fsdp_mesh`) and the tp mesh share one root, as FSDP + TP
         requires, and the flattened group is created collectively with the others (also on a sub-world).
+
+        All of a layout's process groups are created here, none later by the engine: torch names a group by a
+        per-process counter and ranks rendezvous under that name, so a group created only by a sub-world's ranks
+        shifts their names against every other rank's, and two sub-worlds that each create "their" group at once
+        create one name with two member sets — gloo then wires ranks of different groups together (a collective
+        deadlock or a silent cross-group sum; the compiled-layouts spawn hung on two MoE layouts, issue 20).
         """
+        mesh = self._build_mesh(device_type, ranks)
+        if experts:
+            setattr(mesh, _EXPERT_MESH, self._build_expert_mesh(mesh))
+        return mesh
+
+    def _build_mesh(self, device_type: str, ranks: torch.Tensor | None) -> DeviceMesh:
         import torch
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -286,15 +303,43 @@ class ParallelDims:
 
     def build_ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The expert mesh (pp, dp_replicate, edp, ep) over the ranks of `mesh` (this layout's 5-axis mesh, from
-        `build_mesh`); sub-meshes `["ep"]`, `["edp"]`. Every rank of `mesh` must call it.
+        `build_mesh`); sub-meshes `["ep"]`, `["edp"]`.
 
         ep blocks are contiguous in the flattened (dp_shard, cp, tp) ranks, so the expert mesh is a reshape of
-        the same rank tensor (equal to `ep_layout()`); built from `mesh` it also works for sub-world meshes.
+        the same rank tensor (equal to `ep_layout()`). It is the one `build_mesh(..., experts=True)` created
+        with `mesh`; only a mesh over the whole world may have it created now (every rank calls this then).
+
+        Raises:
+            ParallelismError: `mesh` is a sub-world mesh built without `experts=True` (creating its groups now,
+                on its ranks only, would desynchronize process-group names across the world).
         """
+        import torch.distributed as dist
+
+        built: DeviceMesh | None = getattr(mesh, _EXPERT_MESH, None)
+        if built is not None:
+            return built
+        if mesh.size() != dist.get_world_size():
+            raise ParallelismError(
+                f"the expert mesh of a sub-world mesh ({mesh.size()} of {dist.get_world_size()} ranks) must be "
+                f"created with it, by every rank: build the mesh with ParallelDims.build_mesh(..., experts=True)")
+        return self._build_expert_mesh(mesh)
+
+    def _build_expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         from torch.distributed.device_mesh import DeviceMesh
 
         ranks = mesh.mesh.reshape(self.pp, self.dp_replicate, -1, self.ep)
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EP_AXES)
+
+
+def groups_created() -> int:
+    """Process groups this process has created so far (torch's per-process counter that names them).
+
+    Equal on every rank of the world whenever all ranks created the same groups in the same order: what
+    `build_mesh` requires. A sub-world's code that changes it on its own ranks breaks that (see `build_mesh`).
+    """
+    from torch.distributed import distributed_c10d
+
+    return int(distributed_c10d._world.group_count)
 
 
 def even_split(n_layers: int, stages: int) -> list[int]:

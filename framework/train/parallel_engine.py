@@ -31,7 +31,7 @@ from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.config import ParallelConfig
 from framework.parallel.memory import model_state_report, unsharded_bytes
-from framework.parallel.mesh import AXES, ParallelDims
+from framework.parallel.mesh import AXES, ParallelDims, groups_created
 from framework.parallel.offload import io_metrics, offload_optimizers
 from framework.parallel.parallelize import parallelize
 from framework.parallel.pipeline import build_schedule, run_schedule
@@ -82,6 +82,7 @@ class ParallelEngine:
                  dims: ParallelDims, mesh: DeviceMesh, documents: DocumentMasking | None = None) -> None:
         self.model_cfg, self.train_cfg, self.pcfg, self.dims, self.mesh = model_cfg, train_cfg, pcfg, dims, mesh
         self.device = device
+        groups_before = groups_created()
         self.documents = documents
         coord = dict(zip(AXES, mesh.get_coordinate() or ()))
         self.dp_rank = coord["dp_replicate"] * dims.dp_shard + coord["dp_shard"]
@@ -106,6 +107,12 @@ class ParallelEngine:
         self._schedules: dict[int, Any] = {}
         self._found_inf = self._unscaled = False
         self.comm = CommLogger(mesh_axes(mesh, AXES) | zeropp_axes(self.model_parts)) if pcfg.comm_log else None
+        made = groups_created() - groups_before
+        if made and mesh.size() != dist.get_world_size():
+            raise ParallelismError(
+                f"building the engine on a sub-world mesh ({mesh.size()} of {dist.get_world_size()} ranks) created "
+                f"{made} process group(s) on its ranks only, which desynchronizes group names with the other ranks "
+                f"(a collective deadlock or cross-group sums; ParallelDims.build_mesh); create them in build_mesh")
 
     def _comm(self) -> contextlib.AbstractContextManager[Any]:
         return self.comm.active() if self.comm is not None else contextlib.nullcontext()
@@ -294,5 +301,5 @@ def build_parallel_engine(model_cfg: ModelConfig, train_cfg: TrainConfig, pcfg: 
     world = mesh.size() if mesh is not None else dist.get_world_size()
     dims = ParallelDims.from_config(pcfg, world, model_cfg)
     if mesh is None:
-        mesh = dims.build_mesh(device.type)
+        mesh = dims.build_mesh(device.type, experts=model_cfg.moe.enabled)
     return ParallelEngine(model_cfg, train_cfg, pcfg, device, dims, mesh, documents)

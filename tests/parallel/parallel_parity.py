@@ -232,18 +232,51 @@ def run_round(rank: int, world: int, layouts: list[dict[str, Any]], extra: tuple
     for i, layout in enumerate(layouts):
         cfg = make_config(layout_overrides(layout) + extra)
         dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
-        meshes.append(dims.build_mesh("cpu", torch.arange(offset, offset + dims.world_size)))
+        meshes.append(dims.build_mesh("cpu", torch.arange(offset, offset + dims.world_size),
+                                      experts=cfg.model.moe.enabled))
         if offset <= rank < offset + dims.world_size:
             mine = (i, cfg, dims)
         offset += dims.world_size
     assert offset <= world, f"round needs {offset} ranks, world has {world}"
-    if mine is None:
-        return {}
-    i, cfg, dims = mine
-    with broken_kv_replication(bool(layouts[i].get(BROKEN_KV))):
-        engine = ParallelEngine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"), dims, meshes[i],
-                                documents(cfg))
-    return {i: train_engine(engine, cfg)}
+    out = {}
+    if mine is not None:
+        i, cfg, dims = mine
+        with broken_kv_replication(bool(layouts[i].get(BROKEN_KV))):
+            engine = ParallelEngine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"), dims, meshes[i],
+                                    documents(cfg))
+        out = {i: train_engine(engine, cfg)}
+    _assert_one_group_per_name(layouts)
+    return out
+
+
+def group_members() -> dict[str, tuple[int, ...]]:
+    """This rank's process groups (the default one included) by name, with their global ranks."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return {name: tuple(sorted(c10d._world.pg_group_ranks[pg])) for pg, name in c10d._world.pg_names.items()}
+
+
+def group_name_conflicts(per_rank: list[dict[str, tuple[int, ...]]]) -> dict[str, set[tuple[int, ...]]]:
+    """Group names that stand for different rank sets on different ranks (`group_members` of every rank).
+
+    torch names groups by a per-process counter and ranks rendezvous under the name, so such a name wires
+    ranks of two groups together: a collective deadlock or a cross-group sum (issue 20: MoE layouts built their
+    expert meshes on their own ranks only; `ParallelDims.build_mesh`).
+    """
+    seen: dict[str, set[tuple[int, ...]]] = {}
+    for groups in per_rank:
+        for name, ranks in groups.items():
+            seen.setdefault(name, set()).add(ranks)
+    return {name: sets for name, sets in seen.items() if len(sets) > 1}
+
+
+def _assert_one_group_per_name(layouts: list[dict[str, Any]]) -> None:
+    import torch.distributed as dist
+
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, group_members())
+    conflicts = group_name_conflicts(per_rank)
+    assert not conflicts, f"round {layouts}: process-group names with different members on different ranks {conflicts}"
 
 
 BROKEN_KV = "_broken_kv_replication"

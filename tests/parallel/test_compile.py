@@ -3,7 +3,7 @@
 Inductor (the backend that generates kernels) runs the 1-process engine and one 2-rank layout (DP2 ZeRO-3:
 under TP each layer's regions compile separately, too slow for inductor on CI's 2 cores; TP2 with inductor was
 measured by hand, bench/compile_tp_repro.py). `aot_eager` (AOT autograd without codegen: the layer where the TP
-trouble lives, and cheap to compile) runs the others (LAYOUTS, in one 8-rank
+trouble lives, and cheap to compile) runs the others: every layout `refusal` allows (LAYOUTS, in one 8-rank
 spawn). The eager reference is parallel_parity's cached 1-process run of the same config without compile.
 Refused combinations raise at config load with the reason; a batch of a new shape compiles once, is logged as a
 recompilation, and both shapes' graphs are then reused.
@@ -26,17 +26,24 @@ INDUCTOR = {"train.compile": True, "train.compile_backend": "inductor"}
 TOL = 1e-5
 
 LAYOUTS: list[dict[str, Any]] = [
-    # Layouts run compiled in CI's one 8-rank spawn. Compiled GPipe, LoopedBFS, cp2, HSDP ZeRO-3 with CPU offload,
-    # ZeRO-2 with 2-block units, MoE with TP, TP without SP and NVMe offload matched eager in a probe (docs/
-    # PARALLELISM.md), but the spawn that held them deadlocked in a collective once in CI: they are out of it
-    # until that hang is found.
+    # Every wrapper compile meets: FSDP2 at each ZeRO stage (and HSDP, CPU offload, 2-block units), DDP, TP with and
+    # without SP / loss parallel, each pipeline schedule compile is allowed for, context parallelism, MoE with EP
+    # and with TP, both recompute modes around the compiled regions; NVMe offload is `_nvme_layout` (a directory).
+    # Packed 4 rounds deep with two MoE layouts side by side, this spawn deadlocked while MoE engines created their
+    # expert groups on their own ranks only (issue 20); run_round now checks that no group name means two rank sets.
     {"dp_shard": 2, "zero_stage": 3, **INDUCTOR},
-    {"tp": 2, "dp_shard": 1, "zero_stage": 0, **AOT},
-    {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", **AOT},
+    {"tp": 2, "dp_shard": 1, "zero_stage": 0, "sequence_parallel": False, "loss_parallel": False, **AOT},
     {"tp": 2, "dp_shard": 2, "zero_stage": 1, "recompute": "selective", **AOT},
+    {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", **AOT},
     {"pp": 2, "dp_shard": 1, "pp_schedule": "1F1B", "recompute": "full", **AOT},
+    {"pp": 2, "dp_shard": 1, "pp_schedule": "GPipe", **AOT},
+    {"pp": 2, "dp_shard": 1, "pp_schedule": "LoopedBFS", **AOT},
     {"dp_shard": 2, "ep": 2, "zero_stage": 1, "model.preset": "test-moe", **AOT},
+    {"dp_shard": 2, "ep": 2, "zero_stage": 2, "fsdp_layers_per_unit": 2, "model.preset": "test-moe", **AOT},
+    {"tp": 2, "dp_shard": 1, "model.preset": "test-moe", **AOT},
     {"dp_shard": 1, "dp_replicate": 2, "zero_stage": 0, "data.document_mask": True, **AOT},
+    {"dp_shard": 2, "dp_replicate": 2, "zero_stage": 3, "cpu_offload": True, **AOT},
+    {"cp": 2, "dp_shard": 1, **AOT},
 ]
 
 
@@ -103,7 +110,7 @@ def _rank(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dic
 
 @pytest.mark.slow
 def test_parallel_layouts_compiled_match_eager(tmp_path: Path) -> None:
-    rounds = pack_rounds(LAYOUTS, 8)
+    rounds = pack_rounds([*LAYOUTS, _nvme_layout(tmp_path)], 8)  # 32 ranks: 4 full rounds of the one 8-rank spawn
     results = run_distributed(_rank, 8, timeout_s=900, rounds=rounds)
     for i, layouts in enumerate(rounds):
         merged: dict[int, Any] = {}

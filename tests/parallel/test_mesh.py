@@ -1,16 +1,18 @@
 """ParallelDims: the rank layout as a pure function (golden tables up to 4,096 ranks), validation before any
-process group, and agreement with torch's own `init_device_mesh` on the fake backend at 1,024 ranks."""
+process group, agreement with torch's own `init_device_mesh` on the fake backend at 1,024 ranks, and layouts
+packed side by side creating the same process groups on every rank (fake backend)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from framework.errors import ConfigError, ParallelismError
 from framework.parallel.config import ParallelConfig
-from framework.parallel.mesh import AXES, ParallelDims, stage_layers
+from framework.parallel.mesh import AXES, ParallelDims, groups_created, stage_layers
 from framework.parallel.pipeline_schedules import stages_of_rank
 from models.config import model_config
 
@@ -152,3 +154,39 @@ def test_fake_backend_device_mesh_matches_pure_layout_at_1024() -> None:
         assert list(mesh.get_coordinate() or ()) == [dims.coords(rank)[a] for a in AXES]
     finally:
         dist.destroy_process_group()
+
+
+def test_packed_moe_layouts_give_each_group_name_one_rank_set() -> None:
+    """Two MoE layouts side by side on 4 ranks (0-1: dp_shard 2 x ep 2; 2-3: tp 2), as the parity tests pack
+    them. torch names a process group by a per-process counter and its ranks rendezvous under that name, so a
+    name must mean one rank set on every rank: the expert meshes come with `build_mesh(experts=True)`, which
+    every rank calls, and the engine's `build_ep_mesh` only looks its own up. Built by each layout's own ranks
+    (as before issue 20's fix) both layouts' expert groups get the same names: the spawn that held them
+    deadlocked. A sub-world mesh built without its expert mesh refuses to create one on its ranks alone."""
+    from parallel_parity import group_members, group_name_conflicts
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    layouts = [ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2),
+               ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2)]
+    groups: dict[str, list[dict[str, tuple[int, ...]]]] = {"with build_mesh": [], "by their own ranks": []}
+    for rank in range(4):
+        mine = rank // 2
+        for way, out in groups.items():
+            dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+            try:
+                meshes = [d.build_mesh("cpu", torch.arange(2 * i, 2 * i + 2), experts=way == "with build_mesh")
+                          for i, d in enumerate(layouts)]
+                before = groups_created()
+                if way == "with build_mesh":
+                    ep = layouts[mine].build_ep_mesh(meshes[mine])
+                    assert ep is layouts[mine].build_ep_mesh(meshes[mine]) and groups_created() == before
+                    assert ep["ep"].mesh.tolist() == ([0, 1] if mine == 0 else [rank])
+                else:
+                    with pytest.raises(ParallelismError, match=r"sub-world mesh \(2 of 4 ranks\).*experts=True"):
+                        layouts[mine].build_ep_mesh(meshes[mine])
+                    layouts[mine]._build_expert_mesh(meshes[mine])  # what MoEParallel did before the fix
+                out.append(group_members())
+            finally:
+                dist.destroy_process_group()
+    assert group_name_conflicts(groups["with build_mesh"]) == {}
+    assert group_name_conflicts(groups["by their own ranks"])  # the check above can fail
