@@ -58,6 +58,14 @@ class Launch:
             self.proc.kill()
             raise AssertionError(f"still running after {timeout} s:\n{self.output()[-4000:]}") from None
 
+    def wait_for_output(self, text: str, timeout: float = 60) -> None:
+        """Until `text` is in the log (e.g. the launcher's line saying its signal handler ran)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            assert self.proc.poll() is None, f"exited before printing {text!r}:\n{self.output()[-4000:]}"
+            assert time.monotonic() < deadline, f"{text!r} not printed:\n{self.output()[-4000:]}"
+            time.sleep(0.01)
+
     def wait_for_step(self, step: int, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
         while max(losses(self.run), default=0) < step:

@@ -13,7 +13,6 @@ import os
 import random
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -85,10 +84,12 @@ def test_signals_through_launch_local(tmp_path: Path) -> None:
     assert_no_process_left(run)
 
     # A second Ctrl-C aborts at once, in one line, without saving; the next start resumes from the last commit.
-    launch = two_ranks(run, tmp_path / "double.log")
+    # Two SIGINTs sent before the launcher runs are one pending signal (the kernel does not queue them): the second
+    # is sent once the launcher has handled the first, while the ranks' stop checkpoint is still being written.
+    launch = two_ranks(run, tmp_path / "double.log", {"TESSERA_TEST_SAVE_SLEEP_S": "3"})
     launch.wait_for_step(save_step + 1)
     os.kill(launch.proc.pid, signal.SIGINT)
-    time.sleep(0.01)
+    launch.wait_for_output("got SIGINT: forwarded")
     os.kill(launch.proc.pid, signal.SIGINT)
     assert launch.wait() == INTERRUPTED and "Traceback" not in launch.output(), launch.output()[-4000:]
     assert "second interrupt" in launch.output()
