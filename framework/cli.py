@@ -86,10 +86,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = Trainer(cfg).train(stop_at=args.stop_at)
     import torch.distributed as dist
 
-    if (not dist.is_initialized() or dist.get_rank() == 0) and result.losses:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if dist.is_initialized():
+        # An ordered teardown once every rank is done: left to interpreter exit, the process group was torn down
+        # with its threads in no set order, and under load a finished rank could abort at exit (SIGABRT,
+        # "terminate called without an active exception", exit 134) after its last checkpoint was committed.
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank0 and result.losses:
         print(f"run {result.run_dir}: steps {result.start_step}->{result.final_step}, "
               f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, {result.tokens_per_s:.0f} tokens/s")
-    elif not dist.is_initialized() or dist.get_rank() == 0:
+    elif rank0:
         print(f"run {result.run_dir} is already at step {result.final_step} (train.steps={cfg.train.steps}): "
               f"nothing to train; raise train.steps (docs/CHECKPOINTS.md) or choose a new run.name")
     return result.exit_code
