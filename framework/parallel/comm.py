@@ -88,6 +88,8 @@ class CollectiveTiming:
     """Seconds the issuing side was blocked waiting for it (CPU), or the compute stream stalled on it (CUDA)."""
     events: tuple[Any, Any] | None = None
     """(start, end) device events (CUDA): the in-flight time on the issuing stream."""
+    device: torch.device | None = None
+    """The accelerator the events were recorded on (None on CPU)."""
     stalls: list[tuple[Any, Any]] = field(default_factory=list)
     """(before, after) events around compute-stream waits attributed to it (CUDA)."""
 
@@ -169,7 +171,7 @@ class CommLogger:
 
     def resolved_timings(self) -> list[CollectiveTiming]:
         """`timings`, with device events synchronized so `seconds` / `exposed_s` can be read."""
-        devices = {t.events[0].device for t in self.timings if t.events is not None}
+        devices = {t.device for t in self.timings if t.device is not None}
         for device in devices:
             torch.get_device_module(device).synchronize(device)
         return list(self.timings)
@@ -232,7 +234,9 @@ class _CollectiveCounter(TorchDispatchMode):
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         timing = self.functional.pop(_storage(args[0] if args else kwargs.get("tensor")), None)
-        if timing is not None and timing.events is None:
+        if timing is not None and timing.events is not None:
+            _close_events(timing)
+        elif timing is not None:
             timing.done = time.perf_counter()
             timing.exposed += timing.done - t0
         return out
@@ -301,7 +305,7 @@ class _WaitHooks:
         if isinstance(work, torch.ScriptObject):
             work = dist.distributed_c10d.Work.unbox(work)
         if start is not None and buffer is not None:
-            timing.events = (start, None)
+            timing.events, timing.device = (start, None), buffer.device
             cls._hook_stream(buffer.device)
         if isinstance(work, dist.distributed_c10d.Work):
             # Keeping this wrapper alive makes pybind hand the caller the same object, so wait() finds it by id.
@@ -327,9 +331,7 @@ class _WaitHooks:
             return result
         timing = entry[1]
         if timing.events is not None:  # device: the end event on the waiting stream, now behind NCCL's
-            end = _device_event(_DeviceRef(timing.events[0].device))
-            timing.events = (timing.events[0], end)
-            timing.stalls[:] = [(a, end) if b is None else (a, b) for a, b in timing.stalls]
+            _close_events(timing)
             return result
         # Blocked until completion: the future's time where the work has one (the waiter's wake-up after it is
         # the host's, not the link's), else the end of the wait.
@@ -364,6 +366,14 @@ class _DeviceRef:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+
+def _close_events(timing: CollectiveTiming) -> None:
+    """After the wait (the current stream now waits on the collective): its end event, closing open stalls."""
+    assert timing.events is not None and timing.device is not None
+    end = _device_event(_DeviceRef(timing.device))
+    timing.events = (timing.events[0], end)
+    timing.stalls[:] = [(a, end) if b is None else (a, b) for a, b in timing.stalls]
 
 
 def _device_event(x: Any) -> Any:
