@@ -2,14 +2,13 @@
 count, and the step-time overhead with read-ahead/write-behind on and off, each against the in-memory optimizer
 measured in the same run.
 
-    PYTHONPATH=. nice -n 19 python bench/nvme_offload.py [--world 1] [--rounds 3] [--vocab 49152] [--nvme /tmp] \
+    PYTHONPATH=. nice -n 19 python bench/nvme_offload.py [--world 1] [--rounds 3] [--vocab 98304] [--nvme /tmp] \
         [--write docs/BENCHMARKS.md]
 
-Model: hidden 2048, 2 blocks, a `--vocab`-token vocabulary configured tied — but the parallel engine unties it at
-pp=1 (`to_empty` after building on the meta device gives the head its own copy), so at the default 49,152 it
-trains 304M parameter elements and its fp32 AdamW states (exp_avg + exp_avg_sq, 8 bytes each) are 2.4 GB
-(98,304: 505M, 4.0 GB); Ψ below is what the engine trains. 8 tokens per step keep forward/backward short on a
-CPU. Two processes: the in-memory optimizer (train.optimizer_impl=for_loop) alone, for its peak RSS
+Model: hidden 2048, 2 blocks, a tied `--vocab`-token vocabulary; at the default 98,304 the engine trains 304M
+parameter elements and their fp32 AdamW states (exp_avg + exp_avg_sq, 8 bytes each) are 2.4 GB (49,152: 203M,
+1.6 GB; Ψ below is what the engine trains, counted from its parameters). 8 tokens per step keep forward/backward
+short on a CPU. Two processes: the in-memory optimizer (train.optimizer_impl=for_loop) alone, for its peak RSS
 (ru_maxrss is per process); then the offloaded one (4 buffers of 64 MiB), whose overlap is switched per step
 (its read-ahead/write-behind pool, or the same I/O inline), beside an in-memory twin AdamW(foreach=False) built
 after its RSS is read: one step of each of the three per round, rotating the order, so load drift cancels in
@@ -133,7 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--vocab", type=int, default=98304)
     ap.add_argument("--nvme", default=tempfile.gettempdir(), help="local directory for the state files")
     ap.add_argument("--write", type=Path, default=None)
     args = ap.parse_args()
