@@ -84,6 +84,10 @@ class Config:
                 f"data.seq_len={self.data.seq_len} must be divisible by parallel.tp={tp}: sequence parallelism cuts "
                 f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
                 f"parallel.sequence_parallel=false")
+        from framework.parallel.mesh import zeropp_compile_problem
+
+        if problem := zeropp_compile_problem(self.parallel, self.train.compile):
+            raise ParallelismError(problem)
         if self.train.compile:  # only layouts whose compiled run matched eager (tests/parallel/test_compile.py)
             from framework.parallel.compile import refusal
 

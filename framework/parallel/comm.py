@@ -10,14 +10,31 @@ not seen again: each collective is counted exactly once. Each call is attributed
 group it ran on and recorded as the full buffer it moves (the all-gathered output, the reduce-scattered input)
 and, with ring algorithms, its wire bytes per rank: all-reduce 2(N-1)/N x buffer, all-gather / reduce-scatter /
 all-to-all / broadcast (N-1)/N x buffer, send/recv 1 x buffer.
+
+Timing (`CommLogger.timings`, one `CollectiveTiming` per call in issue order; `seconds` and `exposed_s` per
+(axis, op) in `summary()`): how long each collective was in flight and how much of it the compute side waited.
+- CPU (gloo): `seconds` runs from the issue to completion (the work's future, or the end of the wait that
+  finished it); `exposed_s` is the time the issuing side spent blocked in `Work.wait()` until completion
+  (`wait_tensor` for functional collectives). A synchronous call (FSDP2's reduce-scatter, an all-gather
+  without async unshard) waits at once: exposed = seconds. An async all-gather prefetched a unit ahead waits
+  only for what is left.
+- CUDA (NCCL): `Work.wait()` does not block the host, so both come from device events: `seconds` from an event
+  on the issuing stream before the op to one after its wait (which makes that stream wait on NCCL's); for a
+  collective issued on the compute (default) stream the compute stream stalls for all of it, for one issued on
+  a side stream (FSDP2's all-gather and reduce-scatter streams) `exposed_s` is the stall of the compute stream
+  at its next `wait_event` (an event before and after the wait). The per-step sum is exact; a stall is
+  attributed to the latest collective issued before it. Resolved, with one synchronize, when read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +73,41 @@ _FUNCTIONAL: dict[str, str] = {
 _FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 
 
+@dataclass
+class CollectiveTiming:
+    """One collective: where it ran, what it moved, how long it was in flight and how much of that was waited."""
+
+    axis: str
+    op: str
+    bytes: int
+    issued: float
+    """time.perf_counter() at the issue."""
+    done: float | None = None
+    """perf_counter() at completion (CPU); None until known."""
+    exposed: float = 0.0
+    """Seconds the issuing side was blocked waiting for it (CPU), or the compute stream stalled on it (CUDA)."""
+    events: tuple[Any, Any] | None = None
+    """(start, end) device events (CUDA): the in-flight time on the issuing stream."""
+    device: torch.device | None = None
+    """The accelerator the events were recorded on (None on CPU)."""
+    stalls: list[tuple[Any, Any]] = field(default_factory=list)
+    """(before, after) events around compute-stream waits attributed to it (CUDA)."""
+
+    @property
+    def seconds(self) -> float:
+        """Issue to completion; NaN while unknown (never waited and not yet complete)."""
+        if self.events is not None:
+            start, end = self.events
+            return float("nan") if end is None else start.elapsed_time(end) / 1e3
+        return float("nan") if self.done is None else self.done - self.issued
+
+    @property
+    def exposed_s(self) -> float:
+        if self.events is not None:  # stalls still open (never waited) are left out
+            return self.exposed + sum(a.elapsed_time(b) for a, b in self.stalls if b is not None) / 1e3
+        return self.exposed
+
+
 def wire_factor(op: str, n: int) -> float:
     """Bytes on the wire per rank per byte of the (full) buffer, ring algorithms."""
     if n <= 1:
@@ -80,6 +132,8 @@ class CommLogger:
         """The dtypes of the buffers each (axis, op) actually moved (e.g. FSDP's bf16 parameter all-gathers)."""
         self.buffers: dict[tuple[str, str], set[tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(set)
         """The distinct (dtype, shape) of the full buffers each (axis, op) moved (ZeRO++'s int8 ones, say)."""
+        self.timings: list[CollectiveTiming] = []
+        """Every collective since the last reset, in issue order (the bucket timeline; module docstring)."""
 
     def axis_of(self, group: Any) -> str:
         if group is not None and _name(group) in self.axes:
@@ -89,14 +143,17 @@ class CommLogger:
         return "other"
 
     def record(self, op: str, group: Any, full_bytes: int, dtypes: set[torch.dtype] | None = None,
-               buffers: set[tuple[torch.dtype, tuple[int, ...]]] | None = None) -> None:
+               buffers: set[tuple[torch.dtype, tuple[int, ...]]] | None = None) -> CollectiveTiming:
         n = group.size() if group is not None else dist.get_world_size()
         key = (self.axis_of(group), op)
+        timing = CollectiveTiming(key[0], op, full_bytes, time.perf_counter())
+        self.timings.append(timing)
         self.dtypes[key] |= dtypes or set()
         self.buffers[key] |= buffers or set()
         self.calls[key] += 1
         self.payload[key] += full_bytes
         self.wire[key] += full_bytes * wire_factor(op, n)
+        return timing
 
     @contextlib.contextmanager
     def active(self) -> Iterator[CommLogger]:
@@ -110,14 +167,32 @@ class CommLogger:
         self.wire.clear()
         self.dtypes.clear()
         self.buffers.clear()
+        self.timings.clear()
+
+    def resolved_timings(self) -> list[CollectiveTiming]:
+        """`timings`, with device events synchronized so `seconds` / `exposed_s` can be read."""
+        devices = {t.device for t in self.timings if t.device is not None}
+        for device in devices:
+            torch.get_device_module(device).synchronize(device)
+        return list(self.timings)
 
     def summary(self) -> dict[str, float]:
-        """Flat metrics: comm/<axis>/<op>/{bytes,wire_bytes,calls}."""
+        """Flat metrics: comm/<axis>/<op>/{bytes,wire_bytes,calls,seconds,exposed_s}, and comm/exposed_s in all.
+
+        seconds / exposed_s sum the collectives whose completion is known (module docstring)."""
         out: dict[str, float] = {}
         for (axis, op), n in self.calls.items():
             out[f"comm/{axis}/{op}/calls"] = n
             out[f"comm/{axis}/{op}/bytes"] = self.payload[(axis, op)]
             out[f"comm/{axis}/{op}/wire_bytes"] = self.wire[(axis, op)]
+            out[f"comm/{axis}/{op}/seconds"] = out[f"comm/{axis}/{op}/exposed_s"] = 0.0
+        for t in self.resolved_timings():
+            seconds = t.seconds
+            if seconds == seconds:  # not NaN
+                out[f"comm/{t.axis}/{t.op}/seconds"] += seconds
+            out[f"comm/{t.axis}/{t.op}/exposed_s"] += t.exposed_s
+        if self.timings:
+            out["comm/exposed_s"] = sum(t.exposed_s for t in self.timings)
         return out
 
     def wire_bytes(self, axes: tuple[str, ...] | None = None, ops: tuple[str, ...] | None = None) -> float:
@@ -131,27 +206,54 @@ class _CollectiveCounter(TorchDispatchMode):
     def __init__(self, logger: CommLogger) -> None:
         super().__init__()
         self.logger = logger
+        self.functional: dict[int, CollectiveTiming] = {}  # output storage -> its functional collective
+
+    def __enter__(self) -> _CollectiveCounter:
+        _WaitHooks.install()
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _WaitHooks.uninstall()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         namespace = getattr(func, "namespace", "")
-        if namespace == "c10d" or namespace in _FUNCTIONAL_NAMESPACES:
-            self._record(func, namespace, args, kwargs)
-        return func(*args, **kwargs)
+        if namespace in _FUNCTIONAL_NAMESPACES and func._schema.name.endswith("::wait_tensor"):
+            return self._wait_tensor(func, args, kwargs)
+        if namespace != "c10d" and namespace not in _FUNCTIONAL_NAMESPACES:
+            return func(*args, **kwargs)
+        timing, buffer = self._record(func, namespace, args, kwargs)
+        start = _device_event(buffer)
+        out = func(*args, **kwargs)
+        if timing is not None:
+            _WaitHooks.track(timing, out, start, buffer, self.functional)
+        return out
 
-    def _record(self, func: Any, namespace: str, args: Any, kwargs: dict[str, Any]) -> None:
+    def _wait_tensor(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        timing = self.functional.pop(_storage(args[0] if args else kwargs.get("tensor")), None)
+        if timing is not None and timing.events is not None:
+            _close_events(timing)
+        elif timing is not None:
+            timing.done = time.perf_counter()
+            timing.exposed += timing.done - t0
+        return out
+
+    def _record(self, func: Any, namespace: str, args: Any, kwargs: dict[str, Any]
+                ) -> tuple[CollectiveTiming | None, torch.Tensor | None]:
         name = func._schema.name.split("::")[-1]
         bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
         if namespace == "c10d":
             if name not in _C10D:
-                return
+                return None, None
             kind, buffer = _C10D[name]
             group = _unbox(bound.get("process_group"))
             full = bound.get(buffer)
-            self.logger.record(kind, group, _nbytes(full), _dtypes(full), _buffers(full))
-            return
+            return self.logger.record(kind, group, _nbytes(full), _dtypes(full), _buffers(full)), _first(full)
         if name not in _FUNCTIONAL:
-            return
+            return None, None
         kind = _FUNCTIONAL[name]
         group = _unbox(bound.get("group_name"))
         local = bound.get("input", bound.get("inputs", bound.get("tensor")))
@@ -160,7 +262,143 @@ class _CollectiveCounter(TorchDispatchMode):
         if kind == "all_gather":
             size *= int(bound["group_size"])
             buffers = {(dtype, (int(bound["group_size"]), *shape)) for dtype, shape in buffers}
-        self.logger.record(kind, group, size, _dtypes(local), buffers)
+        return self.logger.record(kind, group, size, _dtypes(local), buffers), _first(local)
+
+
+class _WaitHooks:
+    """While any logger is active: `Work.wait` (and, on accelerators, the compute stream's `wait_event`) note who
+    waited how long. Process-wide, installed once however many loggers nest; loggers are per rank (process)."""
+
+    lock = threading.Lock()
+    depth = 0
+    pending: ClassVar[dict[int, tuple[Any, CollectiveTiming]]] = {}  # id(Work) -> (the Work kept alive, its timing)
+    last_side: ClassVar[list[CollectiveTiming]] = []  # accelerators: latest collective issued off the compute stream
+    originals: ClassVar[dict[tuple[Any, str], Callable[..., Any]]] = {}  # (class, method) -> what was there before
+
+    @classmethod
+    def install(cls) -> None:
+        with cls.lock:
+            cls.depth += 1
+            if cls.depth > 1:
+                return
+            work_cls = dist.distributed_c10d.Work
+            cls.originals[(work_cls, "wait")] = work_cls.wait
+            work_cls.wait = cls._work_wait  # type: ignore[method-assign, assignment]
+
+    @classmethod
+    def uninstall(cls) -> None:
+        with cls.lock:
+            cls.depth -= 1
+            if cls.depth > 0:
+                return
+            for (owner, attr), original in cls.originals.items():
+                setattr(owner, attr, original)
+            cls.originals.clear()
+            cls.pending.clear()
+            cls.last_side.clear()
+
+    @classmethod
+    def track(cls, timing: CollectiveTiming, out: Any, start: Any, buffer: torch.Tensor | None,
+              functional: dict[int, CollectiveTiming]) -> None:
+        """After the op returned: remember its Work (c10d) or output (functional) so the wait can be timed."""
+        work = out[-1] if isinstance(out, (tuple, list)) and out else out
+        if isinstance(work, torch.ScriptObject):
+            work = dist.distributed_c10d.Work.unbox(work)
+        if start is not None and buffer is not None:
+            timing.events, timing.device = (start, None), buffer.device
+            cls._hook_stream(buffer.device)
+        if isinstance(work, dist.distributed_c10d.Work):
+            # Keeping this wrapper alive makes pybind hand the caller the same object, so wait() finds it by id.
+            cls.pending[id(work)] = (work, timing)
+            if timing.events is None:
+                with contextlib.suppress(RuntimeError):  # gloo's reduce-scatter works have no future
+                    work.get_future().add_done_callback(lambda _: _set_done(timing))
+        elif isinstance(out, torch.Tensor):
+            functional[_storage(out)] = timing
+        if timing.events is not None:
+            stream = torch.get_device_module(buffer.device).current_stream(buffer.device)  # type: ignore[union-attr]
+            if stream == torch.get_device_module(buffer.device).default_stream(buffer.device):  # type: ignore[union-attr]
+                timing.stalls.append((start, None))  # the compute stream itself waits: all of it is exposed
+            else:
+                cls.last_side[:] = [timing]
+
+    @staticmethod
+    def _work_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        entry = _WaitHooks.pending.pop(id(work), None)
+        t0 = time.perf_counter()
+        result = _WaitHooks.originals[(dist.distributed_c10d.Work, "wait")](work, *args, **kwargs)
+        if entry is None:
+            return result
+        timing = entry[1]
+        if timing.events is not None:  # device: the end event on the waiting stream, now behind NCCL's
+            _close_events(timing)
+            return result
+        # Blocked until completion: the future's time where the work has one (the waiter's wake-up after it is
+        # the host's, not the link's), else the end of the wait.
+        t1 = time.perf_counter()
+        timing.done = min(timing.done, t1) if timing.done is not None else t1
+        timing.exposed += max(0.0, timing.done - t0)
+        return result
+
+    @classmethod
+    def _hook_stream(cls, device: torch.device) -> None:
+        stream_cls = type(torch.get_device_module(device).current_stream(device))
+        with cls.lock:
+            if (stream_cls, "wait_event") in cls.originals:
+                return
+            cls.originals[(stream_cls, "wait_event")] = original = stream_cls.wait_event
+
+        def wait_event(stream: Any, event: Any) -> Any:
+            module = torch.get_device_module(device)
+            if not cls.last_side or stream != module.default_stream(stream.device):
+                return original(stream, event)
+            before = stream.record_event(module.Event(enable_timing=True))
+            result = original(stream, event)
+            after = stream.record_event(module.Event(enable_timing=True))
+            cls.last_side[0].stalls.append((before, after))
+            return result
+
+        stream_cls.wait_event = wait_event
+
+
+class _DeviceRef:
+    """Stands in for a tensor where only the device is needed (`_device_event`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+def _close_events(timing: CollectiveTiming) -> None:
+    """After the wait (the current stream now waits on the collective): its end event, closing open stalls."""
+    assert timing.events is not None and timing.device is not None
+    end = _device_event(_DeviceRef(timing.device))
+    timing.events = (timing.events[0], end)
+    timing.stalls[:] = [(a, end) if b is None else (a, b) for a, b in timing.stalls]
+
+
+def _device_event(x: Any) -> Any:
+    """A timing event recorded now on the current stream of x's accelerator; None on CPU."""
+    if x is None or x.device.type == "cpu":
+        return None
+    module = torch.get_device_module(x.device)
+    return module.current_stream(x.device).record_event(module.Event(enable_timing=True))
+
+
+def _set_done(timing: CollectiveTiming) -> None:
+    now = time.perf_counter()
+    timing.done = now if timing.done is None else min(timing.done, now)
+
+
+def _first(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)):
+        return next((t for t in map(_first, x) if t is not None), None)
+    return None
+
+
+def _storage(x: Any) -> int:
+    return x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else -1
 
 
 def _nbytes(x: Any) -> int:

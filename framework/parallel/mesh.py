@@ -355,6 +355,17 @@ def stage_layers(n_layers: int, stages: int, split: Sequence[int] | None = None)
     return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
 
 
+def zeropp_compile_problem(cfg: ParallelConfig, compile: bool) -> str:
+    """Why qwZ cannot run with `train.compile` ("" when it can); checked at config load (framework/config)."""
+    if compile and cfg.zero_quantized_weights:
+        return ("parallel.zero_quantized_weights with train.compile=true is not proven: the blocks are compiled "
+                "before fully_shard wraps their weights as QuantizedAllGatherWeight, and no compiled-vs-eager parity "
+                "case covers the dequantized gather (tests/parallel/test_compile.py has none); set "
+                "train.compile=false, or drop qwZ (zero_quantized_gradients runs outside the compiled blocks "
+                "but is unproven with compile too)")
+    return ""
+
+
 def zeropp_layout_problem(cfg: ParallelConfig, dims: ParallelDims) -> str:
     """Why the ZeRO++ keys cannot run on this layout ("" when they can); checked with the layout, before launch
     (`ParallelDims.validate`; the ZeRO++ options themselves are applied in framework/parallel/zero.py)."""

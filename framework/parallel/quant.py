@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 _QMAX = 127.0
@@ -118,7 +119,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
                              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         (gathered,), (n,) = all_gather_outputs, metadata
         world = gathered.numel() // packed_numel(n, self.block)
-        full = dequantize(gathered.view(world, -1), n, self.block, param_dtype).view(-1)
+        full = dequantize(gathered.view(world, -1), n, self.block, param_dtype).reshape(-1)  # fp32: a slice
         if out is not None:  # a re-gather (ZeRO-3 backward) into the parameter autograd saved: FSDP2's own copy-out
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 out.view(-1).copy_(full)
@@ -141,7 +142,8 @@ def quantizable(p: nn.Parameter, shard_size: int) -> bool:
 
 def wrap_quantized_weights(modules: list[nn.Module], shard_size: int, block: int) -> int:
     """Swap the evenly shardable fp32 parameters of `modules` (before `fully_shard`) for `QuantizedAllGatherWeight`s,
-    keeping tied parameters tied. Returns how many parameters stay plain (all-gathered in the mp dtype)."""
+    keeping tied parameters tied; parameters some earlier `fully_shard` already sharded (experts) stay plain.
+    Returns how many parameters stay plain (all-gathered in the mp dtype)."""
     swapped: dict[int, nn.Parameter] = {}
     plain = 0
     for mod in modules:
@@ -150,7 +152,9 @@ def wrap_quantized_weights(modules: list[nn.Module], shard_size: int, block: int
                 if p is None or isinstance(p.data, QuantizedAllGatherWeight):
                     continue
                 if id(p) not in swapped:
-                    if not quantizable(p, shard_size):
+                    # Already sharded by an earlier fully_shard (MoE's expert units over edp, parallelize.py step
+                    # 9): FSDP holds that DTensor, so it stays plain and is gathered in the mp dtype.
+                    if isinstance(p.data, DTensor) or not quantizable(p, shard_size):
                         plain += 1
                         continue
                     wrapped = QuantizedAllGatherWeight(p.data, block)

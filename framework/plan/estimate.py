@@ -11,7 +11,8 @@ backward and the drain half of the bubble, the parameter gather with the first f
 per-micro-batch ZeRO-2 traffic with that micro-batch's backward. Only the excess is exposed. ZeRO-3 is modelled
 per FSDP unit (`_zero3_exposed`): each pass's first all-gather and backward's last reduce-scatter have no
 compute to hide behind, the others hide behind the neighbouring unit's compute up to its length (with
-prefetch >= 1) or not at all (prefetch 0); per-unit latency ((n-1) ring steps) and the inter-node bandwidth
+prefetch >= 1; FSDP2's default, prefetch 0, still prefetches one unit in backward) or not at all (forward,
+prefetch 0); per-unit latency ((n-1) ring steps) and the inter-node bandwidth
 of a group that spans nodes enter through each collective's time (`framework.plan.comm`).
 NVMe offload adds reading and writing the rank's AdamW states (16 bytes per parameter) at `nvme_gbps` after
 backward, where nothing hides it.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from framework.parallel.pipeline_schedules import bubble_fraction
@@ -81,25 +83,46 @@ def _layer_and_head_flops(cfg: ModelConfig, seq: int, recompute: bool) -> tuple[
     return (total - head) / cfg.n_layers, head
 
 
+def zero3_pass_exposed(gathers: Sequence[float], reduces: Sequence[float], computes: Sequence[float],
+                       prefetch: int, blocking_reduce: bool = False) -> float:
+    """Exposed communication of one ZeRO-3 pass over FSDP units in execution order (the planner's overlap model).
+
+    Unit i has an all-gather of `gathers[i]` s in front of its compute (`computes[i]` s) and, in backward, a
+    reduce-scatter of `reduces[i]` s after it (forward: zeros). One communication stream beside compute
+    (FSDP2's all-gather and reduce-scatter streams share the links). With prefetch >= 1, unit i's gather is
+    issued at unit i-1's start and runs under its compute, queued behind unit i-1's reduce-scatter, so only its
+    excess shows; the first gather and the last reduce-scatter have nothing to hide behind. Without prefetch
+    every gather waits in front of its unit (FSDP2 issues it when the unit starts); reduce-scatters still run
+    beside the next unit's compute. `blocking_reduce`: a backend whose reduce-scatter blocks compute (FSDP2 on
+    CPU/gloo issues it synchronously): every reduce-scatter is exposed, and a prefetched gather hides behind
+    the previous unit's compute and reduce-scatter. Deeper prefetch hides no more with equal units.
+    """
+    k = len(gathers)
+    if k == 0:
+        return 0.0
+    if blocking_reduce:
+        hidden = [computes[i - 1] + reduces[i - 1] for i in range(1, k)]
+        gather = gathers[0] + sum(max(0.0, gathers[i] - hidden[i - 1]) for i in range(1, k)) if prefetch \
+            else sum(gathers)
+        return gather + sum(reduces)
+    if prefetch == 0:
+        return sum(gathers) + sum(max(0.0, reduces[i] - computes[i + 1]) for i in range(k - 1)) + reduces[-1]
+    return gathers[0] + sum(max(0.0, gathers[i] + reduces[i - 1] - computes[i - 1]) for i in range(1, k)) \
+        + reduces[-1]
+
+
 def _zero3_exposed(gather: float, reduce: float, m: int, units: int, fwd: float, bwd: float, prefetch: int
                    ) -> float:
-    """Exposed ZeRO-3 traffic per step: `units` FSDP units per pass, 2m gathers and m reduce-scatters of each.
+    """Exposed ZeRO-3 traffic per step: `units` equal FSDP units per pass, 2m gathers and m reduce-scatters of
+    each, the step's forward and backward compute `fwd` / `bwd` split evenly (`zero3_pass_exposed`).
 
-    One communication stream beside compute (FSDP2's all-gather and reduce-scatter streams share the links).
-    Forward: unit 1's gather is exposed; with prefetch, unit i+1's gather runs under unit i's compute, so only
-    its excess over that compute shows. Backward: the same for the re-gathers, each unit's reduce-scatter queued
-    behind the next gather, the last reduce-scatter exposed. Without prefetch every gather waits (FSDP2 issues
-    it when the unit's forward starts). Deeper prefetch hides no more with equal units; it costs memory.
-    """
+    prefetch 0 is FSDP2's default, which still prefetches one unit in backward (`FSDPParamGroup.
+    _backward_prefetch`, implicit when no explicit backward prefetch is set; measured in bench/zero_overlap.py),
+    so only the forward loses its overlap."""
     g, r = gather / (2 * m * units), reduce / (m * units)
-    cf, cb = fwd / units, bwd / units
-    if prefetch == 0:
-        per_fwd = units * g
-        per_bwd = units * g + r + max(0.0, (units - 1) * (r - cb))
-    else:
-        per_fwd = g + max(0.0, (units - 1) * (g - cf))
-        per_bwd = g + r + max(0.0, (units - 1) * (g + r - cb))
-    return m * (per_fwd + per_bwd)
+    forward = zero3_pass_exposed([g] * units, [0.0] * units, [fwd / units] * units, prefetch)
+    backward = zero3_pass_exposed([g] * units, [r] * units, [bwd / units] * units, max(prefetch, 1))
+    return m * (forward + backward)
 
 
 def _dp_exposed(dp: dict[str, AxisComm], lay: Layout, m: int, fwd: float, bwd: float, bubble_s: float,
@@ -176,4 +199,4 @@ def _scaled(c: AxisComm, m: int) -> AxisComm:
     return AxisComm(c.wire_bytes * m, c.messages * m, c.seconds * m)
 
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["Estimate", "estimate", "zero3_pass_exposed"]

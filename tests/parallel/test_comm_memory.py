@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,13 +68,81 @@ def _fsdp_and_dtensor(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+LATE = 0.3
+"""Seconds rank 1 enters the timed collectives late: rank 0's in-flight and blocked times must show it."""
+
+
+def _timed_collectives(rank: int, world: int) -> dict[str, Any]:
+    """A synchronous all-gather rank 1 joins LATE s late (rank 0 blocks through it), then an async one rank 0 waits
+    for only after 2 x LATE (it was done by then: in flight ~LATE, exposed ~0)."""
+    import time
+
+    log = CommLogger({dist.group.WORLD: "dp_shard"})
+    out = torch.empty(4 * world)
+    with log.active():
+        if rank == 1:
+            time.sleep(LATE)
+        dist.all_gather_into_tensor(out, torch.ones(4))
+        if rank == 1:
+            time.sleep(LATE)
+        work = dist.all_gather_into_tensor(out, torch.ones(4), async_op=True)
+        if rank == 0:
+            time.sleep(2 * LATE)
+        assert work is not None
+        work.wait()
+    return {"timings": [(t.op, t.seconds, t.exposed_s) for t in log.resolved_timings()]}
+
+
+def _zero3_step(rank: int, world: int) -> dict[str, Any]:
+    """One step of the engine's ZeRO-3 (dp_shard=2, comm_log on): the timing fields of its metrics."""
+    from parallel_parity import make_config
+
+    from framework.train.parallel_engine import build_parallel_engine
+
+    cfg = make_config(("parallel.dp_shard=2", "parallel.zero_stage=3", "parallel.comm_log=true"))
+    engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(rank)
+    batch = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.global_batch_size // world, cfg.data.seq_len + 1),
+                          generator=gen)
+    engine.forward_backward(batch)
+    assert engine.comm is not None
+    timings = [(t.op, t.seconds, t.exposed_s) for t in engine.comm.resolved_timings()]
+    return {"metrics": engine.extra_metrics(), "timings": timings}
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
-    return {"plain": _plain_collectives(rank, world), **_fsdp_and_dtensor(rank, world)}
+    return {"plain": _plain_collectives(rank, world), **_fsdp_and_dtensor(rank, world),
+            "timed": _timed_collectives(rank, world), "zero3": _zero3_step(rank, world)}
 
 
-def test_logger_counts_every_collective_once_per_axis_and_fsdp_memory() -> None:
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, Any]:
+    return run_distributed(_body, 2, timeout_s=120)[0]
+
+
+def test_collective_timings_in_flight_and_exposed(two_ranks: dict[str, Any]) -> None:
+    (op1, total1, exposed1), (op2, total2, exposed2) = two_ranks["timed"]["timings"]
+    assert op1 == op2 == "all_gather"
+    # Synchronous: rank 0 blocked until the late rank joined, so nearly all of it is exposed.
+    assert total1 >= 0.8 * LATE and exposed1 >= 0.8 * LATE and exposed1 <= total1 + 1e-6
+    # Async, waited long after it finished: in flight ~LATE (from its future), hardly any of it exposed.
+    assert total2 >= 0.5 * LATE and total2 < 2 * LATE and exposed2 < 0.25 * LATE
+
+    # A real ZeRO-3 step through the engine: every FSDP all-gather / reduce-scatter timed, positive, exposed <= total.
+    zero3 = two_ranks["zero3"]
+    fsdp = [t for t in zero3["timings"] if t[0] in ("all_gather", "reduce_scatter")]
+    assert {t[0] for t in fsdp} == {"all_gather", "reduce_scatter"}
+    for op, total, exposed in fsdp:
+        assert 0 < total < 60 and 0 <= exposed <= total + 1e-6, (op, total, exposed)
+    metrics = zero3["metrics"]
+    for op in ("all_gather", "reduce_scatter"):
+        assert 0 < metrics[f"comm/dp_shard/{op}/exposed_s"] <= metrics[f"comm/dp_shard/{op}/seconds"] + 1e-6
+    assert metrics["comm/exposed_s"] == pytest.approx(sum(t[2] for t in zero3["timings"]))
+
+
+def test_logger_counts_every_collective_once_per_axis_and_fsdp_memory(two_ranks: dict[str, Any]) -> None:
     world = 2
-    res = run_distributed(_body, world, timeout_s=120)[0]
+    res = two_ranks
     plain = res["plain"]
     assert plain["calls"] == {("dp_shard", "all_reduce"): 1, ("dp_shard", "all_gather"): 1, ("world", "all_reduce"): 1,
                               ("dp_shard", "send"): 1, ("dp_shard", "recv"): 1}

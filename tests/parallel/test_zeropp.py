@@ -4,8 +4,9 @@ loss parity with the unquantized run.
 One spawn of 4 gloo ranks seen as 2 "nodes" x 2 (parallel.zero_hpz_partition_size=2: ranks {0,1} and {2,3}),
 ZeRO-3 over dp_shard=4, bf16 (the default bf16 all-gather is the baseline), 5 steps of each case:
 plain, qwZ, hpZ, qgZ one hop, qgZ two hops with hpZ, and qwZ + qgZ together (qwZ with hpZ is refused, see
-`test_zeropp_keys_refused`), qwZ + qgZ on ZeRO-1, then qwZ + qgZ resumed from its step-3 checkpoint (plain
-fp32 shards on disk).
+`test_zeropp_keys_refused`), qwZ + qgZ on ZeRO-1, qwZ with fp16 and with MoE against their unquantized runs
+(step 0 within a derived first-order bound), then qwZ + qgZ resumed from its step-3 checkpoint (plain fp32
+shards on disk).
 The last step's bytes come from the comm logger (framework/parallel/comm.py), which sees every collective at
 the dispatcher with the buffer it really moves.
 
@@ -49,14 +50,55 @@ CASES: dict[str, tuple[str, ...]] = {
     "qwz_qgz": ("parallel.zero_quantized_weights=true", "parallel.zero_quantized_gradients=true"),
     "zero1_qwz_qgz": ("parallel.zero_quantized_weights=true", "parallel.zero_quantized_gradients=true",
                       "parallel.zero_stage=1"),
+    # qwZ with fp16 (loss scaling; by default FSDP gathers fp32 under fp16, so qwZ dequantizes into fp32) and
+    # with MoE (experts and router sharded on dim 0, ep = 1; the aux loss off so the gradient is the CE loss's).
+    "fp16": ("train.precision=fp16",),
+    "fp16_qwz": ("train.precision=fp16", "parallel.zero_quantized_weights=true"),
+    "moe": ("model.preset=test-moe", "model.moe.aux_loss_coef=0.0"),
+    "moe_qwz": ("model.preset=test-moe", "model.moe.aux_loss_coef=0.0", "parallel.zero_quantized_weights=true"),
 }
+BASELINE = {"qwz": "plain", "fp16_qwz": "fp16", "moe_qwz": "moe"}
+"""qwZ cases and the unquantized run whose step-0 gradients bound their step-0 loss gap (`_first_order_bound`)."""
 LOSS_TOL = 2e-3
 """|loss - plain loss| over 5 steps (loss ~6.2, so 3e-4 relative). int8 rounds each element to 1/254 of its
 block's absmax; through the matmuls these errors average out: measured gaps are 1e-5 .. 5e-4."""
 
 
-def _steps(engine: Any, cfg: Any, start: int, stop: int, save: list[Path] | None = None) -> list[tuple[float, float]]:
-    """Train steps [start, stop); with `save` = [root], checkpoint before step SAVE_AT and append its path."""
+def _first_order_bound(engine: Any, cfg: Any) -> float:
+    """First-order bound on qwZ's step-0 loss change, from the unquantized run's weights w and gradients g there.
+
+    qwZ sends each rank's shard in blocks of B elements quantized to s_b = max_b|w| / 127 steps, dequantized
+    into the gather dtype (unit roundoff u; the plain run rounds w into it too): per element
+    |delta| <= max_b|w| / 254 + u (|w| + |dequantized|) <= max_b|w| (1/254 + u (2 + 1/254)). The loss moves by
+    g . delta + O(delta^2), so |dL| <= (1/254 + u (2 + 1/254)) sum_b max_b|w| ||g_b||_1 over the quantized
+    parameters (`quantizable`), blocks as each rank cuts its own shard, summed over ranks.
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from framework.parallel.quant import quantizable
+    from framework.parallel.zero import fsdp_mp_policy
+
+    total = torch.zeros((), dtype=torch.float64)
+    for part in engine.model_parts:
+        for p in part.parameters():
+            if p.grad is None or not quantizable(p, W):
+                continue
+            w = p.to_local().detach().reshape(-1).double()
+            g = p.grad.to_local().reshape(-1).double() / engine.scaler.scale
+            nb = -(-w.numel() // BLOCK)
+            blocks = [F.pad(t.abs(), (0, nb * BLOCK - t.numel())).view(nb, BLOCK) for t in (w, g)]
+            total += (blocks[0].amax(dim=1) * blocks[1].sum(dim=1)).sum()
+    dist.all_reduce(total)
+    dtype = fsdp_mp_policy(cfg.parallel, cfg.train.precision).param_dtype or torch.float32
+    u = torch.finfo(dtype).eps / 2
+    return float(total) * (1 / 254 + u * (2 + 1 / 254))
+
+
+def _steps(engine: Any, cfg: Any, start: int, stop: int, save: list[Path] | None = None,
+           bound: list[float] | None = None) -> list[tuple[float, float]]:
+    """Train steps [start, stop); with `save` = [root], checkpoint before step SAVE_AT and append its path; with
+    `bound`, append step 0's `_first_order_bound`."""
     from framework.checkpoint.dcp import save_checkpoint
     from framework.train.lr_schedule import lr_at
 
@@ -69,6 +111,8 @@ def _steps(engine: Any, cfg: Any, start: int, stop: int, save: list[Path] | None
             save.append(save_checkpoint(save[0], step, engine.model_parts, engine.optimizers, {}))
         loss = engine.forward_backward(rank_batch(data[step], engine.dp_rank, engine.dp_size,
                                                   cfg.train.micro_batch_size))
+        if bound is not None and step == 0:
+            bound.append(_first_order_bound(engine, cfg))
         norm = engine.clip_grad_norm(cfg.train.grad_clip)
         engine.optimizer_step(lr_at(cfg.train, step))
         out.append((loss, norm))
@@ -84,10 +128,12 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     for name, overrides in CASES.items():
         cfg = make_config((*BASE, *overrides))
         engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
-        steps = _steps(engine, cfg, 0, STEPS, save if name == "qwz_qgz" else None)
+        bound: list[float] = []
+        steps = _steps(engine, cfg, 0, STEPS, save if name == "qwz_qgz" else None,
+                       bound if name in BASELINE.values() else None)
         comm = engine.comm
         out[name] = {"steps": steps, "wire": dict(comm.wire), "buffers": {k: sorted(v, key=str) for k, v in
-                                                                         comm.buffers.items()}}
+                                                                         comm.buffers.items()}, "bound": bound}
     # Resume: the checkpoint holds plain fp32 shards (no wrapper); reloaded, the quantized run goes on exactly.
     cfg = make_config((*BASE, *CASES["qwz_qgz"]))
     resumed = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
@@ -179,6 +225,21 @@ def test_zeropp_loss_parity_with_the_unquantized_run(runs: dict[str, Any]) -> No
     assert runs["resumed"] == runs["qwz_qgz"]["steps"][SAVE_AT:]  # resumed from step 3's checkpoint: exact
 
 
+def test_qwz_step0_loss_within_its_first_order_bound_with_bf16_fp16_and_moe(runs: dict[str, Any]) -> None:
+    """Same weights at step 0, so the loss gap is qwZ's rounding alone: within `_first_order_bound` of the
+    unquantized run (bf16 gathers; fp16 with loss scaling, gathers fp32; MoE with 4 experts, ep = 1), not zero;
+    then 5 steps within LOSS_TOL, and no step skipped for overflow under fp16 (a skip would move the loss by the
+    whole step)."""
+    for name, base in BASELINE.items():
+        (bound,) = runs[base]["bound"]
+        gap0 = abs(runs[name]["steps"][0][0] - runs[base]["steps"][0][0])
+        assert 0 < gap0 <= bound, (name, gap0, bound)
+        gaps = [abs(a - b) for (a, _), (b, _) in zip(runs[name]["steps"], runs[base]["steps"])]
+        assert max(gaps) < LOSS_TOL, (name, gaps)
+        norms = [(a, b) for (_, a), (_, b) in zip(runs[name]["steps"], runs[base]["steps"])]
+        assert all(abs(a / b - 1) < 0.02 for a, b in norms), (name, norms)
+
+
 def test_zeropp_keys_refused() -> None:
     with pytest.raises(ConfigError, match="NotImplementedError"):
         make_config(("parallel.zero_quantized_weights=true", "parallel.zero_hpz_partition_size=2",
@@ -198,6 +259,8 @@ def test_zeropp_keys_refused() -> None:
     cfg = make_config(("parallel.zero_quantized_gradients=true", "parallel.pp=2"))
     with pytest.raises(ParallelismError, match=r"not proven with parallel.cpu_offload, pp > 1"):
         ParallelDims.from_config(cfg.parallel, 4, cfg.model)
+    with pytest.raises(ParallelismError, match=r"zero_quantized_weights with train\.compile=true is not proven"):
+        make_config(("parallel.zero_quantized_weights=true", "train.compile=true"))
     cfg = make_config(("parallel.zero_hpz_partition_size=2", "parallel.zero_stage=3", "parallel.cp=2",
                        "parallel.dp_shard=2"))
     ParallelDims.from_config(cfg.parallel, 4, cfg.model)  # hpZ groups span dp_shard x cp: 2 divides 4
