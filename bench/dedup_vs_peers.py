@@ -47,7 +47,13 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.dedup import NearDedupResult, assign_removals, verify_pairs
-from data_pipeline.dedup_eval import DedupBenchmark, jaccard_histogram, make_corpus, recall_precision
+from data_pipeline.dedup_eval import (
+    DedupBenchmark,
+    jaccard_histogram,
+    make_corpus,
+    recall_precision,
+    removal_recall,
+)
 from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, signatures
 
 BANDS, ROWS, SEED, NGRAM, VERIFY = 14, 8, 1, 5, 0.7
@@ -277,10 +283,12 @@ def measure(rows: dict[str, dict[str, Any]], name: str, bench: DedupBenchmark,
     shared = shared_precision(bench.texts, result)
     n = len(bench.texts)
     rows[name] = {"docs_per_cpu_s": n / cpu, "cpu_s": cpu, "wall_s": wall, "recall@0.8": recall,
+                  "removal_recall@0.8": removal_recall(bench, result),
                   "pair_precision@0.7": precision, "shared_shingle_precision@0.7": shared,
                   "removed": int((~result.keep).sum()),
                   "candidates": result.candidates, "stages_cpu_s": {k: round(v, 2) for k, v in st.cpu.items()}}
     print(f"  {name:38s} {n / cpu:9.0f} docs/CPU-s (cpu {cpu:7.1f} s, wall {wall:7.1f} s)  recall@0.8 {recall:.3f}"
+          f" (not both kept {rows[name]['removal_recall@0.8']:.3f})"
           f"  pair-precision@0.7 {precision:.3f} (shared shingles {shared:.3f})  removed {rows[name]['removed']}"
           f"  candidates {result.candidates}"
           f"\n  {'':38s} stages (CPU s): " + ", ".join(f"{k} {v:.2f}" for k, v in st.cpu.items()), flush=True)
