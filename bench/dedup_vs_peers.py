@@ -15,9 +15,12 @@ Rows, all in one process, one after another, on the same corpus:
   + verify   : the candidate pairs verified by exact Jaccard >= 0.7 on the tool's own shingle sets, then the
                same edge clustering; for peers a post-pass (its CPU time is also shown alone). Tessera's
                default (one-row multi-probe + verification) is its own row.
+  kperm      : Tessera plain and default with scheme "kperm" (112 permutations, the signatures before one
+               permutation hashing became the default), for the scheme's speed and accuracy in the same run.
 docs/CPU-s: documents per CPU-second of the process (getrusage user + sys, children included), fair on a
 shared machine; wall seconds beside it. Ground truth and metrics: `data_pipeline.dedup_eval` (truth Jaccard on
-whitespace tokens with plain Python sets, independent of every tool's tokenizer).
+whitespace tokens with plain Python sets, independent of every tool's tokenizer); recall both as "in one
+cluster" and as "not both kept" (star clusters split some pairs that were both removed).
 
 datatrove and datasketch are not Tessera dependencies; run with a separate environment:
     python3 -m venv /tmp/benchvenv
