@@ -17,6 +17,7 @@ from data_pipeline.minhash import (
     band_keys,
     candidate_pairs,
     jaccard,
+    shingle_set,
     signatures,
 )
 from framework.errors import ConfigError
@@ -182,7 +183,7 @@ def cluster_signatures(sig: np.ndarray, cfg: MinHashConfig, *, priority: np.ndar
 def verify_pairs(pairs: np.ndarray, shingles_of: Callable[[np.ndarray], Sequence[np.ndarray]]) -> np.ndarray:
     """Exact shingle Jaccard of each pair (m, 2) of document ids; `shingles_of(ids)` gives their shingle hashes."""
     involved = np.unique(pairs)
-    sets = {i: np.unique(h) for i, h in zip(involved.tolist(), shingles_of(involved), strict=True)}
+    sets = {i: shingle_set(h) for i, h in zip(involved.tolist(), shingles_of(involved), strict=True)}
     return np.array([jaccard(sets[i], sets[j]) for i, j in pairs.tolist()], dtype=np.float64)
 
 

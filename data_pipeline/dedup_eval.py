@@ -17,6 +17,8 @@ sampled down to `_GROUP_CAP` members) whose truth Jaccard is >= 0.5, plus each g
 documents (lines drawn at random from the whole pool) bring a corpus to any size, e.g. 10^6 documents.
 
 recall@0.8: share of known pairs with truth J >= 0.8 that end in one cluster.
+removal recall@0.8: share of those pairs not both kept — the dedup outcome. Lower same-cluster recall with it
+at ~1 means pairs removed for two different kept documents (star clusters, which never chain), not missed ones.
 pair precision@0.7: share of removed documents whose truth J with some kept member of their cluster is >= 0.7
 (the most favourable kept partner, the same rule for every tool).
 """
@@ -311,6 +313,12 @@ def recall_precision(bench: DedupBenchmark, result: NearDedupResult) -> tuple[fl
         kept = [int(k) for k in order[lo:hi] if result.keep[k]]
         good += any(set_jaccard(sh(r), sh(k)) >= 0.7 for k in kept)
     return float(recall), good / max(1, len(removed))
+
+
+def removal_recall(bench: DedupBenchmark, result: NearDedupResult) -> float:
+    """Share of known pairs with truth J >= 0.8 of which at least one document is removed."""
+    hard = np.array([(a, b) for a, b, j in bench.pairs if j >= 0.8], dtype=np.int64).reshape(-1, 2)
+    return float((~(result.keep[hard[:, 0]] & result.keep[hard[:, 1]])).mean()) if len(hard) else 1.0
 
 
 def jaccard_histogram(bench: DedupBenchmark) -> dict[str, dict[str, int]]:

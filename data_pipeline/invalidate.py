@@ -5,7 +5,7 @@ changed, and says which. The dependency table (docs/DATA.md):
     ingest/<s>    source s's own settings (path, format, fields, split, glob, its filters and their
                   parameters, its effective normalization), shard_docs and unit_bytes
     exact         every ingest key, every priority, dedup.exact and dedup.partition_docs
-    minhash/<s>   ingest/<s> and the signature settings (ngram, bands, rows)
+    minhash/<s>   ingest/<s> and the signature settings (ngram, bands, rows, seed, scheme)
     bands/<s>     minhash/<s>, exact (exact duplicates get no band keys) and probe
     near          exact, every bands key, dedup.near and the rest of dedup (pairs, verify and near)
     tokenizer     a given tokenizer file's bytes; or (trained) near, the tokenizer settings (its training
@@ -56,7 +56,8 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
     ingest = [[s.name, s.priority, keys[f"ingest/{s.name}"]] for s in cfg.sources]
     keys["exact"] = config_key([ingest, cfg.dedup.exact, cfg.dedup.partition_docs])
     for src in cfg.sources:
-        keys[f"minhash/{src.name}"] = config_key([keys[f"ingest/{src.name}"], mh["ngram"], mh["bands"], mh["rows"]])
+        keys[f"minhash/{src.name}"] = config_key([keys[f"ingest/{src.name}"], mh["ngram"], mh["bands"], mh["rows"],
+                                                  mh["seed"], mh["scheme"]])
         keys[f"bands/{src.name}"] = config_key([keys[f"minhash/{src.name}"], keys["exact"], mh["probe"]])
     keys["near"] = config_key([keys["exact"], [keys[f"bands/{s.name}"] for s in cfg.sources],
                                to_dict(cfg.dedup)])

@@ -1,19 +1,24 @@
 """Near-duplicate detection: word n-gram MinHash signatures and LSH banding, vectorized in numpy.
 
 Shingles are word 5-grams (lower-cased words: runs of letters, digits and '_') hashed to 64 bits, with the
-words found and hashed over the bytes of a whole batch at once. Signature k of a document is the min over its
-shingles x of (a_k * x + b_k) mod 2^64, top 32 bits kept — the multiply-add-shift universal hash family
-(Dietzfelbinger 1996): one multiply and one add per permutation on a whole batch, and taking the top bits after
-the min equals the min of the top bits. 112 permutations as 14 bands x 8 rows (FineWeb's setting): a pair with
-Jaccard J shares at least one band with probability 1 - (1 - J^8)^14 (0.92 at J=0.8, 0.9996 at J=0.9, 0.05
-at J=0.5). With `probe`, bands that differ in one row also meet (0.9999 at J=0.8). Candidate pairs are
-optionally verified by their true shingle Jaccard, then clustered.
+words found and hashed over the bytes of a whole batch at once. Signature values (default scheme "oph"): one
+permutation hashing with optimal densification (Li, Owen & Zhang 2012; Shrivastava 2017) — each shingle hashed
+once, its hash picking one of 112 bins and the bin keeping the least value; empty bins borrow from filled ones
+in a fixed random order. Two documents agree on a value with probability their Jaccard J, as with 112
+independent permutations (scheme "kperm": (a_k * x + b_k) mod 2^64, top 32 bits — Dietzfelbinger 1996's
+multiply-add-shift, 112 hashes per shingle, the scheme before), at 1/112 of the hashing. 112 values as 14 bands
+x 8 rows (FineWeb's setting): a pair with Jaccard J shares at least one band with probability about
+1 - (1 - J^8)^14 (0.92 at J=0.8, 0.9996 at J=0.9, 0.05 at J=0.5). With `probe`, bands that differ in one row
+also meet (0.9999 at J=0.8). Candidate pairs are optionally verified by their true shingle Jaccard, then
+clustered.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -36,12 +41,19 @@ class MinHashConfig:
     probe: bool = True
     """Also pair documents whose band differs in one row (multi-probe; more candidates, higher recall —
     use with verification)."""
+    scheme: Literal["oph", "kperm"] = "oph"
+    """How the bands x rows signature values are made. "oph": one permutation hashing with optimal
+    densification — one hash per shingle, each landing in one of bands x rows bins (`oph_signatures`);
+    "kperm": bands x rows independent multiply-add-shift permutations of every shingle, 112x the hashing work
+    (the scheme before; same collision probability J per value)."""
 
     def validate(self) -> None:
         if self.ngram < 1 or self.bands < 1 or self.rows < 1:
             raise ConfigError(f"dedup.minhash ngram={self.ngram}, bands={self.bands}, rows={self.rows} must be >= 1")
         if self.verify_threshold is not None and not 0 < self.verify_threshold <= 1:
             raise ConfigError(f"dedup.minhash.verify_threshold={self.verify_threshold} must be in (0, 1] or null")
+        if self.scheme not in ("oph", "kperm"):
+            raise ConfigError(f"dedup.minhash.scheme={self.scheme!r} must be 'oph' (default) or 'kperm'")
 
     @property
     def num_perm(self) -> int:
@@ -84,25 +96,35 @@ def mix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+_WORD_TABLE = bytes(_WORD_BYTE.astype(np.uint8))
+"""`bytes.translate` table: 1 for word bytes, 0 otherwise (one C pass over the batch, no index array)."""
+
+
 def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """64-bit hashes of the lower-cased words of each text, concatenated, and each text's first word index.
 
     Vectorized over the bytes of the whole batch: word boundaries from a byte table, and each word's
     polynomial hash sum(b_j P^(j - start)) from one prefix sum, so no Python runs per word.
     """
-    encoded = [t.lower().encode("utf-8", "surrogatepass") for t in texts]
-    data = b"\x00".join(encoded) + b"\x00"
+    # ASCII text lowers as bytes (a C loop without Unicode case tables: several times faster).
+    encoded = [t.encode("ascii").lower() if t.isascii() else t.lower().encode("utf-8", "surrogatepass")
+               for t in texts]
+    data = b"\x00" + b"\x00".join(encoded) + b"\x00"  # a non-word byte before and after every text
+    n = len(data)
     b = np.frombuffer(data, dtype=np.uint8)
-    is_word = _WORD_BYTE[b].view(np.int8)
-    edges = np.diff(is_word, prepend=np.int8(0))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-    pos, neg = _POWERS.get(len(b) + 1)
+    is_word = np.frombuffer(data.translate(_WORD_TABLE), dtype=np.uint8)
+    bounds = np.flatnonzero(is_word[1:] != is_word[:-1]) + 1  # alternately a word's start and its end
+    starts, ends = bounds[0::2], bounds[1::2]
+    pos, neg = _POWERS.get(n + 1)
     with np.errstate(over="ignore"):
-        prefix = np.zeros(len(b) + 1, dtype=np.uint64)
-        np.cumsum(b.astype(np.uint64) * pos[:len(b)], out=prefix[1:])
+        prefix = np.empty(n + 1, dtype=np.uint64)
+        prefix[0] = 0
+        np.multiply(b, pos[:n], out=prefix[1:])
+        np.cumsum(prefix[1:], out=prefix[1:])
         raw = (prefix[ends] - prefix[starts]) * neg[starts] + (ends - starts).astype(np.uint64)
-    doc_starts = np.zeros(len(texts) + 1, dtype=np.int64)
+    doc_starts = np.ones(len(texts) + 1, dtype=np.int64)
     np.cumsum([len(e) + 1 for e in encoded], out=doc_starts[1:])
+    doc_starts[1:] += 1
     first_word = np.searchsorted(starts, doc_starts)
     return mix64(raw), first_word
 
@@ -111,45 +133,112 @@ def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.nda
     """All shingle hashes of a batch of documents, concatenated, and each document's start offset.
 
     A document with fewer than `ngram` words has one shingle (all its words); an empty one has a single
-    shingle of value 0, so every document has a signature.
+    shingle of value 0, so every document has a signature. Shingle (w_0 .. w_n-1) hashes to
+    h = (...((w_0 + 1) M + w_1 + 2) M ...) M + w_n-1 + n, then h ^ (h >> 29), a missing word adding 0.
     """
     wh, wstart = word_hashes(texts)
     lens = np.diff(wstart)
     n_sh = np.maximum(lens - ngram + 1, 1)
     sstart = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(n_sh, out=sstart[1:])
-    # Shingle j of doc d starts at word wstart[d] + j; windows are clipped to the document's end.
-    doc_of = np.repeat(np.arange(len(texts)), n_sh)
-    first = wstart[doc_of] + (np.arange(sstart[-1]) - sstart[doc_of])
-    end = wstart[doc_of + 1]
-    padded = np.concatenate([wh, np.zeros(ngram, dtype=np.uint64)])
-    h = np.zeros(len(first), dtype=np.uint64)
+    # Full windows: one multiply-add per word over the whole batch (contiguous slices, no gathers); a window
+    # starting in the last ngram - 1 words of a document runs into the next one and is dropped.
+    n_win = max(0, len(wh) - ngram + 1)
+    h = np.zeros(n_win, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for r in range(ngram):
-            pos = first + r
-            h = h * _SHINGLE_MULT + np.where(pos < end, padded[np.minimum(pos, len(wh))] + np.uint64(r + 1),
-                                             np.uint64(0))
-        h ^= h >> np.uint64(29)
+            h *= _SHINGLE_MULT
+            h += wh[r:r + n_win]
+            h += np.uint64(r + 1)
+    valid = np.ones(n_win, dtype=bool)
+    for r in range(1, ngram):
+        tail = wstart[1:] - r  # a start r words before a document's end
+        valid[tail[(tail >= wstart[:-1]) & (tail < n_win)]] = False
+    short = np.flatnonzero(lens < ngram)
+    if len(short):  # one clipped shingle each: the words it has, then zeros
+        out = np.empty(sstart[-1], dtype=np.uint64)
+        full = np.ones(sstart[-1], dtype=bool)
+        full[sstart[short]] = False
+        out[full] = h[valid]
+        hs = np.zeros(len(short), dtype=np.uint64)
+        padded = np.concatenate([wh, np.zeros(ngram, dtype=np.uint64)])
+        with np.errstate(over="ignore"):
+            for r in range(ngram):
+                hs = hs * _SHINGLE_MULT + np.where(r < lens[short], padded[wstart[short] + r] + np.uint64(r + 1),
+                                                   np.uint64(0))
+        out[sstart[short]] = hs
+        h = out
+    else:
+        h = h[valid]
+    h ^= h >> np.uint64(29)
     return h, sstart
 
 
 def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(a, b) of the multiply-add-shift hashes; a is odd."""
+    """(a, b) of the multiply-add-shift hashes of scheme "kperm"; a is odd."""
     rng = np.random.default_rng(seed)
     a = rng.integers(0, 1 << 63, size=num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
     b = rng.integers(0, 1 << 63, size=num_perm, dtype=np.uint64)
     return a, b
 
 
+@functools.lru_cache(maxsize=8)
+def densify_orders(bins: int, seed: int) -> tuple[np.uint64, np.ndarray]:
+    """Scheme "oph": the salt of the one shingle hash, and for every bin i a random order of all bins (row i),
+    the order in which an empty bin i looks for a filled one to borrow from."""
+    rng = np.random.default_rng([seed, 0x0FF])
+    salt = rng.integers(0, 1 << 63, dtype=np.uint64)
+    return np.uint64(salt), np.argsort(rng.random((bins, bins)), axis=1, kind="stable")
+
+
+_EMPTY = np.uint32(0xFFFFFFFF)
+
+
+def oph_signatures(h: np.ndarray, starts: np.ndarray, bins: int, seed: int) -> np.ndarray:
+    """One permutation hashing with optimal densification (Li et al. 2012; Shrivastava 2017): (docs, bins) uint32.
+
+    Each shingle is hashed once (splitmix64 of the shingle hash and a salt); the top 32 bits pick its bin
+    (multiply-high into [0, bins)), the low 32 bits are its value, and each bin keeps the least value of the
+    document's shingles that fall in it — one hash per shingle instead of one per shingle and permutation. A
+    bin no shingle fell in takes the value of the first filled bin in its own fixed random order of the bins:
+    the same order for every document, so the result is still a function of the shingle set, and two
+    documents agree on a bin with probability exactly their Jaccard (Shrivastava 2017, Theorem 3.1; a fixed
+    random order is the first-occurrence order of the paper's random probe sequence). A bin whose least value
+    is 2^32 - 1 counts as empty (probability 2^-32 a bin; still a function of the set).
+    """
+    salt, order = densify_orders(bins, seed)
+    docs = len(starts) - 1
+    with np.errstate(over="ignore"):
+        y = mix64(h ^ salt)
+        cell = (y >> np.uint64(32)) * np.uint64(bins) >> np.uint64(32)
+        cell += np.repeat(np.arange(docs, dtype=np.uint64) * np.uint64(bins), np.diff(starts))
+    flat = np.full(docs * bins, _EMPTY, dtype=np.uint32)
+    np.minimum.at(flat, cell.astype(np.intp), y.astype(np.uint32))
+    sig = flat.reshape(docs, bins)
+    empty = sig == _EMPTY
+    d, i = np.nonzero(empty)
+    for t in range(bins):  # each pass settles the empty bins whose t-th choice is filled
+        if not len(d):
+            break
+        c = order[i, t]
+        hit = ~empty[d, c]
+        sig[d[hit], i[hit]] = sig[d[hit], c[hit]]
+        d, i = d[~hit], i[~hit]
+    return sig
+
+
 def signatures(texts: Sequence[str], cfg: MinHashConfig, batch_shingles: int = 1 << 14,
                keep_shingles: list[np.ndarray] | None = None) -> np.ndarray:
-    """MinHash signatures of `texts`: uint32 array of shape (len(texts), bands * rows).
+    """MinHash signatures of `texts`: uint32 array of shape (len(texts), bands * rows), by `cfg.scheme`.
 
     When `keep_shingles` is a list, each document's shingle hashes are appended to it (for Jaccard
     verification without shingling twice)."""
-    a, b = permutations(cfg.num_perm, cfg.seed)
     out = np.empty((len(texts), cfg.num_perm), dtype=np.uint32)
-    buf = np.empty((cfg.num_perm, batch_shingles), dtype=np.uint64)
+    if cfg.scheme == "kperm":
+        a, b = permutations(cfg.num_perm, cfg.seed)
+        buf = np.empty((cfg.num_perm, batch_shingles), dtype=np.uint64)
+    else:
+        batch_shingles *= 4  # one hash per shingle: larger batches, fewer Python calls
     i = 0
     while i < len(texts):
         # Grow the batch until it holds about batch_shingles shingles (documents vary a lot in length).
@@ -159,7 +248,11 @@ def signatures(texts: Sequence[str], cfg: MinHashConfig, batch_shingles: int = 1
             j += 1
         h, starts = shingle_hashes(texts[i:j], cfg.ngram)
         if keep_shingles is not None:
-            keep_shingles.extend(h[starts[d]:starts[d + 1]] for d in range(j - i))
+            keep_shingles.extend(np.split(h, starts[1:-1]))
+        if cfg.scheme != "kperm":
+            out[i:j] = oph_signatures(h, starts, cfg.num_perm, cfg.seed)
+            i = j
+            continue
         work = buf[:, :len(h)] if len(h) <= buf.shape[1] else np.empty((cfg.num_perm, len(h)), dtype=np.uint64)
         with np.errstate(over="ignore"):
             np.multiply(a[:, None], h[None, :], out=work)
@@ -207,27 +300,38 @@ def group_pairs(keys: np.ndarray, ids: np.ndarray, small_group: int = 8) -> np.n
     ids = np.asarray(ids, dtype=np.int64)
     if len(keys) < 2:
         return np.zeros((0, 2), dtype=np.int64)
-    order = np.lexsort((ids, keys))
+    order = np.argsort(keys)  # not stable (a vectorized sort, several times lexsort's speed): pairs are ordered below
     ks, members_all = keys[order], ids[order]
     starts = np.concatenate([[0], np.flatnonzero(ks[1:] != ks[:-1]) + 1])
     sizes = np.diff(np.concatenate([starts, [len(ks)]]))
     pairs = []
     for size in np.unique(sizes[(sizes > 1) & (sizes <= small_group)]):
-        members = members_all[starts[sizes == size][:, None] + np.arange(size)]  # (groups, size), ids ascending
+        members = members_all[starts[sizes == size][:, None] + np.arange(size)]  # (groups, size)
         ii, jj = np.triu_indices(int(size), 1)
         pairs.append(np.stack([members[:, ii].ravel(), members[:, jj].ravel()], axis=1))
     big = sizes > small_group
     if big.any():
-        firsts = np.repeat(members_all[starts[big]], sizes[big] - 1)
-        rest = np.ones(len(ks), dtype=bool)
-        rest[starts] = False
         in_big = np.repeat(big, sizes)
-        pairs.append(np.stack([firsts, members_all[rest & in_big]], axis=1))
+        smallest = np.minimum.reduceat(members_all, starts)[big]
+        pairs.append(np.stack([np.repeat(smallest, sizes[big]), members_all[in_big]], axis=1))
     if not pairs:
         return np.zeros((0, 2), dtype=np.int64)
     allp = np.concatenate(pairs)
+    allp = np.stack([allp.min(axis=1), allp.max(axis=1)], axis=1)
     allp = allp[allp[:, 0] != allp[:, 1]]  # one document repeating a key (two columns folded alike)
-    return np.unique(allp, axis=0)
+    return unique_pairs(allp)
+
+
+def unique_pairs(pairs: np.ndarray) -> np.ndarray:
+    """`np.unique(pairs, axis=0)` of non-negative int64 pairs (m, 2), as one 1-D sort of i * span + j when that
+    fits in int64 (a row-wise unique sorts a structured view, several times slower)."""
+    if not len(pairs):
+        return pairs.reshape(0, 2)
+    span = int(pairs.max()) + 1
+    if span > np.iinfo(np.int64).max // span:
+        return np.unique(pairs, axis=0)
+    code = np.unique(pairs[:, 0] * span + pairs[:, 1])
+    return np.stack([code // span, code % span], axis=1)
 
 
 def candidate_pairs(keys: np.ndarray, small_group: int = 8) -> np.ndarray:
@@ -236,9 +340,21 @@ def candidate_pairs(keys: np.ndarray, small_group: int = 8) -> np.ndarray:
     return group_pairs(flat_keys(keys), np.repeat(np.arange(n, dtype=np.int64), keys.shape[1]), small_group)
 
 
+def shingle_set(h: np.ndarray) -> np.ndarray:
+    """The distinct shingle hashes of one document, sorted (what `jaccard` takes): `np.unique` without its
+    per-call overhead (several times slower on arrays of a few hundred)."""
+    s = np.sort(h)
+    distinct = np.empty(len(s), dtype=bool)
+    distinct[:1] = True
+    np.not_equal(s[1:], s[:-1], out=distinct[1:])
+    return s[distinct]
+
+
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
-    """Jaccard similarity of two sets of shingle hashes, each given sorted and distinct (`np.unique`)."""
-    inter = len(np.intersect1d(a, b, assume_unique=True))
+    """Jaccard similarity of two sets of shingle hashes, each given sorted and distinct (`shingle_set`)."""
+    both = np.concatenate((a, b))
+    both.sort(kind="stable")  # two sorted runs: the stable sort merges them in linear time
+    inter = int(np.count_nonzero(both[1:] == both[:-1]))
     return inter / max(1, len(a) + len(b) - inter)
 
 
