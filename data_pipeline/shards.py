@@ -42,7 +42,7 @@ from data_pipeline.cache import write_json_atomic
 from data_pipeline.dedup import assign_removals, star_report, verify_pairs
 from data_pipeline.minhash import band_keys, flat_keys, group_pairs, shingle_hashes, signatures
 from data_pipeline.progress import log
-from data_pipeline.stages import list_shards, read_shard_texts, read_shard_where, run_pool, save_npy_atomic
+from data_pipeline.stages import ShardWheres, list_shards, read_shard_texts, run_pool, save_npy_atomic
 from framework.errors import DataError
 
 EDGE = np.dtype([("b", "<i8"), ("a", "<i8"), ("j", "<f4")])
@@ -94,7 +94,7 @@ class CorpusIndex:
         self.by_rank = np.argsort([s.rank for s in self.shards], kind="stable")
         self.rank_starts = np.array([self.shards[k].rank for k in self.by_rank], dtype=np.int64)
         self._texts: OrderedDict[int, list[str]] = OrderedDict()
-        self._wheres: OrderedDict[int, list[str]] = OrderedDict()
+        self._wheres: OrderedDict[int, ShardWheres] = OrderedDict()
 
     def parts(self, per: int) -> int:
         return max(1, math.ceil(self.n / per))
@@ -103,7 +103,7 @@ class CorpusIndex:
         """Index into `shards` of the shard holding each rank."""
         return self.by_rank[np.searchsorted(self.rank_starts, ranks, side="right") - 1]
 
-    def _cached(self, cache: OrderedDict[int, list[str]], k: int, read: Any) -> list[str]:
+    def _cached(self, cache: OrderedDict[int, Any], k: int, read: Any) -> Any:
         if k not in cache:
             if len(cache) >= 16:
                 cache.popitem(last=False)
@@ -124,8 +124,22 @@ class CorpusIndex:
 
     def name(self, rank: int) -> str:
         """`source:where` of a document (where: the file and line it was read from)."""
-        k = int(self.shard_of(np.array([rank]))[0])
-        return f"{self.shards[k].source}:{self._cached(self._wheres, k, read_shard_where)[rank - self.shards[k].rank]}"
+        return self.names(np.array([rank]))[0]
+
+    def names(self, ranks: np.ndarray) -> list[str]:
+        """`source:where` of documents by rank: shard by shard (each read once per call, a few kept in a small
+        cache), only the asked documents' lines decoded."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        out: list[str] = [""] * len(ranks)
+        shard = self.shard_of(ranks)
+        order = np.argsort(shard, kind="stable")
+        bounds = np.flatnonzero(np.diff(shard[order], prepend=-1, append=-1))
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            s = self.shards[int(shard[order[lo]])]
+            wheres = self._cached(self._wheres, int(shard[order[lo]]), ShardWheres)
+            for pos in order[lo:hi].tolist():
+                out[pos] = f"{s.source}:{wheres[int(ranks[pos]) - s.rank]}"
+        return out
 
     def status(self, shard: Shard) -> np.ndarray:
         """Per document of `shard`: 0 kept, 1 exact duplicate, 2 near duplicate (needs exact and near done)."""
@@ -379,8 +393,9 @@ def _write_pairs_listing(index: CorpusIndex, path: Path, parts: Sequence[np.ndar
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for part in parts:
-            for b, a, j in part.tolist():
-                f.write(json.dumps({"removed": index.name(b), "kept": index.name(a),
+            removed, kept = index.names(part["b"]), index.names(part["a"])
+            for r, k, j in zip(removed, kept, part["j"].tolist(), strict=True):
+                f.write(json.dumps({"removed": r, "kept": k,
                                     "jaccard": None if math.isnan(j) else round(j, 4)}, ensure_ascii=False) + "\n")
     tmp.replace(path)
 
