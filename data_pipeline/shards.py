@@ -42,7 +42,7 @@ from data_pipeline.cache import write_json_atomic
 from data_pipeline.dedup import assign_removals, star_report, verify_pairs
 from data_pipeline.minhash import band_keys, flat_keys, group_pairs, shingle_hashes, signatures
 from data_pipeline.progress import log
-from data_pipeline.stages import ShardWheres, list_shards, read_shard_texts, run_pool, save_npy_atomic
+from data_pipeline.stages import list_shards, read_shard_texts, read_shard_where, run_pool, save_npy_atomic
 from framework.errors import DataError
 
 EDGE = np.dtype([("b", "<i8"), ("a", "<i8"), ("j", "<f4")])
@@ -94,7 +94,7 @@ class CorpusIndex:
         self.by_rank = np.argsort([s.rank for s in self.shards], kind="stable")
         self.rank_starts = np.array([self.shards[k].rank for k in self.by_rank], dtype=np.int64)
         self._texts: OrderedDict[int, list[str]] = OrderedDict()
-        self._wheres: OrderedDict[int, ShardWheres] = OrderedDict()
+        self._wheres: OrderedDict[int, list[str]] = OrderedDict()
 
     def parts(self, per: int) -> int:
         return max(1, math.ceil(self.n / per))
@@ -127,8 +127,8 @@ class CorpusIndex:
         return self.names(np.array([rank]))[0]
 
     def names(self, ranks: np.ndarray) -> list[str]:
-        """`source:where` of documents by rank: shard by shard (each read once per call, a few kept in a small
-        cache), only the asked documents' lines decoded."""
+        """`source:where` of documents by rank, shard by shard: each shard read once per call (a few kept in a
+        small cache); looked up name by name, alternating shards evicted each other and were re-read."""
         ranks = np.asarray(ranks, dtype=np.int64)
         out: list[str] = [""] * len(ranks)
         shard = self.shard_of(ranks)
@@ -136,7 +136,7 @@ class CorpusIndex:
         bounds = np.flatnonzero(np.diff(shard[order], prepend=-1, append=-1))
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             s = self.shards[int(shard[order[lo]])]
-            wheres = self._cached(self._wheres, int(shard[order[lo]]), ShardWheres)
+            wheres = self._cached(self._wheres, int(shard[order[lo]]), read_shard_where)
             for pos in order[lo:hi].tolist():
                 out[pos] = f"{s.source}:{wheres[int(ranks[pos]) - s.rank]}"
         return out

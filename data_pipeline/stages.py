@@ -77,30 +77,14 @@ def read_shard_texts(path: Path) -> list[str]:
         return [json.loads(line)["t"] for line in f]
 
 
-class ShardWheres:
-    """Where each document of an ingest shard came from (file:line, or the file of a text tree), each line decoded
-    only when asked for: a shard's lines also hold the documents' texts, and decoding every line to look up a few
-    documents was 90% of the near stage (60 of 66 CPU-s at 10^5 documents). A shard of a byte-range unit stores
-    lines counted from the range's start; the source's units.json (written once every unit is done) gives the base
-    that makes them the file's line numbers."""
-
-    def __init__(self, path: Path) -> None:
-        bases = path.with_name(UNITS)
-        self.base = json.loads(bases.read_text())["line_base"][int(path.name.split("-")[1])] if bases.is_file() else 0
-        with open(path, encoding="utf-8") as f:
-            self.lines = f.readlines()
-
-    def __len__(self) -> int:
-        return len(self.lines)
-
-    def __getitem__(self, i: int) -> str:
-        return _rebase(json.loads(self.lines[i]).get("w", "?"), self.base)
-
-
 def read_shard_where(path: Path) -> list[str]:
-    """Where every document of an ingest shard came from (see ShardWheres)."""
-    wheres = ShardWheres(path)
-    return [wheres[i] for i in range(len(wheres))]
+    """Where each document of an ingest shard came from (file:line, or the file of a text tree). A shard of a
+    byte-range unit stores lines counted from the range's start; the source's units.json (written once every unit
+    is done) gives the base that makes them the file's line numbers."""
+    bases = path.with_name(UNITS)
+    base = json.loads(bases.read_text())["line_base"][int(path.name.split("-")[1])] if bases.is_file() else 0
+    with open(path, encoding="utf-8") as f:
+        return [_rebase(json.loads(line).get("w", "?"), base) for line in f]
 
 
 def list_shards(work: Path, stage: str, source: str, suffix: str) -> list[Path]:
