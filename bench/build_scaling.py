@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the table here")
     parser.add_argument("--dry", action="store_true", help="600 documents, 1 and 2 tasks")
+    parser.add_argument("--drop", action="store_true", help="delete each build once measured (6.6 GB at 10^6)")
     args = parser.parse_args(argv)
     if args.dry:
         args.docs, args.tasks, args.sources, args.files = [600], [1, 2], 2, 2
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n_docs:>9} docs  {tasks} tasks: {row['docs_per_cpu_s']:7.0f} docs/CPU-s  peak RSS/task "
                   f"{row['peak_rss_mb']:6.0f} MB  disk {row['disk_bytes'] / 1e6:7.1f} MB  digest {row['digest']}\n"
                   f"    stage CPU s / peak RSS / disk added: {per_stage}", flush=True)
-            if args.dry:
+            if args.dry or args.drop:
                 shutil.rmtree(root / f"build-{n_docs}-t{tasks}")
         if len(digests) != 1:
             raise AssertionError(f"{n_docs} documents: builds differ across task counts {args.tasks}: {digests}")

@@ -69,8 +69,14 @@ _P = 0x100000001B3  # odd multiplier of the polynomial word hash (FNV prime); in
 _P_INV = pow(_P, -1, 1 << 64)
 
 
+WORD_BATCH_BYTES = 1 << 24
+"""Bytes `word_hashes` hashes at once. Its prefix sums and the cached powers take 8 bytes per input byte each, so
+a batch of 16 MiB holds about 400 MB; a longer input is split at document boundaries (the hashes do not depend
+on the split) and the power table never grows past one batch (a single longer document excepted)."""
+
+
 class _Powers:
-    """P^i and P^-i mod 2^64 for i < n, grown on demand (one cumulative product each)."""
+    """P^i and P^-i mod 2^64 for i < n, grown on demand (one cumulative product each), to at most one batch."""
 
     def __init__(self) -> None:
         self.pos = np.ones(1, dtype=np.uint64)
@@ -78,7 +84,7 @@ class _Powers:
 
     def get(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         if len(self.pos) < n:
-            size = max(n, 2 * len(self.pos))
+            size = max(n, min(2 * len(self.pos), WORD_BATCH_BYTES + 2))
             with np.errstate(over="ignore"):
                 self.pos = np.concatenate([[np.uint64(1)], np.cumprod(np.full(size - 1, _P, dtype=np.uint64))])
                 self.neg = np.concatenate([[np.uint64(1)], np.cumprod(np.full(size - 1, _P_INV, dtype=np.uint64))])
@@ -103,12 +109,33 @@ _WORD_TABLE = bytes(_WORD_BYTE.astype(np.uint8))
 def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """64-bit hashes of the lower-cased words of each text, concatenated, and each text's first word index.
 
-    Vectorized over the bytes of the whole batch: word boundaries from a byte table, and each word's
-    polynomial hash sum(b_j P^(j - start)) from one prefix sum, so no Python runs per word.
+    Vectorized over the bytes of a batch at once: word boundaries from a byte table, and each word's
+    polynomial hash sum(b_j P^(j - start)) from one prefix sum, so no Python runs per word. Batches hold at most
+    `WORD_BATCH_BYTES` (memory: about 24 bytes per input byte).
     """
     # ASCII text lowers as bytes (a C loop without Unicode case tables: several times faster).
     encoded = [t.encode("ascii").lower() if t.isascii() else t.lower().encode("utf-8", "surrogatepass")
                for t in texts]
+    groups, start, size = [], 0, 0
+    for i, e in enumerate(encoded):
+        if size + len(e) + 1 > WORD_BATCH_BYTES and i > start:
+            groups.append((start, i))
+            start, size = i, 0
+        size += len(e) + 1
+    groups.append((start, len(encoded)))
+    if len(groups) == 1:
+        return _word_hashes(encoded)
+    hashes, firsts, base = [], [], 0
+    for lo, hi in groups:
+        h, first = _word_hashes(encoded[lo:hi])
+        hashes.append(h)
+        firsts.append(first[:-1] + base)
+        base += len(h)
+    firsts.append(np.array([base], dtype=np.int64))
+    return np.concatenate(hashes), np.concatenate(firsts)
+
+
+def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     data = b"\x00" + b"\x00".join(encoded) + b"\x00"  # a non-word byte before and after every text
     n = len(data)
     b = np.frombuffer(data, dtype=np.uint8)
@@ -122,7 +149,7 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         np.multiply(b, pos[:n], out=prefix[1:])
         np.cumsum(prefix[1:], out=prefix[1:])
         raw = (prefix[ends] - prefix[starts]) * neg[starts] + (ends - starts).astype(np.uint64)
-    doc_starts = np.ones(len(texts) + 1, dtype=np.int64)
+    doc_starts = np.ones(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(e) + 1 for e in encoded], out=doc_starts[1:])
     doc_starts[1:] += 1
     first_word = np.searchsorted(starts, doc_starts)

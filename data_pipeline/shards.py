@@ -14,15 +14,16 @@ naming it when that output is missing (each stage of a SLURM build is its own ar
     minhash/<s>/shard-U-K.sig.npy   MinHash signatures (uint32, docs x bands*rows) of every document
     bands/<s>/shard-U-K.keys.npy    (2, m) uint64: band keys (band folded in) sorted, and their rows; exact
                                     duplicates left out (the minhash stage writes both)
-    pairs/range-R.npy               (2, m) int64: candidate pairs [worse rank; better rank] of key range R (of R_n),
-                                    sorted
+    pairs/range-R-of-N.npy          (2, m) int64: candidate pairs [worse rank; better rank] of key range R of N
+                                    (= R_n; the name states the layout, so a build resumed by code with another
+                                    layout never mixes ranges), sorted
     verify/part-Q.npy               (b, a, j): verified edges, worse rank b in rank range Q (of Q_n), sorted by
                                     (b, a), with their Jaccard j; part-Q.json: candidate pairs examined
     near/part-Q.npy                 (b, a, j): each removed document b of rank range Q with its representative a
     near/summary.json               the near stage's counts; written last: near dedup done
 
 Partition counts follow `dedup.partition_docs` (P): E = Q_n = ceil(n / P) and R_n = ceil(n * keys per document /
-(16 P)); a task holds one unit's data (docs/DATA.md, "Sharding", gives the memory per task).
+(4 P)); a task holds one unit's data (docs/DATA.md, "Sharding", gives the memory per task).
 """
 
 from __future__ import annotations
@@ -39,17 +40,19 @@ import numpy as np
 
 from data_pipeline.build_config import BuildConfig
 from data_pipeline.cache import write_json_atomic
-from data_pipeline.dedup import assign_removals, star_report, verify_pairs
-from data_pipeline.minhash import band_keys, flat_keys, group_pairs, shingle_hashes, signatures
+from data_pipeline.dedup import assign_removals, star_report
+from data_pipeline.minhash import band_keys, flat_keys, group_pairs, jaccard, shingle_hashes, shingle_set, signatures
 from data_pipeline.progress import log
 from data_pipeline.stages import list_shards, read_shard_texts, read_shard_where, run_pool, save_npy_atomic
 from framework.errors import DataError
 
 EDGE = np.dtype([("b", "<i8"), ("a", "<i8"), ("j", "<f4")])
-KEYS_PER_RANGE = 16
-"""Band keys per key range, per `partition_docs`: a pairs task sorts about 16 P keys (16 bytes each)."""
-VERIFY_CHUNK = 1 << 16
-"""Candidate pairs verified at once: the shingles of at most 2^17 documents are held."""
+KEYS_PER_RANGE = 4
+"""Band keys per key range, per `partition_docs`: a pairs task sorts about 4 P keys (2M at the default P; about
+80 bytes of working set each, 0.6 GB at 16 P)."""
+VERIFY_CHUNK = 1 << 14
+"""Candidate pairs verified at once: the shingle sets of at most 2^15 documents are held (about 80 MB for
+documents of 300 words), whatever the partition size."""
 _U64 = 1 << 64
 
 
@@ -93,7 +96,6 @@ class CorpusIndex:
                 r += n
         self.by_rank = np.argsort([s.rank for s in self.shards], kind="stable")
         self.rank_starts = np.array([self.shards[k].rank for k in self.by_rank], dtype=np.int64)
-        self._texts: OrderedDict[int, list[str]] = OrderedDict()
         self._wheres: OrderedDict[int, list[str]] = OrderedDict()
 
     def parts(self, per: int) -> int:
@@ -111,15 +113,22 @@ class CorpusIndex:
         cache.move_to_end(k)
         return cache[k]
 
-    def texts(self, ranks: np.ndarray) -> list[str]:
-        """Texts of documents by rank (each shard read once per call, a few kept in a small cache)."""
+    def shingle_sets(self, ranks: np.ndarray, ngram: int) -> list[np.ndarray]:
+        """The distinct shingle hashes (sorted) of documents by rank. Shard by shard, only their lines decoded,
+        shingled in batches (`word_hashes`' bound); only the sets are held, never a shard's texts."""
         ranks = np.asarray(ranks, dtype=np.int64)
-        out: list[str] = [""] * len(ranks)
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)] * len(ranks)
         shard = self.shard_of(ranks)
-        for k in np.unique(shard).tolist():
-            texts = self._cached(self._texts, k, read_shard_texts)
-            for pos in np.flatnonzero(shard == k).tolist():
-                out[pos] = texts[int(ranks[pos]) - self.shards[k].rank]
+        order = np.lexsort((ranks, shard))
+        bounds = np.flatnonzero(np.diff(shard[order], prepend=-1, append=-1))
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            s = self.shards[int(shard[order[lo]])]
+            pos = order[lo:hi]
+            rows, inverse = np.unique(ranks[pos] - s.rank, return_inverse=True)
+            h, off = shingle_hashes(read_shard_rows(s.jsonl, rows.tolist()), ngram)
+            sets = [shingle_set(h[off[i]:off[i + 1]]) for i in range(len(rows))]
+            for p, i in zip(pos.tolist(), inverse.tolist(), strict=True):
+                out[p] = sets[i]
         return out
 
     def name(self, rank: int) -> str:
@@ -150,12 +159,34 @@ class CorpusIndex:
         return st
 
 
+def read_shard_rows(path: Path, rows: Sequence[int]) -> list[str]:
+    """Texts of the given rows (sorted, distinct) of an ingest shard; the other lines are skipped undecoded."""
+    out: list[str] = []
+    want = iter(rows)
+    nxt, lines = next(want, None), 0
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            lines = i + 1
+            if i == nxt:
+                out.append(json.loads(line)["t"])
+                nxt = next(want, None)
+                if nxt is None:
+                    break
+    if nxt is not None:
+        raise DataError(f"{path}: row {nxt} is past the shard's end ({lines} lines); the "
+                        f"ingest output is damaged — delete the build's work/ folder and rebuild")
+    return out
+
+
 def _missing(path: Path, stage: str) -> DataError:
     return DataError(f"{path} is missing: the {stage} stage has not finished for every task; run `tessera data "
                      f"build CONFIG --stages {stage}` (all tasks) first")
 
 
 def _load(path: Path, stage: str) -> np.ndarray:
+    """A stage's array, memory-mapped. Keep only copies of what you slice from it: the kernel maps whole large
+    page-cache folios into the process (measured: 5.7 MB of RSS per 9 MB key file for a 0.6 MB slice), so views
+    kept across hundreds of files add up to gigabytes of RSS."""
     if not path.is_file():
         raise _missing(path, stage)
     return np.load(path, mmap_mode="r")
@@ -193,8 +224,8 @@ def _gather(index: CorpusIndex, stage: str, suffix: str, needs: str, lo: int, hi
     for shard in index.shards:
         a = _load(shard.file(stage, suffix), needs)
         i0, i1 = _slice(a[0], lo, hi)
-        values.append(np.asarray(a[0, i0:i1]))
-        ranks.append(np.asarray(a[1, i0:i1]).astype(np.int64) + shard.rank)
+        values.append(np.array(a[0, i0:i1]))  # copies: a view would keep the file mapped
+        ranks.append(a[1, i0:i1].astype(np.int64) + shard.rank)
     return np.concatenate(values), np.concatenate(ranks)
 
 
@@ -232,7 +263,7 @@ def exact_removed(index: CorpusIndex, lo: int, hi: int) -> np.ndarray:
     for p in range(index.parts(index.cfg.dedup.partition_docs)):
         a = _load(exact_path(index.work, p), "exact")
         i0, i1 = _slice(a, lo, hi)
-        out.append(np.asarray(a[i0:i1]))
+        out.append(np.array(a[i0:i1]))
     return np.sort(np.concatenate(out)).astype(np.int64)
 
 
@@ -276,15 +307,16 @@ def key_ranges(index: CorpusIndex) -> int:
 
 # ---- pairs: candidate pairs per key range ----
 
-def pairs_path(work: Path, r: int) -> Path:
-    return work / "pairs" / f"range-{r:05d}.npy"
+def pairs_path(work: Path, r: int, ranges: int) -> Path:
+    return work / "pairs" / f"range-{r:05d}-of-{ranges:05d}.npy"
 
 
 def pairs_stage(index: CorpusIndex, task: int, tasks: int) -> None:
     """Candidate pairs of each key range: documents sharing a band key (see minhash.group_pairs)."""
     if not index.cfg.dedup.near:
         return
-    _run_units(index, "pairs", key_ranges(index), pairs_path, _pairs_range, task, tasks)
+    ranges = key_ranges(index)
+    _run_units(index, "pairs", ranges, lambda work, r: pairs_path(work, r, ranges), _pairs_range, task, tasks)
 
 
 def _pairs_range(job: tuple[int, int]) -> None:
@@ -293,7 +325,7 @@ def _pairs_range(job: tuple[int, int]) -> None:
     k, ranks = _gather(index, "bands", ".keys.npy", "minhash", *_hash_range(r, ranges))
     pairs = group_pairs(k, ranks)
     order = np.lexsort((pairs[:, 0], pairs[:, 1]))
-    save_npy_atomic(pairs_path(index.work, r), np.stack([pairs[order, 1], pairs[order, 0]]))
+    save_npy_atomic(pairs_path(index.work, r, ranges), np.stack([pairs[order, 1], pairs[order, 0]]))
 
 
 # ---- verify: exact Jaccard of the candidate pairs of each rank range ----
@@ -317,9 +349,9 @@ def _verify_part(job: tuple[int, int]) -> None:
     mh, per = index.cfg.dedup.minhash, index.cfg.dedup.partition_docs
     found = []
     for r in range(ranges):
-        a = _load(pairs_path(index.work, r), "pairs")
+        a = _load(pairs_path(index.work, r, ranges), "pairs")
         i0, i1 = _slice(a[0], q * per, (q + 1) * per)
-        found.append(np.asarray(a[:, i0:i1]))
+        found.append(np.array(a[:, i0:i1]))
     ba = np.concatenate(found, axis=1) if found else np.zeros((2, 0), dtype=np.int64)
     order = np.lexsort((ba[1], ba[0]))
     ba = ba[:, order]
@@ -331,13 +363,12 @@ def _verify_part(job: tuple[int, int]) -> None:
     if mh.verify_threshold is None:
         edges["j"] = np.nan
     elif len(edges):
-        def shingles_of(ranks: np.ndarray) -> list[np.ndarray]:
-            h, off = shingle_hashes(index.texts(ranks), mh.ngram)
-            return [h[off[i]:off[i + 1]] for i in range(len(ranks))]
-
-        for start in range(0, len(edges), VERIFY_CHUNK):  # bounded: the shingles of one chunk's documents
+        for start in range(0, len(edges), VERIFY_CHUNK):  # bounded: the shingle sets of one chunk's documents
             chunk = edges[start:start + VERIFY_CHUNK]
-            chunk["j"] = verify_pairs(np.stack([chunk["a"], chunk["b"]], axis=1), shingles_of)
+            ids, inverse = np.unique(np.concatenate([chunk["a"], chunk["b"]]), return_inverse=True)
+            sets = index.shingle_sets(ids, mh.ngram)
+            chunk["j"] = [jaccard(sets[i], sets[k]) for i, k in
+                          zip(inverse[:len(chunk)].tolist(), inverse[len(chunk):].tolist(), strict=True)]
         edges = edges[edges["j"] >= mh.verify_threshold]
     write_json_atomic(verify_path(index.work, q).with_suffix(".json"), {"candidate_pairs": int(ba.shape[1])})
     save_npy_atomic(verify_path(index.work, q), edges)
@@ -407,5 +438,5 @@ def near_removed(index: CorpusIndex, lo: int, hi: int) -> np.ndarray:
     for q in range(lo // per, (max(lo, hi - 1)) // per + 1):
         b = _load(near_path(index.work, q), "near")["b"]
         i0, i1 = _slice(b, lo, hi)
-        out.append(np.asarray(b[i0:i1]))
+        out.append(np.array(b[i0:i1]))
     return np.concatenate(out)

@@ -76,6 +76,24 @@ def test_word_hashes_match_regex_words() -> None:
         assert (wh[i] == wh[j]) == (flat[i] == flat[j])
 
 
+def test_word_hashes_split_into_bounded_batches_give_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import data_pipeline.minhash as mh
+
+    rng = np.random.default_rng(0)
+    vocab = ["alpha", "Beta", "café", "x_1", "naïve", "über", "42", "--", "\n", "   "]
+    texts = ["".join(rng.choice(vocab, size=int(rng.integers(0, 60))) + " ") for _ in range(300)] + ["", "one"]
+    whole_h, whole_first = word_hashes(texts)
+    whole_sh, whole_off = shingle_hashes(texts, 5)
+    monkeypatch.setattr(mh, "WORD_BATCH_BYTES", 256)  # most documents alone in a batch, some several together
+    monkeypatch.setattr(mh, "_POWERS", mh._Powers())
+    h, first = word_hashes(texts)
+    assert np.array_equal(h, whole_h) and np.array_equal(first, whole_first)
+    sh, off = shingle_hashes(texts, 5)
+    assert np.array_equal(sh, whole_sh) and np.array_equal(off, whole_off)
+    longest = max(len(t.encode()) for t in texts)
+    assert len(mh._POWERS.pos) <= max(256 + 2, longest + 3)  # the table never grows past one batch
+
+
 def test_bands_and_probe_find_one_row_differences() -> None:
     sig = np.arange(3 * 112, dtype=np.uint32).reshape(3, 112)
     sig[1] = sig[0]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from data_pipeline import minhash, shards
 from data_pipeline.build import SHARDED, STAGES, run_build
 from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.dedup import DedupConfig
@@ -95,7 +96,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return root, run_build(_config(root, "one"))
 
 
-def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight) -> None:  # type: ignore[no-untyped-def]
+def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     root, manifest = straight
     one = _outputs(root / "one")
     assert {"web.bin", "web.idx", "tree.bin", "low.bin", "cluster_report.json", "near_duplicates.jsonl"} <= set(one)
@@ -108,7 +109,10 @@ def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight) -> None:  
     _sharded_build(cfg3, 3)
     assert _outputs(root / "three") == one
     # One partition for everything (no sharding inside the stages) and one worker process instead of two: the same
-    # data, the trained sentencepiece model included (its thread count is `tokenizer.threads`, not `workers`).
+    # data, the trained sentencepiece model included (its thread count is `tokenizer.threads`, not `workers`);
+    # verified 3 pairs at a time, words hashed 512 bytes at a time (the memory bounds), changing nothing.
+    monkeypatch.setattr(shards, "VERIFY_CHUNK", 3)
+    monkeypatch.setattr(minhash, "WORD_BATCH_BYTES", 512)
     single = _config(root, "single", dedup=DedupConfig(partition_docs=10_000), workers=1)
     run_build(single)
     assert _outputs(root / "single") == one and "tokenizer.model" in one
