@@ -78,26 +78,31 @@ class NearDedupResult:
         """Cluster sizes and the largest clusters (the kept representative and what was removed for it)."""
         removed = np.flatnonzero(~self.keep)
         sim = self.similarity if self.similarity is not None else np.full(len(self.keep), np.nan)
-        show = (lambda i: names[i]) if names is not None else (lambda i: int(i))
+        def show(ids: Sequence[int]) -> list[Any]:
+            return [names[i] if names is not None else int(i) for i in ids]
+
         return star_report(removed, self.cluster[removed], sim[removed], show, candidates=self.candidates,
                            verified=self.verified, limit=limit)
 
 
-def star_report(removed: np.ndarray, rep: np.ndarray, sim: np.ndarray, show: Callable[[int], Any], *,
-                candidates: int, verified: int, limit: int = 50) -> dict[str, Any]:
+def star_report(removed: np.ndarray, rep: np.ndarray, sim: np.ndarray, show: Callable[[Sequence[int]], Sequence[Any]],
+                *, candidates: int, verified: int, limit: int = 50) -> dict[str, Any]:
     """The cluster report: clusters are stars (a kept representative and the documents removed for it), with
-    their size histogram and the `limit` largest, each removed member with its Jaccard to the representative."""
+    their size histogram and the `limit` largest, each removed member with its Jaccard to the representative.
+    `show(ids)` names documents, called once for all that the report lists."""
     reps, sizes = np.unique(rep, return_counts=True)
     hist = np.bincount(sizes + 1) if len(reps) else np.zeros(0, dtype=np.int64)
     top = reps[np.argsort(-sizes, kind="stable")][:limit]
     order = np.argsort(rep, kind="stable")
-    clusters = []
+    picked = []
     for r in top.tolist():
         lo, hi = np.searchsorted(rep[order], [r, r + 1])
-        members = order[lo:hi]
-        clusters.append({"size": int(hi - lo + 1), "kept": show(r), "removed": [
-            {"doc": show(int(removed[m])), "jaccard": None if np.isnan(sim[m]) else round(float(sim[m]), 4)}
-            for m in members[:20].tolist()]})
+        picked.append((r, int(hi - lo + 1), order[lo:hi][:20].tolist()))
+    shown = iter(show([x for r, _, members in picked for x in [r, *(int(removed[m]) for m in members)]]))
+    clusters = []
+    for _, size, members in picked:
+        clusters.append({"size": size, "kept": next(shown), "removed": [
+            {"doc": next(shown), "jaccard": None if np.isnan(sim[m]) else round(float(sim[m]), 4)} for m in members]})
     return {"clusters": len(reps), "removed": len(removed), "candidate_pairs": int(candidates),
             "verified_pairs": int(verified), "size_histogram": {str(s): int(c) for s, c in enumerate(hist) if c},
             "largest": clusters}

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +95,6 @@ class CorpusIndex:
                 r += n
         self.by_rank = np.argsort([s.rank for s in self.shards], kind="stable")
         self.rank_starts = np.array([self.shards[k].rank for k in self.by_rank], dtype=np.int64)
-        self._wheres: OrderedDict[int, list[str]] = OrderedDict()
 
     def parts(self, per: int) -> int:
         return max(1, math.ceil(self.n / per))
@@ -104,14 +102,6 @@ class CorpusIndex:
     def shard_of(self, ranks: np.ndarray) -> np.ndarray:
         """Index into `shards` of the shard holding each rank."""
         return self.by_rank[np.searchsorted(self.rank_starts, ranks, side="right") - 1]
-
-    def _cached(self, cache: OrderedDict[int, Any], k: int, read: Any) -> Any:
-        if k not in cache:
-            if len(cache) >= 16:
-                cache.popitem(last=False)
-            cache[k] = read(self.shards[k].jsonl)
-        cache.move_to_end(k)
-        return cache[k]
 
     def shingle_sets(self, ranks: np.ndarray, ngram: int) -> list[np.ndarray]:
         """The distinct shingle hashes (sorted) of documents by rank. Shard by shard, only their lines decoded,
@@ -125,29 +115,27 @@ class CorpusIndex:
             s = self.shards[int(shard[order[lo]])]
             pos = order[lo:hi]
             rows, inverse = np.unique(ranks[pos] - s.rank, return_inverse=True)
-            h, off = shingle_hashes(read_shard_rows(s.jsonl, rows.tolist()), ngram)
+            h, off = shingle_hashes(read_shard_texts(s.jsonl, rows.tolist()), ngram)
             sets = [shingle_set(h[off[i]:off[i + 1]]) for i in range(len(rows))]
             for p, i in zip(pos.tolist(), inverse.tolist(), strict=True):
                 out[p] = sets[i]
         return out
 
-    def name(self, rank: int) -> str:
-        """`source:where` of a document (where: the file and line it was read from)."""
-        return self.names(np.array([rank]))[0]
-
-    def names(self, ranks: np.ndarray) -> list[str]:
-        """`source:where` of documents by rank, shard by shard: each shard read once per call (a few kept in a
-        small cache); looked up name by name, alternating shards evicted each other and were re-read."""
+    def names(self, ranks: np.ndarray | Sequence[int]) -> list[str]:
+        """`source:where` of documents by rank: shard by shard, each shard read once per call and only the
+        documents' lines decoded."""
         ranks = np.asarray(ranks, dtype=np.int64)
         out: list[str] = [""] * len(ranks)
         shard = self.shard_of(ranks)
-        order = np.argsort(shard, kind="stable")
+        order = np.lexsort((ranks, shard))
         bounds = np.flatnonzero(np.diff(shard[order], prepend=-1, append=-1))
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             s = self.shards[int(shard[order[lo]])]
-            wheres = self._cached(self._wheres, int(shard[order[lo]]), read_shard_where)
-            for pos in order[lo:hi].tolist():
-                out[pos] = f"{s.source}:{wheres[int(ranks[pos]) - s.rank]}"
+            pos = order[lo:hi]
+            rows, inverse = np.unique(ranks[pos] - s.rank, return_inverse=True)
+            wheres = read_shard_where(s.jsonl, rows.tolist())
+            for p, i in zip(pos.tolist(), inverse.tolist(), strict=True):
+                out[p] = f"{s.source}:{wheres[i]}"
         return out
 
     def status(self, shard: Shard) -> np.ndarray:
@@ -157,25 +145,6 @@ class CorpusIndex:
         if self.cfg.dedup.near:
             st[near_removed(self, shard.rank, shard.rank + shard.n) - shard.rank] = 2
         return st
-
-
-def read_shard_rows(path: Path, rows: Sequence[int]) -> list[str]:
-    """Texts of the given rows (sorted, distinct) of an ingest shard; the other lines are skipped undecoded."""
-    out: list[str] = []
-    want = iter(rows)
-    nxt, lines = next(want, None), 0
-    with open(path, "rb") as f:
-        for i, line in enumerate(f):
-            lines = i + 1
-            if i == nxt:
-                out.append(json.loads(line)["t"])
-                nxt = next(want, None)
-                if nxt is None:
-                    break
-    if nxt is not None:
-        raise DataError(f"{path}: row {nxt} is past the shard's end ({lines} lines); the "
-                        f"ingest output is damaged — delete the build's work/ folder and rebuild")
-    return out
 
 
 def _missing(path: Path, stage: str) -> DataError:
@@ -410,7 +379,7 @@ def near_stage(index: CorpusIndex, out: Path) -> dict[str, Any]:
             save_npy_atomic(near_path(work, q), np.asarray(edges[chosen]))
     removed_all = [np.load(near_path(work, q)) for q in range(parts)]
     assigned = np.concatenate(removed_all) if removed_all else np.zeros(0, dtype=EDGE)
-    report = star_report(assigned["b"], assigned["a"], assigned["j"].astype(np.float64), index.name,
+    report = star_report(assigned["b"], assigned["a"], assigned["j"].astype(np.float64), index.names,
                          candidates=candidates, verified=verified)
     write_json_atomic(out / "cluster_report.json", report)
     _write_pairs_listing(index, out / "near_duplicates.jsonl", removed_all)
@@ -424,7 +393,8 @@ def _write_pairs_listing(index: CorpusIndex, path: Path, parts: Sequence[np.ndar
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for part in parts:
-            removed, kept = index.names(part["b"]), index.names(part["a"])
+            both = index.names(np.concatenate([part["b"], part["a"]]))  # one read of each shard per part
+            removed, kept = both[:len(part)], both[len(part):]
             for r, k, j in zip(removed, kept, part["j"].tolist(), strict=True):
                 f.write(json.dumps({"removed": r, "kept": k,
                                     "jaccard": None if math.isnan(j) else round(j, 4)}, ensure_ascii=False) + "\n")

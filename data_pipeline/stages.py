@@ -51,6 +51,7 @@ from data_pipeline.ingest import (
 from data_pipeline.normalize import NormalizeConfig, doc_hash, normalize
 from data_pipeline.progress import Progress, log
 from data_pipeline.removed_tokens import RemovedSample
+from framework.errors import DataError
 
 _CHUNK = 256  # records per worker task
 FILTERED_SAMPLES = 20
@@ -72,19 +73,42 @@ def save_npy_atomic(path: Path, arr: np.ndarray) -> None:
     tmp.replace(path)
 
 
-def read_shard_texts(path: Path) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["t"] for line in f]
+def read_shard_rows(path: Path, rows: Sequence[int] | None, read: Any) -> list[Any]:
+    """`read(json)` of every line of an ingest shard, or of the given rows only (sorted, distinct): the other
+    lines are skipped undecoded (a shard line holds the whole text; decoding them all was most of the near
+    stage's time)."""
+    if rows is None:
+        with open(path, encoding="utf-8") as f:
+            return [read(json.loads(line)) for line in f]
+    out: list[Any] = []
+    want = iter(rows)
+    nxt, lines = next(want, None), 0
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            lines = i + 1
+            if i == nxt:
+                out.append(read(json.loads(line)))
+                nxt = next(want, None)
+                if nxt is None:
+                    break
+    if nxt is not None:
+        raise DataError(f"{path}: row {nxt} is past the shard's end ({lines} lines); the ingest output is damaged: "
+                        f"delete the build's work/ folder and rebuild")
+    return out
 
 
-def read_shard_where(path: Path) -> list[str]:
-    """Where each document of an ingest shard came from (file:line, or the file of a text tree). A shard of a
-    byte-range unit stores lines counted from the range's start; the source's units.json (written once every unit
-    is done) gives the base that makes them the file's line numbers."""
+def read_shard_texts(path: Path, rows: Sequence[int] | None = None) -> list[str]:
+    """The texts of an ingest shard (of the given sorted rows only, if given)."""
+    return read_shard_rows(path, rows, lambda d: d["t"])
+
+
+def read_shard_where(path: Path, rows: Sequence[int] | None = None) -> list[str]:
+    """Where each document of an ingest shard came from (file:line, or the file of a text tree), of the given
+    sorted rows only if given. A shard of a byte-range unit stores lines counted from the range's start; the
+    source's units.json (written once every unit is done) gives the base that makes them the file's line numbers."""
     bases = path.with_name(UNITS)
     base = json.loads(bases.read_text())["line_base"][int(path.name.split("-")[1])] if bases.is_file() else 0
-    with open(path, encoding="utf-8") as f:
-        return [_rebase(json.loads(line).get("w", "?"), base) for line in f]
+    return read_shard_rows(path, rows, lambda d: _rebase(d.get("w", "?"), base))
 
 
 def list_shards(work: Path, stage: str, source: str, suffix: str) -> list[Path]:
