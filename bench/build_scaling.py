@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -93,6 +94,35 @@ def run_task(cfg_path: Path, stage: str, task: int, tasks: int) -> dict[str, flo
     return {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024, "wall_s": time.perf_counter() - t0}
 
 
+def files_under(path: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(path))
+
+
+def run_killed(cfg_path: Path, out: Path, stage: str, task: int, tasks: int, rng: random.Random) -> dict[str, Any]:
+    """The task, SIGKILLed (with its worker processes) a seeded 0-2 s after it wrote its first new file under the
+    build — mid-stage, with some of its units done and one in flight; the rerun (by the caller) must finish it.
+    Returns whether it was killed (a stage that ends first is not) and the CPU it spent."""
+    cmd = [sys.executable, "-c", "import sys; from framework.cli import main; sys.exit(main(sys.argv[1:]))",
+           "data", "build", str(cfg_path), "--stages", stage, "--task", str(task), "--tasks", str(tasks)]
+    before, delay = files_under(out), rng.uniform(0.0, 2.0)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wrote_at = None
+    while True:
+        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:  # ended before the kill
+            break
+        if wrote_at is None and files_under(out) > before:
+            wrote_at = time.perf_counter()
+        if wrote_at is not None and time.perf_counter() - wrote_at >= delay:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, status, ru = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    return {"killed": killed, "cpu_s": ru.ru_utime + ru.ru_stime}
+
+
 def process_start() -> dict[str, float]:
     """What one stage process costs before any work: the CLI's imports (the reference for small builds)."""
     t0 = time.perf_counter()
@@ -118,7 +148,9 @@ def digest(out: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def build(corpus: Path, out: Path, sources: int, tasks: int) -> dict[str, Any]:
+def build(corpus: Path, out: Path, sources: int, tasks: int, kill: random.Random | None = None) -> dict[str, Any]:
+    """One build, stage by stage; with `kill`, one task of every stage (chosen by it) is first killed mid-way
+    (`run_killed`) and then rerun, as after a node failure."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -129,12 +161,16 @@ def build(corpus: Path, out: Path, sources: int, tasks: int) -> dict[str, Any]:
     disk_before = 0
     for stage in STAGES:
         n = tasks if stage in sharded else 1  # the others run in task 0 only
+        victim = kill.randrange(n) if kill else -1
+        killed = run_killed(cfg_path, out, stage, victim, tasks, kill) if kill else None
         runs = [run_task(cfg_path, stage, k, tasks) for k in range(n)]
         disk = du(out)
         stages[stage] = {"tasks": n, "cpu_s": sum(r["cpu_s"] for r in runs),
                          "max_task_cpu_s": max(r["cpu_s"] for r in runs),
                          "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
                          "disk_bytes_added": disk - disk_before}
+        if killed is not None:
+            stages[stage].update(killed_task=victim, killed=killed["killed"], killed_cpu_s=killed["cpu_s"])
         disk_before = disk
     return {"stages": stages, "cpu_s": sum(s["cpu_s"] for s in stages.values()),
             "peak_rss_mb": max(s["peak_rss_mb"] for s in stages.values()), "disk_bytes": du(out),
@@ -152,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the table here")
     parser.add_argument("--dry", action="store_true", help="600 documents, 1 and 2 tasks")
     parser.add_argument("--drop", action="store_true", help="delete each build once measured (6.6 GB at 10^6)")
+    parser.add_argument("--kill", action="store_true",
+                        help="kill one task of every stage mid-way and rerun it, in every build (seeded by --seed)")
+    parser.add_argument("--expect", help="the digest every build must have (e.g. an uninterrupted build's)")
     args = parser.parse_args(argv)
     if args.dry:
         args.docs, args.tasks, args.sources, args.files = [600], [1, 2], 2, 2
@@ -168,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             (corpus / "done").write_text(str(size))
         digests = set()
         for tasks in args.tasks:
-            row = build(corpus, root / f"build-{n_docs}-t{tasks}", args.sources, tasks)
-            row.update(docs=n_docs, tasks=tasks, text_bytes=int((corpus / "done").read_text()),
+            kill = random.Random(f"{args.seed}-{n_docs}-{tasks}") if args.kill else None
+            row = build(corpus, root / f"build-{n_docs}-t{tasks}", args.sources, tasks, kill)
+            row.update(docs=n_docs, tasks=tasks, killed=args.kill, text_bytes=int((corpus / "done").read_text()),
                        docs_per_cpu_s=n_docs / row["cpu_s"])
             table["runs"].append(row)
             digests.add(row["digest"])
@@ -178,10 +218,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n_docs:>9} docs  {tasks} tasks: {row['docs_per_cpu_s']:7.0f} docs/CPU-s  peak RSS/task "
                   f"{row['peak_rss_mb']:6.0f} MB  disk {row['disk_bytes'] / 1e6:7.1f} MB  digest {row['digest']}\n"
                   f"    stage CPU s / peak RSS / disk added: {per_stage}", flush=True)
+            if args.kill:
+                print("    killed mid-stage, then rerun: " + "  ".join(
+                    f"{k} task {v['killed_task']} {'killed' if v['killed'] else 'ended first'} after "
+                    f"{v['killed_cpu_s']:.1f} CPU-s" for k, v in row["stages"].items()), flush=True)
             if args.dry or args.drop:
                 shutil.rmtree(root / f"build-{n_docs}-t{tasks}")
-        if len(digests) != 1:
-            raise AssertionError(f"{n_docs} documents: builds differ across task counts {args.tasks}: {digests}")
+        if len(digests) != 1 or (args.expect and digests != {args.expect}):
+            raise AssertionError(f"{n_docs} documents: builds differ across task counts {args.tasks}: {digests}"
+                                 + (f", expected {args.expect}" if args.expect else ""))
     table["load_after"] = os.getloadavg()[0]
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
