@@ -4,7 +4,7 @@ manifest stage): per-task CPU and peak RSS, and memory as the document count gro
 1. Build (`--docs`, default 10^5): bench/build_scaling.py's corpus, built to tokenize as one task; then, on the
    same token shards, its merge stage as 1 and as each of `--tasks` tasks, each followed by the manifest stage,
    and the manifest stage of `--reference` (a commit before the merge stage, from `git archive`: megatron-core's
-   add_index). Every stage is its own process (CPU and peak RSS from `os.wait4`); the .bin/.idx/.hash.npy of
+   add_index). Every stage is its own process (CPU from `os.wait4`, peak RSS its own VmHWM); the .bin/.idx/.hash.npy of
    every variant are asserted byte-identical, and so are the manifests but their config.
 2. Synthetic (`--shards`, `--shard-docs`): S and 10 S shards of short documents concatenated in one process by
    indexed.write_parts and by megatron-core's add_index: peak RSS of each, as the documents grow 10x.
@@ -36,18 +36,28 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = "import sys; from framework.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
+HWM = ("import atexit, os\natexit.register(lambda: open(os.environ['MERGE_BENCH_HWM'], 'w').write(next("
+       "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM'))))\n")
+"""Prepended to every measured program: it writes its own peak RSS (VmHWM, kB) at exit. `os.wait4`'s ru_maxrss is
+not enough: the kernel carries the parent's high-water mark over the child's exec, so a child reads at least as
+large as its parent was when it was started (this bench's parent holds the synthetic shards it wrote)."""
+
+
 def run(args: list[str], tree: Path = REPO) -> dict[str, float]:
-    """A Python process run from `tree` (its CPU seconds, peak RSS and wall), which must succeed."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *args], cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    err = proc.stderr.read()
-    _, status, ru = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"{' '.join(args[-6:])} failed:\n{err.decode()[-3000:]}")
-    return {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024, "wall_s": time.perf_counter() - t0}
+    """`python -c CODE ARGS...` run from `tree`, which must succeed: its CPU seconds (wait4), its own peak RSS
+    (VmHWM) and wall."""
+    with tempfile.NamedTemporaryFile() as hwm:
+        env = {**os.environ, "PYTHONPATH": str(tree), "MERGE_BENCH_HWM": hwm.name}
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", HWM + args[1], *args[2:]], cwd=tree, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        _, status, ru = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status):
+            raise RuntimeError(f"{' '.join(args[-6:])} failed:\n{err.decode()[-3000:]}")
+        return {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": int(Path(hwm.name).read_text()) / 1024,
+                "wall_s": time.perf_counter() - t0}
 
 
 def stage(cfg: Path, name: str, task: int = 0, tasks: int = 1, tree: Path = REPO) -> dict[str, float]:
@@ -81,9 +91,8 @@ def build_part(root: Path, docs: int, tasks: list[int], reference: str) -> dict[
     out = root / f"build-{docs}"
     cfg = root / f"build-{docs}.yaml"
     cfg.write_text(yaml.safe_dump(config(out, corpus, 8)))
-    if not (out / "work" / "tokens").is_dir() or not (out / "tokenizer.model").is_file():
-        for s in ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenizer", "tokenize"):
-            stage(cfg, s)
+    for s in ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenizer", "tokenize"):
+        stage(cfg, s)  # each resumes, and is a no-op once done
     table: dict[str, Any] = {"docs": docs, "token_bytes": sum(p.stat().st_size for p in (out / "work" / "tokens")
                                                               .rglob("*.bin")), "variants": {}}
     digests = {}
@@ -178,15 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", default="cf3b965", help="a commit whose manifest stage merges with megatron")
     parser.add_argument("--shards", type=int, default=10)
     parser.add_argument("--shard-docs", type=int, default=100_000)
-    parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--parts", nargs="+", choices=("synthetic", "build"), default=["synthetic", "build"])
     parser.add_argument("--root", default=".cache/tessera/merge_stage")
     parser.add_argument("--json", help="write the tables here")
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     table: dict[str, Any] = {"load_before": os.getloadavg()[0]}
-    table["synthetic"] = synthetic_part(root, args.shards, args.shard_docs)
-    if not args.skip_build:
+    if "synthetic" in args.parts:
+        table["synthetic"] = synthetic_part(root, args.shards, args.shard_docs)
+    if "build" in args.parts:
         table["build"] = build_part(root, args.docs, args.tasks, args.reference)
         for name, v in table["build"]["variants"].items():
             tasks = v.get("tasks", [])

@@ -143,9 +143,10 @@ def _merge_unit(job: tuple[int, int]) -> None:
     m: SourceMerge = _CTX["merges"][i]
     for ext in EXTS:
         if not m.partial(ext).is_file() and m.final(ext).is_file():
-            raise DataError(f"{m.final(ext)} exists but {m.describe(u)} is not done: an interrupted manifest stage "
-                            f"had already moved the merged files there; run `tessera data build CONFIG --stages "
-                            f"manifest` to finish, or delete {m.out}/{m.name}.* and {m.folder} to merge again")
+            raise DataError(f"{m.final(ext)} exists but {m.describe(u)} is not done: the merged files were moved "
+                            f"there by an interrupted manifest stage (run `tessera data build CONFIG --stages "
+                            f"manifest` to finish), or come from other token shards (delete {m.out}/{m.name}.bin, "
+                            f".idx, .hash.npy and {m.folder}, and rerun the merge stage)")
     record = _write(m, _CTX["index"], m.bounds[u], m.bounds[u + 1])
     write_json_atomic(m.marker(u), {"key": m.key, **record})
 
