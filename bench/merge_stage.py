@@ -93,7 +93,8 @@ def build_part(root: Path, docs: int, tasks: list[int], reference: str) -> dict[
     cfg.write_text(yaml.safe_dump(config(out, corpus, 8)))
     for s in ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenizer", "tokenize"):
         stage(cfg, s)  # each resumes, and is a no-op once done
-    table: dict[str, Any] = {"docs": docs, "token_bytes": sum(p.stat().st_size for p in (out / "work" / "tokens")
+    table: dict[str, Any] = {"process_start": run(["-c", "import framework.cli, data_pipeline.build"]), "docs": docs,
+                             "token_bytes": sum(p.stat().st_size for p in (out / "work" / "tokens")
                                                               .rglob("*.bin")), "variants": {}}
     digests = {}
     for n in sorted({1, *tasks}):
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{max(t['peak_rss_mb'] for t in tasks):.0f} MB; " if tasks else "")
             print(f"{args.docs:,} documents, {name}: {merge}manifest {v['manifest']['cpu_s']:.1f} CPU-s, "
                   f"{v['manifest']['peak_rss_mb']:.0f} MB", flush=True)
+        start = table["build"]["process_start"]
+        print(f"one stage process before any work (imports): {start['cpu_s']:.1f} CPU-s, "
+              f"{start['peak_rss_mb']:.0f} MB; token shards {table['build']['token_bytes'] / 1e6:.1f} MB")
         print(f"outputs identical across variants: {table['build']['outputs']}")
     table["load_after"] = os.getloadavg()[0]
     if args.json:
