@@ -245,7 +245,7 @@ COPY_CHUNK = 1 << 23
 
 def write_parts(plan: ConcatPlan, lo: int, hi: int, bin_fd: int, idx_fd: int) -> None:
     """Write parts lo..hi-1 of `plan` (and the header) at their offsets of the concatenation's .bin and .idx
-    (open for writing, at their final sizes). Memory: one part's index arrays (20 bytes per sequence)."""
+    (open for writing, at their final sizes). Memory: one part's index arrays (~40 bytes per sequence)."""
     pwrite_all(idx_fd, plan.head(), 0)
     pwrite_all(idx_fd, np.zeros(1, dtype="<i8"), plan.doc_offset)
     n_seq, itemsize = plan.n_sequences, plan.itemsize
@@ -268,9 +268,10 @@ def write_parts(plan: ConcatPlan, lo: int, hi: int, bin_fd: int, idx_fd: int) ->
 
 
 def open_sized(path: Path, size: int) -> int:
-    """A file descriptor of `path` open for writing at `size` bytes: created if missing, never truncated below
-    what is there, so any number of processes may open it at once and write their own regions (ftruncate to the
-    size a file already has changes nothing)."""
+    """A file descriptor of `path` open for writing, the file `size` bytes long: created if missing (never
+    truncated on open), and resized only when its size differs, so any number of processes may open it at once
+    and write their own regions (ftruncate to the size a file already has changes nothing; one process's
+    extension zero-fills only past the old end, where nobody has written yet)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     if os.fstat(fd).st_size != size:
         os.ftruncate(fd, size)
