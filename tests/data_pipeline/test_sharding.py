@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +156,20 @@ def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, tmp_path: 
                                         r"done \(1 of the source's 4 merge units.*--stages merge"):
         run_build(cfg3, stages=("manifest",))
     run_build(cfg3, stages=("merge",), task=1, tasks=3)
+    run_build(cfg3, stages=("manifest",))
+    assert _outputs(root / "three") == one
+    # The merge stage's 3 tasks at once, as an array runs them: each creates and fills the same files.
+    shutil.rmtree(root / "three/work/merge")
+    for f in (root / "three").glob("*.*"):
+        if f.suffix in (".bin", ".idx", ".npy") or f.name == "manifest.json":
+            f.unlink()
+    tasks = [multiprocessing.get_context("fork").Process(target=run_build, args=(cfg3,), kwargs={
+        "stages": ("merge",), "task": k, "tasks": 3}) for k in range(3)]
+    for t in tasks:
+        t.start()
+    for t in tasks:
+        t.join()
+    assert [t.exitcode for t in tasks] == [0, 0, 0]
     run_build(cfg3, stages=("manifest",))
     assert _outputs(root / "three") == one
     # One partition for everything (no sharding inside the stages), one merge unit per source and one worker
