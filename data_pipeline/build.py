@@ -1,9 +1,11 @@
-"""`run_build`: raw sources -> normalize/filter -> exact dedup -> near dedup -> tokenizer -> .bin/.idx + manifest.
+"""`run_build`: raw sources -> normalize/filter -> exact dedup -> near dedup -> tokenizer -> tokens -> merged .bin/.idx
+-> manifest.
 
 Stages run in order and each resumes: rerunning an interrupted build skips finished work and never writes a
 finished output twice. The manifest is written last; its presence marks a complete build. The sharded stages
 (SHARDED) take `task`/`tasks` so a SLURM job array splits them across nodes, each task's share running in worker
-processes; near, tokenizer and manifest run in task 0 only. The output never depends on the task count.
+processes; near, tokenizer and manifest run in task 0 only (the manifest stage sums what the merge units
+recorded and moves their files into place: data_pipeline/merge.py). The output never depends on the task count.
 Before any stage, every source and the tokenizer file are checked (`check_build`), and a config edited since
 the last run redoes exactly the units of work it affects (`invalidate`).
 """
@@ -22,7 +24,6 @@ import numpy as np
 
 from data_pipeline.build_config import BuildConfig
 from data_pipeline.cache import MANIFEST, write_json_atomic
-from data_pipeline.indexed import IndexedTokens, merge_indexed
 from data_pipeline.ingest import (
     hf_columns,
     input_files,
@@ -31,11 +32,12 @@ from data_pipeline.ingest import (
     resolve_format,
 )
 from data_pipeline.invalidate import describe_changes, invalidate
+from data_pipeline.merge import OUTCOMES, finish_source, hash_digest, merge_stage, source_merges
 from data_pipeline.minhash import mix64
 from data_pipeline.progress import log
 from data_pipeline.removed_tokens import count_removed_tokens
 from data_pipeline.shards import CorpusIndex, exact_stage, minhash_stage, near_stage, pairs_stage, verify_stage
-from data_pipeline.stages import REMOVED_SAMPLE, ingest_stage, read_shard_texts, tokenize_shards
+from data_pipeline.stages import REMOVED_SAMPLE, ingest_stage, load_tokenizer, read_shard_texts, tokenize_shards
 from data_pipeline.tokenizer import (
     CL100K_PATTERN,
     TIKTOKEN_RANKS,
@@ -50,8 +52,8 @@ from framework.config.core import to_dict
 from framework.errors import ConfigError, DataError
 from framework.locks import build_locks
 
-STAGES = ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenizer", "tokenize", "manifest")
-SHARDED = ("ingest", "exact", "minhash", "pairs", "verify", "tokenize")
+STAGES = ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenizer", "tokenize", "merge", "manifest")
+SHARDED = ("ingest", "exact", "minhash", "pairs", "verify", "tokenize", "merge")
 """Stages whose work `--task K --tasks N` splits; the others (near, tokenizer, manifest) run in one task."""
 
 
@@ -164,19 +166,18 @@ def check_tokenizer(cfg: BuildConfig) -> None:
                           f"sentencepiece .model, a tokenizer.json or a tiktoken-format BPE file") from err
 
 
-def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[dict[str, Any]],
+def _source_entry(counts: dict[str, Any], outcomes: dict[str, int], stats: list[dict[str, Any]],
                   removed: dict[str, Any]) -> dict[str, Any]:
     """A source's accounting: documents and characters each by outcome (the invariant in = kept + filtered +
     duplicates + malformed, plus for characters what normalization and line rules trimmed, is checked), tokens
     of the tokenized outcomes and of what each filter removed (`removed`, from removed_tokens), and notes
-    (documents kept with a caveat, e.g. an encoding fallback)."""
-    st = np.concatenate(status) if status else np.zeros(0, dtype=np.int8)
-    outcomes = ("kept", "exact_duplicate", "near_duplicate")
-    docs = {"in": counts["in"], "kept": int((st == 0).sum()), "filtered": counts["filtered"],
-            "exact_duplicate": int((st == 1).sum()), "near_duplicate": int((st == 2).sum()),
+    (documents kept with a caveat, e.g. an encoding fallback). `outcomes`: documents kept, exact and near
+    duplicates; `stats`: tokens and characters by outcome, in parts that add up (the merge units')."""
+    docs = {"in": counts["in"], "kept": outcomes["kept"], "filtered": counts["filtered"],
+            "exact_duplicate": outcomes["exact_duplicate"], "near_duplicate": outcomes["near_duplicate"],
             "malformed": counts["malformed"]}
     c = counts["chars"]
-    chars = {"in": c["in"], **{k: sum(s["chars"][k] for s in stats) for k in outcomes}, "filtered": c["filtered"],
+    chars = {"in": c["in"], **{k: sum(s["chars"][k] for s in stats) for k in OUTCOMES}, "filtered": c["filtered"],
              "malformed": c["malformed"], "trimmed": c["trimmed"]}
     for what, d, extra in (("documents", docs, 0), ("characters", chars, sum(chars["trimmed"].values()))):
         total = d["kept"] + sum(d["filtered"].values()) + d["exact_duplicate"] + d["near_duplicate"] + \
@@ -185,39 +186,26 @@ def _source_entry(counts: dict[str, Any], status: list[np.ndarray], stats: list[
             raise DataError(f"accounting broken ({what}): in={d['in']} but kept + filtered + duplicate + malformed"
                             f"{' + trimmed' if extra else ''} = {total} ({d}); this is a bug in the build — report "
                             f"it with the config")
-    tokens = {k: sum(s[k] for s in stats) for k in outcomes} | removed
+    tokens = {k: sum(s[k] for s in stats) for k in OUTCOMES} | removed
     return {"documents": docs, "tokens": tokens, "chars": chars, "notes": counts.get("notes", {})}
 
 
 def _finish(cfg: BuildConfig, out: Path, index: CorpusIndex, all_counts: dict[str, dict[str, Any]],
             model: Path) -> dict[str, Any]:
+    """The manifest stage (one task, after every merge unit): each source's merged files moved into place
+    (merge.finish_source), its accounting summed from the merge units, the fingerprint over the tokenizer, each
+    source's kept tokens and its kept documents' hashes; manifest.json written last. Memory: O(shards)."""
     tok = Tokenizer(model)
     info = tok.info()
     digest = hashlib.sha256(info.sha256.encode())
     sources: dict[str, Any] = {}
-    for src in cfg.sources:
-        shards = [s for s in index.shards if s.source == src.name]
-        prefixes = [str(s.file("tokens", "")) for s in shards]
-        merge_indexed(prefixes, out / src.name, tok.vocab_size)
-        status = [index.status(s) for s in shards]
-        kept = sum(int((st == 0).sum()) for st in status)
-        hashes_out = np.lib.format.open_memmap(out / f"{src.name}.hash.npy.tmp", mode="w+", dtype=np.uint64,
-                                               shape=(kept,))
-        at = 0
-        stats = [json.loads(Path(p + ".stats.json").read_text()) for p in prefixes]
-        removed = count_removed_tokens(sorted((index.work / "ingest" / src.name).glob(REMOVED_SAMPLE)), tok)
-        sources[src.name] = _source_entry(all_counts[src.name], status, stats, removed)
-        digest.update(f"{src.name}:{sources[src.name]['tokens']['kept']}:".encode())
-        for s, st in zip(shards, status, strict=True):
-            h = np.load(s.file("ingest", ".hash.npy"))[st == 0]
-            hashes_out[at:at + len(h)] = h
-            at += len(h)
-            digest.update(h.tobytes())
-        hashes_out.flush()
-        del hashes_out
-        (out / f"{src.name}.hash.npy.tmp").replace(out / f"{src.name}.hash.npy")
-        if len(IndexedTokens(out / src.name)) != kept:
-            raise DataError(f"{src.name}: token file and hash list disagree; delete {out / 'work'} and rebuild")
+    for m in source_merges(index, out, tok.vocab_size):
+        records = finish_source(m, index)
+        outcomes = {k: sum(r["documents"][k] for r in records) for k in OUTCOMES}
+        removed = count_removed_tokens(sorted((index.work / "ingest" / m.name).glob(REMOVED_SAMPLE)), tok)
+        sources[m.name] = _source_entry(all_counts[m.name], outcomes, [r["stats"] for r in records], removed)
+        digest.update(f"{m.name}:{sources[m.name]['tokens']['kept']}:".encode())
+        hash_digest(m.final(".hash.npy"), digest)
     manifest = {"version": 1, "kind": "build", "config": to_dict(cfg), "sources": sources,
                 "tokenizer": {**info.__dict__, "path": model.name, "kind": tok.kind}, "fingerprint": digest.hexdigest()}
     write_json_atomic(out / MANIFEST, manifest)
@@ -298,12 +286,14 @@ def _run_stages(cfg: BuildConfig, out: Path, stages: Sequence[str], task: int, t
             run(index, task, tasks)
     if "near" in stages and cfg.dedup.near and task == 0:
         near_stage(index, out)
-    if not {"tokenizer", "tokenize", "manifest"} & set(stages):
+    if not {"tokenizer", "tokenize", "merge", "manifest"} & set(stages):
         return {}
     model = _tokenizer(cfg, index, out) if "tokenizer" in stages and task == 0 else _existing_tokenizer(out)
     if "tokenize" in stages:
         tokenize_shards(cfg, model, [(s.jsonl, s.file("tokens", "")) for s in index.shards],
                         lambda k: index.status(index.shards[k]), task, tasks)
+    if "merge" in stages:
+        merge_stage(index, out, load_tokenizer(str(model)).vocab_size, task, tasks)
     if "manifest" not in stages or task != 0:
         return {}
     all_counts = {src.name: json.loads((work / "ingest" / src.name / "counts.json").read_text())

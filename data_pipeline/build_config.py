@@ -97,6 +97,10 @@ class BuildConfig:
     """Ingest units: a jsonl file is read as byte ranges of this size (each line in the range it starts in), a
     parquet file as runs of row groups and a saved HF dataset as row ranges of about this size, so one large file
     splits across tasks; compressed files cannot be read from an offset and are one unit each."""
+    merge_bytes: int = 1 << 30
+    """Merge units: runs of one source's token shards holding about this many bytes of tokens, concatenated into
+    its .bin/.idx by one task (data_pipeline/merge.py). No output byte depends on it, nor does a task's memory
+    (one shard's index at a time); its files are laid out by it, so changing it redoes the merge."""
     rejects: bool = True
     """Write malformed records with their reason to work/<source>/rejects.jsonl."""
     seed: int = 0
@@ -115,9 +119,9 @@ class BuildConfig:
             raise ConfigError("sources is empty; list at least one source (name, path)")
         if len(set(names)) != len(names):
             raise ConfigError(f"sources names {names} repeat; give every source its own name")
-        if self.workers < 1 or self.shard_docs < 1 or self.unit_bytes < 1:
-            raise ConfigError(f"workers={self.workers}, shard_docs={self.shard_docs} and unit_bytes={self.unit_bytes} "
-                              f"must be >= 1")
+        if self.workers < 1 or self.shard_docs < 1 or self.unit_bytes < 1 or self.merge_bytes < 1:
+            raise ConfigError(f"workers={self.workers}, shard_docs={self.shard_docs}, unit_bytes={self.unit_bytes} and "
+                              f"merge_bytes={self.merge_bytes} must be >= 1")
 
 
 def load_build_config(path: str | Path, overrides: list[str] | None = None) -> BuildConfig:

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-STAGE_HELP = "ingest, exact, minhash, pairs, verify, near, tokenizer, tokenize, manifest"
+STAGE_HELP = "ingest, exact, minhash, pairs, verify, near, tokenizer, tokenize, merge, manifest"
 
 
 def _task_from_env(args: argparse.Namespace) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Megatron indexed datasets (.bin/.idx): our numpy-memmap reader, and writing through megatron-core.
+"""Megatron indexed datasets (.bin/.idx): our numpy-memmap reader, writing through megatron-core, and concatenating
+many into one (the build's merge stage) with our own writer, byte for byte what megatron-core's would write.
 
 The format (megatron-core 0.16.1 `indexed_dataset.py`), all little-endian:
     .idx = b"MMIDIDX\\x00\\x00" | u64 version=1 | u8 dtype code | u64 n_sequences | u64 n_documents
@@ -8,15 +9,22 @@ The format (megatron-core 0.16.1 `indexed_dataset.py`), all little-endian:
 Tessera writes one sequence per document (document_indices = 0..n), each ending with EOS.
 
 Training ranks read with `IndexedTokens` (numpy only): importing megatron-core costs ~4.5 s per process
-(docs/DATA.md), so it is imported lazily and only by `IndexedWriter` (offline builds) and tests.
+(docs/DATA.md), so it is imported lazily and only by `IndexedWriter` (offline builds) and tests. Concatenation
+(`ConcatPlan`, `write_parts`) is ours: megatron-core's `add_index` holds every document's length and index as Python
+lists (tens of GB for 10^9 documents) in one process; ours writes any range of the parts at its computed offsets,
+so array tasks can merge one source side by side with memory of one part (tests/data_pipeline/test_indexed.py
+compares the bytes with megatron-core's).
 """
 
 from __future__ import annotations
 
+import errno
 import gc
+import os
 import struct
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,16 +117,165 @@ def import_megatron_builder() -> type:
     return IndexedDatasetBuilder  # type: ignore[no-any-return]
 
 
-def merge_indexed(prefixes: list[str], out_prefix: str | Path, vocab_size: int) -> None:
-    """Concatenate .bin/.idx pairs (in order) into one, with megatron-core's `add_index`, atomically."""
-    builder_cls = import_megatron_builder()
-    tmp = str(out_prefix) + ".tmp"
-    builder = builder_cls(tmp + ".bin", dtype=token_dtype(vocab_size))
-    for p in prefixes:
-        builder.add_index(p)
-    builder.finalize(tmp + ".idx")
-    Path(tmp + ".bin").replace(str(out_prefix) + ".bin")
-    Path(tmp + ".idx").replace(str(out_prefix) + ".idx")
+HEAD_BYTES = 34
+"""Bytes of an .idx header: magic (9), version (u64), dtype code (u8), sequences (u64), documents (u64)."""
+
+
+@dataclass(frozen=True)
+class ConcatPlan:
+    """Where each of several .bin/.idx pairs (parts, in order) lands in their concatenation, from the parts' .idx
+    headers and .bin sizes alone (O(parts) reads). The concatenation is what megatron-core's
+    `IndexedDatasetBuilder.add_index` of every part then `finalize` writes, byte for byte: the parts' tokens back
+    to back; lengths concatenated; pointers recomputed from the lengths; document indices [0] + each part's
+    (after its leading 0) shifted by the sequences before it.
+
+    Any range of parts can be written (`write_parts`) independently of the others into files preallocated to
+    `bin_bytes` / `idx_bytes`, in any order and by any process: the bytes of a range depend on the plan alone."""
+
+    prefixes: tuple[str, ...]
+    code: int
+    """Megatron dtype code of every part (and of the result)."""
+    bin_sizes: np.ndarray
+    sequences: np.ndarray
+    documents: np.ndarray
+    """Per part: its document_indices entries after the leading 0."""
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(DTYPE_CODES[self.code]).itemsize
+
+    @property
+    def n_sequences(self) -> int:
+        return int(self.sequences.sum())
+
+    @property
+    def n_documents(self) -> int:
+        return 1 + int(self.documents.sum())
+
+    @property
+    def bin_bytes(self) -> int:
+        return int(self.bin_sizes.sum())
+
+    @property
+    def idx_bytes(self) -> int:
+        return HEAD_BYTES + 12 * self.n_sequences + 8 * self.n_documents
+
+    def starts(self, k: int) -> tuple[int, int, int]:
+        """(bytes, sequences, documents) of the parts before part k."""
+        return (int(self.bin_sizes[:k].sum()), int(self.sequences[:k].sum()), int(self.documents[:k].sum()))
+
+    def head(self) -> bytes:
+        """The .idx header, with the concatenation's counts."""
+        return INDEX_HEADER + struct.pack("<QBQQ", 1, self.code, self.n_sequences, self.n_documents)
+
+    @property
+    def doc_offset(self) -> int:
+        """Where the document indices start in the .idx."""
+        return HEAD_BYTES + 12 * self.n_sequences
+
+
+def read_index_head(idx_path: Path) -> tuple[int, int, int]:
+    """(dtype code, sequences, documents) of a text (not multimodal) .idx, its size checked against them."""
+    with open(idx_path, "rb") as f:
+        head = f.read(HEAD_BYTES)
+    if len(head) < HEAD_BYTES or head[:9] != INDEX_HEADER:
+        raise DataError(f"{idx_path} does not start with Megatron's index header {INDEX_HEADER!r}; it is not a "
+                        f"Megatron .idx file — rebuild it")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
+    size = idx_path.stat().st_size
+    if version != 1 or code not in DTYPE_CODES or size != HEAD_BYTES + 12 * n_seq + 8 * n_doc:
+        raise DataError(f"{idx_path}: version {version}, dtype code {code}, {n_seq} sequences and {n_doc} documents "
+                        f"do not describe its {size} bytes (expected version 1, a code in {sorted(DTYPE_CODES)}, "
+                        f"no multimodal modes); it was cut short or comes from elsewhere — rebuild it")
+    return code, n_seq, n_doc
+
+
+def plan_concat(prefixes: Sequence[str | Path], vocab_size: int) -> ConcatPlan:
+    """The ConcatPlan of `prefixes` (each `p.idx` and `p.bin`), whose dtype must be the vocabulary's."""
+    code = _code(token_dtype(vocab_size))
+    sizes, seqs, docs = (np.zeros(len(prefixes), dtype=np.int64) for _ in range(3))
+    for k, p in enumerate(prefixes):
+        got, seqs[k], n_doc = read_index_head(Path(f"{p}.idx"))
+        if got != code:
+            raise DataError(f"{p}.idx holds {np.dtype(DTYPE_CODES[got])} tokens, but a vocabulary of {vocab_size} "
+                            f"is written as {np.dtype(DTYPE_CODES[code])}; it comes from another tokenizer — "
+                            f"rebuild its tokenize stage")
+        docs[k] = max(0, n_doc - 1)
+        sizes[k] = Path(f"{p}.bin").stat().st_size
+    return ConcatPlan(tuple(str(p) for p in prefixes), code, sizes, seqs, docs)
+
+
+def _code(dtype: type[np.number[Any]]) -> int:
+    return next(c for c, d in DTYPE_CODES.items() if d == dtype)
+
+
+def pwrite_all(fd: int, data: bytes | memoryview | np.ndarray, offset: int) -> None:
+    """Write all of `data` at `offset` of `fd` (pwrite may write less than asked)."""
+    view = (np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def copy_range(src: int, dst: int, count: int, offset_dst: int) -> None:
+    """Copy `count` bytes from the start of `src` to `offset_dst` of `dst`: in-kernel (`copy_file_range`, a
+    reflink where the filesystem has them), else through an 8 MiB buffer."""
+    done = 0
+    try:
+        while done < count:
+            n = os.copy_file_range(src, dst, count - done, done, offset_dst + done)
+            if n == 0:
+                raise DataError(f"a token file ended {count - done} bytes early while being merged; rebuild its "
+                                f"tokenize stage")
+            done += n
+    except OSError as err:
+        if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+            raise
+        while done < count:
+            buf = os.pread(src, min(COPY_CHUNK, count - done), done)
+            if not buf:
+                raise DataError(f"a token file ended {count - done} bytes early while being merged; rebuild its "
+                                f"tokenize stage") from err
+            pwrite_all(dst, buf, offset_dst + done)
+            done += len(buf)
+
+
+COPY_CHUNK = 1 << 23
+
+
+def write_parts(plan: ConcatPlan, lo: int, hi: int, bin_fd: int, idx_fd: int) -> None:
+    """Write parts lo..hi-1 of `plan` (and the header) at their offsets of the concatenation's .bin and .idx
+    (open for writing, at their final sizes). Memory: one part's index arrays (~40 bytes per sequence)."""
+    pwrite_all(idx_fd, plan.head(), 0)
+    pwrite_all(idx_fd, np.zeros(1, dtype="<i8"), plan.doc_offset)
+    n_seq, itemsize = plan.n_sequences, plan.itemsize
+    byte0, seq0, doc0 = plan.starts(lo)
+    for k in range(lo, hi):
+        prefix, seqs, docs = plan.prefixes[k], int(plan.sequences[k]), int(plan.documents[k])
+        lengths = np.fromfile(f"{prefix}.idx", dtype="<i4", count=seqs, offset=HEAD_BYTES)
+        doc_index = np.fromfile(f"{prefix}.idx", dtype="<i8", count=docs + 1, offset=HEAD_BYTES + 12 * seqs)[1:]
+        ends = np.cumsum(lengths, dtype=np.int64) * itemsize
+        if (int(ends[-1]) if seqs else 0) != int(plan.bin_sizes[k]):
+            raise DataError(f"{prefix}.bin holds {int(plan.bin_sizes[k])} bytes but its index describes "
+                            f"{int(ends[-1]) if seqs else 0}; the tokenize stage was interrupted or the files "
+                            f"come from different builds — rebuild it")
+        pwrite_all(idx_fd, lengths, HEAD_BYTES + 4 * seq0)
+        pwrite_all(idx_fd, (ends - lengths.astype(np.int64) * itemsize) + byte0, HEAD_BYTES + 4 * n_seq + 8 * seq0)
+        pwrite_all(idx_fd, doc_index + seq0, plan.doc_offset + 8 * (1 + doc0))
+        with open(f"{prefix}.bin", "rb") as f:
+            copy_range(f.fileno(), bin_fd, int(plan.bin_sizes[k]), byte0)
+        byte0, seq0, doc0 = byte0 + int(plan.bin_sizes[k]), seq0 + seqs, doc0 + docs
+
+
+def open_sized(path: Path, size: int) -> int:
+    """A file descriptor of `path` open for writing, the file `size` bytes long: created if missing (never
+    truncated on open), and resized only when its size differs, so any number of processes may open it at once
+    and write their own regions (ftruncate to the size a file already has changes nothing; one process's
+    extension zero-fills only past the old end, where nobody has written yet)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if os.fstat(fd).st_size != size:
+        os.ftruncate(fd, size)
+    return fd
 
 
 class IndexedWriter:

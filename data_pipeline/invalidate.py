@@ -11,6 +11,8 @@ changed, and says which. The dependency table (docs/DATA.md):
     tokenizer     a given tokenizer file's bytes; or (trained) near, the tokenizer settings (its training
                   threads included) and seed
     tokenize/<s>  tokenizer and near (the kept documents of every source can change with any source's filter)
+    merge/<s>     tokenize/<s> and merge_bytes (redoing it deletes the source's .bin/.idx/.hash.npy and the
+                  manifest)
     manifest      all of the above
 
 `workers`, `rejects` and other keys nothing reads into the data are cosmetic: editing them redoes nothing.
@@ -32,6 +34,8 @@ STAMPS = "stamps.json"
 INGEST_VERSION = 4
 """Bump when ingest's output for the same settings changes (a new filter rule, the per-document `where`; 3: ingest
 units and sorted hashes; 4: byte-range units of a jsonl file, row-group and row-range units)."""
+MERGE_VERSION = 1
+"""Bump when the merge stage's files under work/merge change (1: units writing in place, data_pipeline/merge.py)."""
 
 
 def file_sha256(path: str | Path) -> str:
@@ -70,6 +74,8 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
         keys["tokenizer"] = config_key([keys["near"], tok, cfg.seed])
     for src in cfg.sources:
         keys[f"tokenize/{src.name}"] = config_key([keys["tokenizer"], keys["near"]])
+        keys[f"merge/{src.name}"] = config_key([keys[f"tokenize/{src.name}"], MERGE_VERSION,
+                                                cfg.merge_bytes])
     keys["manifest"] = config_key([keys["near"], keys["tokenizer"], [s.name for s in cfg.sources]])
     return keys
 
@@ -81,6 +87,9 @@ def _outputs(unit: str, out: Path) -> list[Path]:
         return [work / stage / source]
     if stage == "tokenize":
         return [work / "tokens" / source]
+    if stage == "merge":
+        return [work / "merge" / source, *(out / f"{source}{ext}" for ext in (".bin", ".idx", ".hash.npy")),
+                out / MANIFEST]
     return {"exact": [work / "exact"],
             "near": [work / "pairs", work / "verify", work / "near", out / "cluster_report.json",
                      out / "near_duplicates.jsonl"],

@@ -1,14 +1,17 @@
-"""Our numpy-memmap reader against megatron-core's IndexedDataset, both directions, token for token."""
+"""Our numpy-memmap reader against megatron-core's IndexedDataset, both directions, token for token; our
+concatenation of many .bin/.idx pairs (the merge stage's) against megatron-core's add_index, byte for byte."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from data_pipeline.indexed import IndexedTokens, IndexedWriter
+from data_pipeline.indexed import IndexedTokens, IndexedWriter, open_sized, plan_concat, write_parts
 from framework.errors import DataError
 
 
@@ -85,3 +88,67 @@ def test_truncated_or_foreign_files_are_refused(tmp_path: Path) -> None:
         IndexedTokens(tmp_path / "y")
     with pytest.raises(DataError, match="missing"):
         IndexedTokens(tmp_path / "z")
+
+
+def test_concatenation_in_any_units_is_megatrons_add_index_byte_for_byte(tmp_path: Path) -> None:
+    """Parts of one and two sequences per document, empty documents and an empty part, merged by megatron-core
+    (add_index + finalize) and by us — in one go, and as units of parts written in shuffled order through
+    separately opened descriptors, as array tasks do: the same bytes, which megatron-core reads back."""
+    import torch
+
+    IndexedDataset, Builder = _megatron()
+    rng = np.random.default_rng(3)
+    for vocab, dtype in ((4096, np.uint16), (100_000, np.int32)):
+        prefixes = []
+        for k in range(7):
+            prefix = str(tmp_path / f"part{vocab}-{k}")
+            builder = Builder(prefix + ".bin", dtype=dtype)
+            for d in _docs(vocab, 0 if k == 2 else int(rng.integers(1, 40)), 10 * k + vocab):
+                if k % 3 == 1:  # two sequences per document
+                    builder.add_document(d, [len(d) // 2, len(d) - len(d) // 2])
+                else:
+                    builder.add_item(torch.from_numpy(d))
+                    builder.end_document()
+            builder.finalize(prefix + ".idx")
+            prefixes.append(prefix)
+        for parts in (prefixes, prefixes[2:3], []):
+            ref = tmp_path / f"ref{vocab}-{len(parts)}"
+            builder = Builder(f"{ref}.bin", dtype=dtype)
+            for p in parts:
+                builder.add_index(p)
+            builder.finalize(f"{ref}.idx")
+            plan = plan_concat(parts, vocab)
+            cuts = sorted({0, len(parts), *rng.integers(0, len(parts) + 1, size=3).tolist()})
+            units = list(itertools.pairwise(cuts)) or [(0, 0)]
+            for name, order in (("one", [(0, len(parts))]), ("units", [units[i] for i in rng.permutation(len(units))])):
+                ours = tmp_path / f"{name}{vocab}-{len(parts)}"
+                for lo, hi in order:
+                    bin_fd = open_sized(Path(f"{ours}.bin"), plan.bin_bytes)
+                    idx_fd = open_sized(Path(f"{ours}.idx"), plan.idx_bytes)
+                    write_parts(plan, lo, hi, bin_fd, idx_fd)
+                    os.close(bin_fd)
+                    os.close(idx_fd)
+                for ext in (".bin", ".idx"):
+                    assert Path(f"{ours}{ext}").read_bytes() == Path(f"{ref}{ext}").read_bytes(), (vocab, name, ext)
+            if plan.bin_bytes:  # megatron-core cannot map an empty .bin (nor can its own merge of empty parts)
+                theirs = IndexedDataset(str(ours))
+                assert len(theirs) == plan.n_sequences and len(theirs.document_indices) == plan.n_documents
+        assert len(prefixes) == 7 and plan_concat(prefixes, vocab).n_sequences > 100
+
+
+def test_concatenation_refuses_parts_that_do_not_fit(tmp_path: Path) -> None:
+    writer = IndexedWriter(tmp_path / "a", 4096)
+    writer.add(np.arange(10))
+    writer.finalize()
+    with pytest.raises(DataError, match=r"holds uint16 tokens, but a vocabulary of 100000 is written as int32"):
+        plan_concat([tmp_path / "a"], 100_000)
+    with open(tmp_path / "a.bin", "ab") as f:
+        f.write(b"\0\0")
+    plan = plan_concat([tmp_path / "a"], 4096)
+    fds = [open_sized(tmp_path / "o.bin", plan.bin_bytes), open_sized(tmp_path / "o.idx", plan.idx_bytes)]
+    with pytest.raises(DataError, match=r"a\.bin holds 22 bytes but its index describes 20"):
+        write_parts(plan, 0, 1, *fds)
+    with open(tmp_path / "a.idx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(DataError, match=r"do not describe its 63 bytes"):
+        plan_concat([tmp_path / "a"], 4096)

@@ -29,6 +29,7 @@ def _files(build: Path) -> dict[str, Path]:
             "tokenizer": build / "tokenizer.model",
             "tokenize/a": w / "tokens/a/shard-00000-00000.stats.json",
             "tokenize/b": w / "tokens/b/shard-00000-00000.stats.json",
+            "merge/a": w / "merge/a/unit-00000.json", "merge/b": w / "merge/b/unit-00000.json",
             "manifest": build / "manifest.json"}
 
 
@@ -68,12 +69,12 @@ def test_three_config_edits_redo_what_the_dependency_table_says(base) -> None:  
     # sentencepiece's thread count changes its model: a tokenizer setting, stamped (`workers` is not).
     threads = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, threads=1))
     changed = {k for k, v in stage_keys(threads).items() if stage_keys(cfg)[k] != v}
-    assert changed == {"tokenizer", "tokenize/a", "tokenize/b", "manifest"}
+    assert changed == {"tokenizer", "tokenize/a", "tokenize/b", "merge/a", "merge/b", "manifest"}
 
     # The tokenizer only: the tokenizer and every source's tokenize step (and the manifest).
     tok = dataclasses.replace(cosmetic, tokenizer=TokenizerConfig(vocab_size=320, sample_chars=50_000))
     redone, manifest = _edit_and_rebuild(cfg, tok)
-    assert redone == {"tokenizer", "tokenize/a", "tokenize/b", "manifest"}
+    assert redone == {"tokenizer", "tokenize/a", "tokenize/b", "merge/a", "merge/b", "manifest"}
     fresh = run_build(dataclasses.replace(tok, output_dir=str(root / "fresh_tok")))
     assert manifest["fingerprint"] == fresh["fingerprint"] and manifest["sources"] == fresh["sources"]
     assert manifest["tokenizer"]["vocab_size"] == 320
@@ -83,12 +84,20 @@ def test_three_config_edits_redo_what_the_dependency_table_says(base) -> None:  
     a, b = tok.sources
     filt = dataclasses.replace(tok, sources=[dataclasses.replace(a, filters=["length", "docs"]), b])
     redone, manifest = _edit_and_rebuild(cfg, filt)
-    assert redone == {"ingest/a", "minhash/a", "exact", "near", "tokenizer", "tokenize/a", "tokenize/b", "manifest"}
+    assert redone == {"ingest/a", "minhash/a", "exact", "near", "tokenizer", "tokenize/a", "tokenize/b", "merge/a",
+                      "merge/b", "manifest"}
     assert manifest["sources"]["a"]["documents"]["filtered"].get("docs.word_count", 0) > 0
     fresh = run_build(dataclasses.replace(filt, output_dir=str(root / "fresh_filt")))
     assert manifest["fingerprint"] == fresh["fingerprint"] and manifest["sources"] == fresh["sources"]
     assert json.loads((root / "out/manifest.json").read_text())["config"]["sources"][0]["filters"] == \
         ["length", "docs"]  # the manifest records the config its data was built with
+
+    # merge_bytes lays out the merge stage's files, no byte of the data: the merges are redone, in more units.
+    data = {p.name: p.read_bytes() for p in (root / "out").iterdir() if p.suffix in (".bin", ".idx", ".npy")}
+    redone, manifest = _edit_and_rebuild(cfg, dataclasses.replace(filt, merge_bytes=64))
+    assert redone == {"merge/a", "merge/b", "manifest"} and manifest["fingerprint"] == fresh["fingerprint"]
+    assert data == {p.name: p.read_bytes() for p in (root / "out").iterdir() if p.name in data} and len(data) == 6
+    assert len(list((root / "out/work/merge/a").glob("unit-*.json"))) >= 2
 
 
 def test_sources_and_the_tokenizer_file_are_checked_before_any_stage(base, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -1,22 +1,26 @@
-"""Sharded builds: 1 task or N tasks (and any partition size, any worker count) give the same manifest and the same
-.bin/.idx bytes, and so does a build SIGKILLed in any stage and rerun; removed near duplicates each name a kept
-document they are near, and a chain of documents is never removed through. One large file is cut into ingest units
-(byte ranges of a jsonl file, row groups of a parquet file, row ranges of a saved HF dataset) that read every record
-once, with the file's own line numbers."""
+"""Sharded builds: 1 task or N tasks (and any partition size, any worker count, any merge unit size) give the same
+manifest and the same .bin/.idx bytes — megatron-core's `add_index` merge of the token shards, byte for byte —, and
+so does a build SIGKILLed in any stage and rerun, or one whose merge unit is lost half-written; removed near
+duplicates each name a kept document they are near, and a chain of documents is never removed through. One large
+file is cut into ingest units (byte ranges of a jsonl file, row groups of a parquet file, row ranges of a saved HF
+dataset) that read every record once, with the file's own line numbers."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from data_pipeline import minhash, shards
+from data_pipeline import minhash
+from data_pipeline import shards as shard_stages
 from data_pipeline.build import SHARDED, STAGES, run_build
 from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.dedup import DedupConfig
@@ -67,7 +71,7 @@ def _config(root: Path, out: str, **kw: object) -> BuildConfig:
     sources = [SourceConfig(name="web", path=str(root / "web"), profile="minimal", priority=1),
                SourceConfig(name="tree", path=str(root / "tree"), glob="*.txt", profile="minimal", priority=2),
                SourceConfig(name="low", path=str(root / "low.jsonl"), profile="minimal")]
-    cfg = BuildConfig(output_dir=str(root / out), sources=sources, shard_docs=8, workers=2,
+    cfg = BuildConfig(output_dir=str(root / out), sources=sources, shard_docs=8, workers=2, merge_bytes=1500,
                       dedup=DedupConfig(partition_docs=16),
         tokenizer=TokenizerConfig(vocab_size=300, sample_chars=30_000))
     return dataclasses.replace(cfg, **kw)  # type: ignore[arg-type]
@@ -82,11 +86,39 @@ def _outputs(out: Path) -> dict[str, bytes]:
     return files
 
 
-def _sharded_build(cfg: BuildConfig, tasks: int) -> None:
+def _sharded_build(cfg: BuildConfig, tasks: int, stages: tuple[str, ...] = STAGES) -> None:
     """Stage by stage as a SLURM array would run it: every task of a sharded stage, then the next stage."""
-    for stage in STAGES:
+    for stage in stages:
         for task in range(tasks) if stage in SHARDED else [0]:
             run_build(cfg, stages=(stage,), task=task, tasks=tasks)
+
+
+def _megatron_merge(prefixes: list[Path], out_prefix: Path, dtype: type) -> None:
+    """The merge the manifest stage did before the merge stage: megatron-core's add_index of every shard."""
+    from data_pipeline.indexed import import_megatron_builder
+
+    builder = import_megatron_builder()(f"{out_prefix}.bin", dtype=dtype)
+    for p in prefixes:
+        builder.add_index(str(p))
+    builder.finalize(f"{out_prefix}.idx")
+
+
+def _lose_a_merge_unit(cfg: BuildConfig, source: str, u: int) -> None:
+    """Merge unit u of `source` as a task killed in the middle of it leaves it: no marker, and its regions of the
+    three partial files half written (here: garbage)."""
+    from data_pipeline.merge import source_merges
+    from data_pipeline.shards import CorpusIndex
+
+    (m,) = [m for m in source_merges(CorpusIndex(cfg, Path(cfg.output_dir) / "work"), Path(cfg.output_dir), 300)
+            if m.name == source]
+    m.marker(u).unlink()
+    (b0, s0, d0), (b1, s1, d1) = m.plan.starts(m.bounds[u]), m.plan.starts(m.bounds[u + 1])
+    assert b1 > b0 and s1 > s0 and d1 > d0
+    for ext, lo, hi in ((".bin", b0, b1), (".idx", 34 + 4 * s0, 34 + 4 * s1),
+                        (".hash.npy", len(m.hash_header) + 8 * d0, len(m.hash_header) + 8 * d1)):
+        with open(m.partial(ext), "r+b") as f:
+            f.seek(lo)
+            f.write(b"\xab" * ((hi - lo) // 2))
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +128,11 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return root, run_build(_config(root, "one"))
 
 
-def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedTokens
+
     root, manifest = straight
     one = _outputs(root / "one")
     assert {"web.bin", "web.idx", "tree.bin", "low.bin", "cluster_report.json", "near_duplicates.jsonl"} <= set(one)
@@ -105,22 +141,56 @@ def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, monkeypatc
     assert d["web"]["exact_duplicate"] == 10  # base[20:30] are in tree too (priority 2)
     # web's edits of base[0:10], its base[10:16] (tree holds edits of them, at priority 2) and the chain's c1, c3
     assert d["web"]["near_duplicate"] == 18 and d["tree"]["near_duplicate"] == 0
+    # The merged files are megatron-core's merge of the token shards, byte for byte, and it reads them.
+    for name in ("web", "tree", "low"):
+        shards = sorted((root / "one/work/tokens" / name).glob("shard-*.idx"))
+        _megatron_merge([p.with_suffix("") for p in shards], tmp_path / name, np.uint16)
+        for ext in (".bin", ".idx"):
+            assert one[name + ext] == (tmp_path / f"{name}{ext}").read_bytes(), (name, ext)
+        kept = d[name]["kept"]
+        assert len(IndexedTokens(root / "one" / name)) == kept == len(np.load(root / "one" / f"{name}.hash.npy"))
     cfg3 = _config(root, "three")
-    _sharded_build(cfg3, 3)
+    _sharded_build(cfg3, 3, STAGES[:-1])
+    # A merge unit lost mid-way (its task killed while copying): the manifest stage names it and what to run;
+    # its task reruns it, and the bytes are the same.
+    _lose_a_merge_unit(cfg3, "web", 1)
+    with pytest.raises(DataError, match=r"merge unit 1 of source 'web' \(shards shard-\S+\.\.shard-\S+\) is not "
+                                        r"done \(1 of the source's 4 merge units.*--stages merge"):
+        run_build(cfg3, stages=("manifest",))
+    run_build(cfg3, stages=("merge",), task=1, tasks=3)
+    run_build(cfg3, stages=("manifest",))
     assert _outputs(root / "three") == one
-    # One partition for everything (no sharding inside the stages) and one worker process instead of two: the same
-    # data, the trained sentencepiece model included (its thread count is `tokenizer.threads`, not `workers`);
-    # verified 3 pairs at a time, words hashed 512 bytes at a time (the memory bounds), changing nothing.
-    monkeypatch.setattr(shards, "VERIFY_CHUNK", 3)
+    # The merge stage's 3 tasks at once, as an array runs them: each creates and fills the same files.
+    shutil.rmtree(root / "three/work/merge")
+    for f in (root / "three").glob("*.*"):
+        if f.suffix in (".bin", ".idx", ".npy") or f.name == "manifest.json":
+            f.unlink()
+    tasks = [multiprocessing.get_context("fork").Process(target=run_build, args=(cfg3,), kwargs={
+        "stages": ("merge",), "task": k, "tasks": 3}) for k in range(3)]
+    for t in tasks:
+        t.start()
+    for t in tasks:
+        t.join()
+    assert [t.exitcode for t in tasks] == [0, 0, 0]
+    run_build(cfg3, stages=("manifest",))
+    assert _outputs(root / "three") == one
+    # One partition for everything (no sharding inside the stages), one merge unit per source and one worker
+    # process instead of two: the same data, the trained sentencepiece model included (its thread count is
+    # `tokenizer.threads`, not `workers`); verified 3 pairs at a time, words hashed 512 bytes at a time (the memory
+    # bounds), changing nothing.
+    monkeypatch.setattr(shard_stages, "VERIFY_CHUNK", 3)
     monkeypatch.setattr(minhash, "WORD_BATCH_BYTES", 512)
-    single = _config(root, "single", dedup=DedupConfig(partition_docs=10_000), workers=1)
+    single = _config(root, "single", dedup=DedupConfig(partition_docs=10_000), workers=1, merge_bytes=1 << 30)
     run_build(single)
     assert _outputs(root / "single") == one and "tokenizer.model" in one
-    # Work is split: each sharded stage had several units (partitions, ranges, shards, ingest units).
+    # Work is split: each sharded stage had several units (partitions, ranges, shards, ingest units, merge units).
     work = root / "three" / "work"
     assert len(list((work / "exact").glob("part-*.npy"))) >= 5 and len(list((work / "pairs").glob("*.npy"))) >= 5
     assert len(list((work / "ingest" / "web").glob("unit-*.counts.json"))) == 4
     assert len(list((work / "ingest" / "tree").glob("unit-*.counts.json"))) == 3
+    assert len(list((work / "merge" / "web").glob("unit-*.json"))) == 4
+    assert len(list((root / "single/work/merge/web").glob("unit-*.json"))) == 1
+    assert not list((work / "merge").rglob("*.partial"))  # moved into place
 
 
 def test_a_stage_missing_its_inputs_from_other_tasks_says_which(straight) -> None:  # type: ignore[no-untyped-def]
@@ -167,7 +237,7 @@ class _Killed(BaseException):
 
 
 _STAGE_DIRS = {"ingest": "ingest", "exact": "exact", "minhash": "minhash", "bands": "minhash", "pairs": "pairs",
-               "verify": "verify", "near": "near", "tokens": "tokenize"}
+               "verify": "verify", "near": "near", "tokens": "tokenize", "merge": "merge"}
 
 _KILLER = """
 import os, signal, sys
@@ -182,8 +252,9 @@ b.run_build(load_build_config(sys.argv[1]))
 
 def patch_writes(out: Path, target: str, die: object) -> list[object]:
     """Make the build call `die()` at its second atomic write in stage `target` (the first for manifest, which
-    has one); returns the originals (stages, shards, build modules' save_npy_atomic and write_json_atomic)."""
+    has one); returns the originals (stages, shards, merge, build modules' save_npy_atomic and write_json_atomic)."""
     import data_pipeline.build as b
+    import data_pipeline.merge as mg
     import data_pipeline.shards as sh
     import data_pipeline.stages as st
 
@@ -205,7 +276,7 @@ def patch_writes(out: Path, target: str, die: object) -> list[object]:
         return write
 
     originals: list[object] = []
-    for m in (st, sh, b):
+    for m in (st, sh, mg, b):
         for name in ("save_npy_atomic", "write_json_atomic"):
             if hasattr(m, name):
                 originals.append((m, name, getattr(m, name)))
@@ -226,7 +297,7 @@ def test_killed_in_every_stage_and_rerun_gives_the_same_bytes(straight) -> None:
     cfg = _config(root, "killed", workers=1)  # one worker: every write is in the stopped process
     cfg_file = root / "killed.yaml"
     cfg_file.write_text(yaml.safe_dump(to_dict(cfg)))
-    for stage in ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenize", "manifest"):
+    for stage in ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenize", "merge", "manifest"):
         if stage == "verify":
             proc = subprocess.run([sys.executable, "-c", _KILLER, str(cfg_file), cfg.output_dir, stage], cwd=REPO,
                                   capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
