@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,11 +104,9 @@ class CorpusIndex:
         """Index into `shards` of the shard holding each rank."""
         return self.by_rank[np.searchsorted(self.rank_starts, ranks, side="right") - 1]
 
-    def shingle_sets(self, ranks: np.ndarray, ngram: int) -> list[np.ndarray]:
-        """The distinct shingle hashes (sorted) of documents by rank. Shard by shard, only their lines decoded,
-        shingled in batches (`word_hashes`' bound); only the sets are held, never a shard's texts."""
-        ranks = np.asarray(ranks, dtype=np.int64)
-        out: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)] * len(ranks)
+    def _rows_by_shard(self, ranks: np.ndarray) -> Iterator[tuple[Shard, list[int], np.ndarray, np.ndarray]]:
+        """Per shard holding some of `ranks`: the shard, its distinct rows among them (sorted), and for each of
+        their positions in `ranks` (`pos`) the index of its row (`inverse`)."""
         shard = self.shard_of(ranks)
         order = np.lexsort((ranks, shard))
         bounds = np.flatnonzero(np.diff(shard[order], prepend=-1, append=-1))
@@ -116,7 +114,15 @@ class CorpusIndex:
             s = self.shards[int(shard[order[lo]])]
             pos = order[lo:hi]
             rows, inverse = np.unique(ranks[pos] - s.rank, return_inverse=True)
-            h, off = shingle_hashes(read_shard_texts(s.jsonl, rows.tolist()), ngram)
+            yield s, rows.tolist(), pos, inverse
+
+    def shingle_sets(self, ranks: np.ndarray, ngram: int) -> list[np.ndarray]:
+        """The distinct shingle hashes (sorted) of documents by rank. Shard by shard, only their lines decoded,
+        shingled in batches (`word_hashes`' bound); only the sets are held, never a shard's texts."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)] * len(ranks)
+        for s, rows, pos, inverse in self._rows_by_shard(ranks):
+            h, off = shingle_hashes(read_shard_texts(s.jsonl, rows), ngram)
             sets = [shingle_set(h[off[i]:off[i + 1]]) for i in range(len(rows))]
             for p, i in zip(pos.tolist(), inverse.tolist(), strict=True):
                 out[p] = sets[i]
@@ -127,14 +133,8 @@ class CorpusIndex:
         documents' lines decoded."""
         ranks = np.asarray(ranks, dtype=np.int64)
         out: list[str] = [""] * len(ranks)
-        shard = self.shard_of(ranks)
-        order = np.lexsort((ranks, shard))
-        bounds = np.flatnonzero(np.diff(shard[order], prepend=-1, append=-1))
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-            s = self.shards[int(shard[order[lo]])]
-            pos = order[lo:hi]
-            rows, inverse = np.unique(ranks[pos] - s.rank, return_inverse=True)
-            wheres = read_shard_where(s.jsonl, rows.tolist())
+        for s, rows, pos, inverse in self._rows_by_shard(ranks):
+            wheres = read_shard_where(s.jsonl, rows)
             for p, i in zip(pos.tolist(), inverse.tolist(), strict=True):
                 out[p] = f"{s.source}:{wheres[i]}"
         return out
