@@ -61,6 +61,7 @@ from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, sig
 
 BANDS, ROWS, SEED, NGRAM, VERIFY = 14, 8, 1, 5, 0.7
 _DRY_GROUPS = {"code": "code:json/", "prose": "prose:LICENSE"}
+_CACHE_SETS = 50_000  # shingle sets the metrics hold at once (10^6 documents would not fit)
 _BYTE_WORDS = re.compile(rb"[0-9A-Za-z_\x80-\xff]+")
 
 
@@ -128,6 +129,8 @@ def shared_precision(texts: Sequence[str], result: NearDedupResult) -> float:
 
     def sh(i: int) -> frozenset[bytes]:
         if i not in cache:
+            if len(cache) >= _CACHE_SETS:
+                cache.clear()
             cache[i] = frozenset(shingles(texts[i]))
         return cache[i]
 
@@ -171,26 +174,33 @@ def run_tessera(texts: list[str], cfg: MinHashConfig, st: Stages) -> NearDedupRe
 # ---------------------------------------------------------------------------------------------- datasketch
 
 
-def datasketch_pairs(texts: list[str], st: Stages, sh: list[list[bytes]]) -> np.ndarray:
+def datasketch_pairs(texts: list[str], st: Stages, batch: int = 10_000) -> np.ndarray:
+    """datasketch's bulk API in batches of `batch` documents: shingles, `MinHash.bulk`, insertion; the
+    shingle lists are dropped after each batch (kept whole they need ~40 GB at 10^6 prose documents), so the
+    verify post-pass shingles the documents it reads again, as it does for datatrove."""
     import xxhash
     from datasketch import MinHash, MinHashLSH
 
-    with st("shingles"):
-        sh.extend(shingles(t) for t in texts)
-    with st("MinHash.bulk"):
-        mhs = MinHash.bulk(sh, num_perm=BANDS * ROWS, seed=SEED, hashfunc=xxhash.xxh32_intdigest)
-    with st("LSH insertion session"):
-        lsh = MinHashLSH(num_perm=BANDS * ROWS, params=(BANDS, ROWS))
-        with lsh.insertion_session() as session:
-            for i, m in enumerate(mhs):
-                session.insert(i, m, check_duplication=False)
+    lsh = MinHashLSH(num_perm=BANDS * ROWS, params=(BANDS, ROWS))
+    mhs: list[Any] = []
+    with lsh.insertion_session() as session:
+        for lo in range(0, len(texts), batch):
+            with st("shingles"):
+                sh = [shingles(t) for t in texts[lo:lo + batch]]
+            with st("MinHash.bulk"):
+                part = MinHash.bulk(sh, num_perm=BANDS * ROWS, seed=SEED, hashfunc=xxhash.xxh32_intdigest)
+            del sh
+            with st("LSH insertion session"):
+                for i, m in enumerate(part, start=lo):
+                    session.insert(i, m, check_duplication=False)
+            mhs.extend(part)
     with st("LSH query"):
         found = [(i, j) for i, m in enumerate(mhs) for j in lsh.query(m) if j != i]
     return as_pairs(found)
 
 
-def run_datasketch(texts: list[str], st: Stages, sh: list[list[bytes]]) -> tuple[NearDedupResult, np.ndarray]:
-    pairs = datasketch_pairs(texts, st, sh)
+def run_datasketch(texts: list[str], st: Stages) -> tuple[NearDedupResult, np.ndarray]:
+    pairs = datasketch_pairs(texts, st)
     with st("clustering"):
         return cluster_edges(len(texts), pairs, len(pairs)), pairs
 
@@ -301,7 +311,7 @@ def warm_up(texts: list[str], skip: set[str]) -> None:
     """Every tool once on a few documents, untimed: imports, numpy's first allocations, Tessera's power table."""
     run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED), Stages())
     if "datasketch" not in skip and importlib.util.find_spec("datasketch"):
-        run_datasketch(texts, Stages(), [])
+        run_datasketch(texts, Stages())
     if "datatrove" not in skip and importlib.util.find_spec("datatrove"):
         run_datatrove(texts, Stages())
 
@@ -333,8 +343,7 @@ def bench_corpus(bench: DedupBenchmark, skip: set[str]) -> dict[str, dict[str, A
 
         def plain_run(st: Stages, peer: str = peer, found: dict[str, Any] = found) -> NearDedupResult:
             if peer == "datasketch":
-                found["sh"] = []
-                result, found["pairs"] = run_datasketch(texts, st, found["sh"])
+                result, found["pairs"] = run_datasketch(texts, st)
             else:
                 result, found["pairs"] = run_datatrove(texts, st)
             return result
@@ -342,9 +351,8 @@ def bench_corpus(bench: DedupBenchmark, skip: set[str]) -> dict[str, dict[str, A
         measure(rows, f"{peer} plain", bench, plain_run)
 
         def verify_pass(st: Stages, peer: str = peer, found: dict[str, Any] = found) -> NearDedupResult:
-            sh = found.get("sh")
-            with st("verify post-pass"):
-                edges = verify(found["pairs"], (lambda i: sh[i]) if sh else (lambda i: shingles(texts[i])))
+            with st("verify post-pass"):  # shingles its documents again: no peer keeps them (memory)
+                edges = verify(found["pairs"], lambda i: shingles(texts[i]))
             with st("clustering"):
                 return cluster_edges(n, edges, len(found["pairs"]))
 
@@ -356,12 +364,13 @@ def bench_corpus(bench: DedupBenchmark, skip: set[str]) -> dict[str, dict[str, A
     return rows
 
 
-def load_corpus(kind: str, n: int, seed: int, cache: Path) -> DedupBenchmark:
-    path = cache / f"corpus-{kind}-{n}-{seed}.pkl"
+def load_corpus(kind: str, n: int, seed: int, cache: Path, copy_fraction: float = 0.1) -> DedupBenchmark:
+    path = cache / (f"corpus-{kind}-{n}-{seed}.pkl" if copy_fraction == 0.1
+                    else f"corpus-{kind}-{n}-{seed}-copies{copy_fraction:g}.pkl")
     if path.is_file():
         bench: DedupBenchmark = pickle.loads(path.read_bytes())
         return bench
-    bench = make_corpus(kind, n, seed=seed)
+    bench = make_corpus(kind, n, seed=seed, copy_fraction=copy_fraction)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(bench))
     return bench
@@ -372,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=int, default=20_000, help="documents per corpus (10^6 for the headline)")
     parser.add_argument("--corpus", nargs="+", default=["code", "prose"], choices=["code", "prose"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--copy-fraction", type=float, default=0.1,
+                        help="generated near-copies as a fraction of --docs (0.02 at 10^6: 20,000 pairs, each "
+                             "found by bisection on truth Jaccard)")
     parser.add_argument("--cache", default=".cache/tessera/dedup_bench")
     parser.add_argument("--skip", nargs="*", default=[], help="rows to skip: datatrove datasketch kperm")
     parser.add_argument("--json", help="write the rows here")
@@ -381,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"python": sys.version.split()[0], "load_before": os.getloadavg()[0], "corpora": {}}
     for kind in args.corpus:
         bench = (make_corpus(kind, 400, seed=args.seed, only=_DRY_GROUPS[kind]) if args.dry
-                 else load_corpus(kind, args.docs, args.seed, Path(args.cache)))
+                 else load_corpus(kind, args.docs, args.seed, Path(args.cache), args.copy_fraction))
         hist = jaccard_histogram(bench)
         print(f"{kind}: {len(bench.texts)} documents, {len(bench.pairs)} known pairs (truth J per origin: "
               f"{json.dumps(hist)}); load {os.getloadavg()[0]:.1f}", flush=True)

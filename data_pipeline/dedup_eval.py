@@ -304,6 +304,8 @@ def recall_precision(bench: DedupBenchmark, result: NearDedupResult) -> tuple[fl
 
     def sh(i: int) -> frozenset[tuple[str, ...]]:
         if i not in cache:
+            if len(cache) >= 50_000:  # bounded: at 10^6 documents every removed one's set would not fit
+                cache.clear()
             cache[i] = shingle(bench.texts[i])
         return cache[i]
 
