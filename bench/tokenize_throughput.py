@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from data_pipeline.build import _given_tokenizer
     from data_pipeline.build_config import BuildConfig, TokenizerConfig
-    from data_pipeline.indexed import import_megatron_builder
     from data_pipeline.stages import _tokenize_task, load_tokenizer
     from data_pipeline.tokenizer import (
         CL100K_PATTERN,
@@ -88,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         train_sentencepiece,
     )
 
-    import_megatron_builder()  # the writer's one-off import (~4.5 s) is not tokenizing
     texts = {k: corpus(k, args.mb) for k in ("code", "prose")}
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,6 @@
-"""Megatron indexed datasets (.bin/.idx): our numpy-memmap reader, writing through megatron-core, and concatenating
-many into one (the build's merge stage) with our own writer, byte for byte what megatron-core's would write.
+"""Megatron indexed datasets (.bin/.idx): our numpy-memmap reader, our writer of one shard (the build's tokenize
+stage) and our concatenation of many into one (the merge stage), each byte for byte what megatron-core's
+`IndexedDatasetBuilder` writes (tests/data_pipeline/test_indexed.py compares the bytes).
 
 The format (megatron-core 0.16.1 `indexed_dataset.py`), all little-endian:
     .idx = b"MMIDIDX\\x00\\x00" | u64 version=1 | u8 dtype code | u64 n_sequences | u64 n_documents
@@ -8,16 +9,18 @@ The format (megatron-core 0.16.1 `indexed_dataset.py`), all little-endian:
     .bin = the tokens of every sequence, back to back, in the dtype of the code.
 Tessera writes one sequence per document (document_indices = 0..n), each ending with EOS.
 
-Training ranks read with `IndexedTokens` (numpy only): importing megatron-core costs ~4.5 s per process
-(docs/DATA.md), so it is imported lazily and only by `IndexedWriter` (offline builds) and tests. Concatenation
-(`ConcatPlan`, `write_parts`) is ours: megatron-core's `add_index` holds every document's length and index as Python
-lists (tens of GB for 10^9 documents) in one process; ours writes any range of the parts at its computed offsets,
-so array tasks can merge one source side by side with memory of one part (tests/data_pipeline/test_indexed.py
-compares the bytes with megatron-core's).
+Nothing here imports megatron-core (~4.5 CPU-s and ~150 MB of RSS on top of torch per process, docs/DATA.md) but
+`import_megatron_builder`, which only tests and benches call to compare bytes. Training ranks read with
+`IndexedTokens` (numpy only). `IndexedWriter` streams a shard's tokens to the .bin and keeps 4 bytes per document
+(megatron-core's builder keeps Python lists of ints, and needs torch tensors). Concatenation (`ConcatPlan`,
+`write_parts`): megatron-core's `add_index` holds every document's length and index as Python lists (tens of GB
+for 10^9 documents) in one process; ours writes any range of the parts at its computed offsets, so array tasks can
+merge one source side by side with memory of one part.
 """
 
 from __future__ import annotations
 
+import array
 import errno
 import gc
 import os
@@ -278,31 +281,53 @@ def open_sized(path: Path, size: int) -> int:
     return fd
 
 
-class IndexedWriter:
-    """Writes a .bin/.idx pair with megatron-core's `IndexedDatasetBuilder` (so Megatron-LM/NeMo read it).
+BIN_BUFFER = 1 << 20
+"""Write buffer of `IndexedWriter`'s .bin (documents are a few KB; one write call per MiB)."""
 
-    Writes to temporary names and renames on `finalize`, so a crashed build never leaves a valid-looking pair.
+
+class IndexedWriter:
+    """Writes a .bin/.idx pair, byte for byte what megatron-core's `IndexedDatasetBuilder` writes for the same
+    documents through `add_item(torch.from_numpy(tokens))` + `end_document()` each, then `finalize` (tested: random
+    documents, empty ones, no documents, uint16 and int32), so Megatron-LM/NeMo read it — without importing
+    megatron-core or torch.
+
+    Tokens go to the .bin as documents come (cast to the vocabulary's dtype as megatron-core casts, through int64);
+    the only state kept is one int32 length per document (4 bytes, in an `array`); `finalize` writes the .idx:
+    header, lengths, byte pointers (their exclusive prefix sums x itemsize) and document indices 0..n (one sequence
+    per document). Writes to temporary names (`prefix.tmp.bin`, `prefix.tmp.idx`, truncated when opened) and renames
+    the .bin then the .idx on `finalize`, so a crashed build never leaves a valid-looking pair.
     """
 
     def __init__(self, prefix: str | Path, vocab_size: int) -> None:
-        builder_cls = import_megatron_builder()
         self.prefix = str(prefix)
         self._tmp = self.prefix + ".tmp"
-        self._builder = builder_cls(self._tmp + ".bin", dtype=token_dtype(vocab_size))
+        self.dtype = np.dtype(token_dtype(vocab_size))
+        self._code = _code(token_dtype(vocab_size))
+        self._bin = open(self._tmp + ".bin", "wb", buffering=BIN_BUFFER)  # closed by finalize
+        self._lengths = array.array("i")
+        if self._lengths.itemsize != 4:
+            raise RuntimeError(f"C int is {self._lengths.itemsize} bytes here; the .idx needs 4-byte lengths")
         self.num_docs = 0
         self.num_tokens = 0
 
     def add(self, tokens: np.ndarray | Iterable[int]) -> None:
         """Append one document (already ending with EOS) as one sequence."""
-        import torch
-
-        arr = np.asarray(tokens, dtype=np.int64)
-        self._builder.add_item(torch.from_numpy(arr))
-        self._builder.end_document()
+        arr = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64), dtype=self.dtype)
+        self._bin.write(arr.data.cast("B"))
+        self._lengths.append(arr.size)
         self.num_docs += 1
-        self.num_tokens += int(arr.size)
+        self.num_tokens += arr.size
 
     def finalize(self) -> None:
-        self._builder.finalize(self._tmp + ".idx")
+        self._bin.close()
+        n = len(self._lengths)
+        lengths = np.frombuffer(self._lengths, dtype=np.intc).astype("<i4")
+        pointers = np.zeros(n, dtype="<i8")
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= self.dtype.itemsize
+        with open(self._tmp + ".idx", "wb") as f:
+            f.write(INDEX_HEADER + struct.pack("<QBQQ", 1, self._code, n, n + 1))
+            for part in (lengths, pointers, np.arange(n + 1, dtype="<i8")):
+                f.write(part.data)
         Path(self._tmp + ".bin").replace(self.prefix + ".bin")
         Path(self._tmp + ".idx").replace(self.prefix + ".idx")

@@ -32,7 +32,7 @@ import numpy as np
 from data_pipeline.build_config import BuildConfig, SourceConfig
 from data_pipeline.cache import write_json_atomic
 from data_pipeline.filters import apply_filters, resolve_filters
-from data_pipeline.indexed import IndexedWriter, import_megatron_builder
+from data_pipeline.indexed import IndexedWriter
 from data_pipeline.ingest import (
     COMPRESSED,
     Record,
@@ -522,6 +522,5 @@ def tokenize_shards(cfg: BuildConfig, model: Path, shards: Sequence[tuple[Path, 
             prefix.parent.mkdir(parents=True, exist_ok=True)
             jobs.append((jsonl, prefix, str(model), status_of(k)))
     if jobs:
-        import_megatron_builder()  # once in the parent: forked workers inherit it instead of paying ~4.5 s each
-        load_tokenizer(str(model))  # likewise
+        load_tokenizer(str(model))  # once in the parent: forked workers inherit it instead of loading it each
     run_pool(_tokenize_task, jobs, cfg.workers, "tokenize", "shard")
