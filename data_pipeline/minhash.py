@@ -97,13 +97,20 @@ _POWERS = _Powers()
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer: spreads every input bit over the whole word."""
     with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        y = x >> np.uint64(30)  # two arrays in all, worked on in place (x is left as it is)
+        y ^= x
+        y *= np.uint64(0xBF58476D1CE4E5B9)
+        t = y >> np.uint64(27)
+        y ^= t
+        y *= np.uint64(0x94D049BB133111EB)
+        np.right_shift(y, np.uint64(31), out=t)
+        y ^= t
+        return y
 
 
-_WORD_TABLE = bytes(_WORD_BYTE.astype(np.uint8))
-"""`bytes.translate` table: 1 for word bytes, 0 otherwise (one C pass over the batch, no index array)."""
+_LOWER_WORD_TABLE = bytes((c | 0x20) if 0x41 <= c <= 0x5A else (c if _WORD_BYTE[c] else 0) for c in range(256))
+"""`bytes.translate` table: A-Z to a-z, the other word bytes to themselves (all nonzero), every other byte to 0 —
+one C pass gives both the lower-cased bytes and the word mask (nonzero)."""
 
 
 def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -113,9 +120,9 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     polynomial hash sum(b_j P^(j - start)) from one prefix sum, so no Python runs per word. Batches hold at most
     `WORD_BATCH_BYTES` (memory: about 24 bytes per input byte).
     """
-    # ASCII text lowers as bytes (a C loop without Unicode case tables: several times faster).
-    encoded = [t.encode("ascii").lower() if t.isascii() else t.lower().encode("utf-8", "surrogatepass")
-               for t in texts]
+    # ASCII text is lower-cased by the byte table in `_word_hashes` (one pass over the batch); other text by
+    # Python's Unicode `str.lower` first, then UTF-8 (the table leaves bytes >= 0x80 as they are).
+    encoded = [t.encode("ascii") if t.isascii() else t.lower().encode("utf-8", "surrogatepass") for t in texts]
     groups, start, size = [], 0, 0
     for i, e in enumerate(encoded):
         if size + len(e) + 1 > WORD_BATCH_BYTES and i > start:
@@ -136,24 +143,35 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    data = b"\x00" + b"\x00".join(encoded) + b"\x00"  # a non-word byte before and after every text
+    # A non-word byte before and after every text; lower-cased, non-word bytes 0.
+    data = np.frombuffer(b"\x00".join([b"", *encoded, b""]).translate(_LOWER_WORD_TABLE), dtype=np.uint8)
     n = len(data)
-    b = np.frombuffer(data, dtype=np.uint8)
-    is_word = np.frombuffer(data.translate(_WORD_TABLE), dtype=np.uint8)
-    bounds = np.flatnonzero(is_word[1:] != is_word[:-1]) + 1  # alternately a word's start and its end
+    is_word = data != 0
+    # Word k spans data[bounds[2k] + 1 : bounds[2k + 1] + 1].
+    bounds = np.flatnonzero(is_word[1:] ^ is_word[:-1])
     starts, ends = bounds[0::2], bounds[1::2]
     pos, neg = _POWERS.get(n + 1)
     with np.errstate(over="ignore"):
-        prefix = np.empty(n + 1, dtype=np.uint64)
-        prefix[0] = 0
-        np.multiply(b, pos[:n], out=prefix[1:])
-        np.cumsum(prefix[1:], out=prefix[1:])
-        raw = (prefix[ends] - prefix[starts]) * neg[starts] + (ends - starts).astype(np.uint64)
-    doc_starts = np.ones(len(encoded) + 1, dtype=np.int64)
+        # prefix[i] = sum(data[j] P^j, j <= i): word k's sum is prefix[end] - prefix[start] (bounds as above).
+        prefix = np.multiply(data, pos[:n], dtype=np.uint64)
+        np.cumsum(prefix, out=prefix)
+        at = prefix[bounds]
+        raw = at[1::2] - at[0::2]
+        raw *= neg[1:][starts]
+        raw += (ends - starts).view(np.uint64)
+    doc_starts = np.zeros(len(encoded) + 1, dtype=np.int64)  # the separator before each text, as bounds count
     np.cumsum([len(e) + 1 for e in encoded], out=doc_starts[1:])
-    doc_starts[1:] += 1
     first_word = np.searchsorted(starts, doc_starts)
     return mix64(raw), first_word
+
+
+@functools.lru_cache(maxsize=8)
+def _shingle_offset(ngram: int) -> np.uint64:
+    """sum((r + 1) M^(ngram-1-r), r < ngram) mod 2^64: the word positions' share of every full shingle's hash."""
+    c = 0
+    for r in range(ngram):
+        c = (c * int(_SHINGLE_MULT) + r + 1) & 0xFFFFFFFFFFFFFFFF
+    return np.uint64(c)
 
 
 def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
@@ -170,13 +188,15 @@ def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.nda
     np.cumsum(n_sh, out=sstart[1:])
     # Full windows: one multiply-add per word over the whole batch (contiguous slices, no gathers); a window
     # starting in the last ngram - 1 words of a document runs into the next one and is dropped.
+    # The constants fold into one add: h = sum(w_r M^(n-1-r)) + sum((r + 1) M^(n-1-r)) mod 2^64.
     n_win = max(0, len(wh) - ngram + 1)
-    h = np.zeros(n_win, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for r in range(ngram):
-            h *= _SHINGLE_MULT
+        h = wh[:n_win] * _SHINGLE_MULT if ngram > 1 else wh[:n_win].copy()
+        for r in range(1, ngram):
             h += wh[r:r + n_win]
-            h += np.uint64(r + 1)
+            if r < ngram - 1:
+                h *= _SHINGLE_MULT
+        h += _shingle_offset(ngram)
     valid = np.ones(n_win, dtype=bool)
     for r in range(1, ngram):
         tail = wstart[1:] - r  # a start r words before a document's end

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -67,13 +69,31 @@ def test_shingles_are_word_5grams_and_order_sensitive() -> None:
 def test_word_hashes_match_regex_words() -> None:
     texts = ["Hello, world! x_1 = café(2)", "", "  ", "naïve--Ünïcode words_here"]
     wh, first = word_hashes(texts)
-    import re
-
     words = [re.findall(r"\w+", t.lower()) for t in texts]
     assert np.diff(first).tolist() == [len(w) for w in words]
     flat = [w for ws in words for w in ws]
     for i, j in [(a, b) for a in range(len(flat)) for b in range(len(flat))]:
         assert (wh[i] == wh[j]) == (flat[i] == flat[j])
+
+
+def test_word_hashes_are_the_polynomial_hash_of_python_lowered_words_in_any_batch() -> None:
+    import data_pipeline.minhash as mh
+
+    # ASCII documents are lower-cased by the byte table, the others by str.lower: both must give Python's words.
+    texts = ["Hello, WORLD_2 x\x00Y", "", "ΟΔΟΣ Σ ΣΑ aΣ", "İstanbul KELVIN \u212a ǅ ß ẞ", "A\ud800B café",
+             "  --  ", "ÀÉÎ plain ASCII", "MiXeD ascii ONLY", "\U00010400\U00010428 x"]
+
+    def reference(text: str) -> list[int]:
+        data = text.lower().encode("utf-8", "surrogatepass")
+        words = re.findall(rb"[0-9a-z_\x80-\xff]+", data)
+        raw = [(sum(b * pow(mh._P, j, 1 << 64) for j, b in enumerate(w)) + len(w)) % (1 << 64) for w in words]
+        return mh.mix64(np.array(raw, dtype=np.uint64)).tolist()
+
+    want = [reference(t) for t in texts]
+    for batch in (texts, texts[::-1], [texts[2], texts[7]], [texts[7]], [texts[3]], []):
+        wh, first = word_hashes(batch)
+        assert [wh[first[k]:first[k + 1]].tolist() for k in range(len(batch))] == [want[texts.index(t)] for t in batch]
+    assert word_hashes([])[1].tolist() == [0] and shingle_hashes([], 5)[1].tolist() == [0]
 
 
 def test_word_hashes_split_into_bounded_batches_give_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
