@@ -51,6 +51,7 @@ import numpy as np
 
 from data_pipeline.dedup import NearDedupResult, assign_removals, verify_pairs
 from data_pipeline.dedup_eval import (
+    CACHE_SETS,
     DedupBenchmark,
     jaccard_histogram,
     make_corpus,
@@ -61,7 +62,6 @@ from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, sig
 
 BANDS, ROWS, SEED, NGRAM, VERIFY = 14, 8, 1, 5, 0.7
 _DRY_GROUPS = {"code": "code:json/", "prose": "prose:LICENSE"}
-_CACHE_SETS = 50_000  # shingle sets the metrics hold at once (10^6 documents would not fit)
 _BYTE_WORDS = re.compile(rb"[0-9A-Za-z_\x80-\xff]+")
 
 
@@ -129,7 +129,7 @@ def shared_precision(texts: Sequence[str], result: NearDedupResult) -> float:
 
     def sh(i: int) -> frozenset[bytes]:
         if i not in cache:
-            if len(cache) >= _CACHE_SETS:
+            if len(cache) >= CACHE_SETS:
                 cache.clear()
             cache[i] = frozenset(shingles(texts[i]))
         return cache[i]

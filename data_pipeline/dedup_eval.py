@@ -292,6 +292,10 @@ def make_benchmark(n_base: int, n_copies: int, seed: int = 0) -> DedupBenchmark:
     return DedupBenchmark(texts, pairs, ["generated"] * len(pairs), truth="words")
 
 
+CACHE_SETS = 50_000
+"""Truth shingle sets the metrics hold at once (at 10^6 documents every removed one's set would not fit)."""
+
+
 def recall_precision(bench: DedupBenchmark, result: NearDedupResult) -> tuple[float, float]:
     """(recall@0.8, pair precision@0.7) of a dedup result on the benchmark, in its truth Jaccard."""
     shingle = _TRUTH[bench.truth]
@@ -304,7 +308,7 @@ def recall_precision(bench: DedupBenchmark, result: NearDedupResult) -> tuple[fl
 
     def sh(i: int) -> frozenset[tuple[str, ...]]:
         if i not in cache:
-            if len(cache) >= 50_000:  # bounded: at 10^6 documents every removed one's set would not fit
+            if len(cache) >= CACHE_SETS:
                 cache.clear()
             cache[i] = shingle(bench.texts[i])
         return cache[i]

@@ -124,6 +124,11 @@ HEAD_BYTES = 34
 """Bytes of an .idx header: magic (9), version (u64), dtype code (u8), sequences (u64), documents (u64)."""
 
 
+def index_head(code: int, n_sequences: int, n_documents: int) -> bytes:
+    """The .idx header: magic, version 1, dtype code, sequence and document-index counts."""
+    return INDEX_HEADER + struct.pack("<QBQQ", 1, code, n_sequences, n_documents)
+
+
 @dataclass(frozen=True)
 class ConcatPlan:
     """Where each of several .bin/.idx pairs (parts, in order) lands in their concatenation, from the parts' .idx
@@ -169,7 +174,7 @@ class ConcatPlan:
 
     def head(self) -> bytes:
         """The .idx header, with the concatenation's counts."""
-        return INDEX_HEADER + struct.pack("<QBQQ", 1, self.code, self.n_sequences, self.n_documents)
+        return index_head(self.code, self.n_sequences, self.n_documents)
 
     @property
     def doc_offset(self) -> int:
@@ -301,8 +306,9 @@ class IndexedWriter:
     def __init__(self, prefix: str | Path, vocab_size: int) -> None:
         self.prefix = str(prefix)
         self._tmp = self.prefix + ".tmp"
-        self.dtype = np.dtype(token_dtype(vocab_size))
-        self._code = _code(token_dtype(vocab_size))
+        dtype = token_dtype(vocab_size)
+        self.dtype = np.dtype(dtype)
+        self._code = _code(dtype)
         self._bin = open(self._tmp + ".bin", "wb", buffering=BIN_BUFFER)  # closed by finalize
         self._lengths = array.array("i")
         if self._lengths.itemsize != 4:
@@ -326,7 +332,7 @@ class IndexedWriter:
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize
         with open(self._tmp + ".idx", "wb") as f:
-            f.write(INDEX_HEADER + struct.pack("<QBQQ", 1, self._code, n, n + 1))
+            f.write(index_head(self._code, n, n + 1))
             for part in (lengths, pointers, np.arange(n + 1, dtype="<i8")):
                 f.write(part.data)
         Path(self._tmp + ".bin").replace(self.prefix + ".bin")
