@@ -9,7 +9,15 @@ import pytest
 
 from data_pipeline.dedup import assign_removals, exact_keep, near_dedup
 from data_pipeline.dedup_eval import make_benchmark, recall_precision, true_jaccard
-from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, shingle_hashes, signatures, word_hashes
+from data_pipeline.minhash import (
+    MinHashConfig,
+    band_keys,
+    candidate_pairs,
+    group_pairs,
+    shingle_hashes,
+    signatures,
+    word_hashes,
+)
 
 
 def test_exact_keeps_the_higher_priority_copy() -> None:
@@ -121,6 +129,42 @@ def test_bands_and_probe_find_one_row_differences() -> None:
     sig[2, :] += 5000
     assert len(candidate_pairs(band_keys(sig, 14, 8))) == 0
     assert candidate_pairs(band_keys(sig, 14, 8, probe=True)).tolist() == [[0, 1]]
+
+
+def _reference_pairs(keys: list[int], ids: list[int], small_group: int) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for k, i in zip(keys, ids, strict=True):
+        groups.setdefault(k, []).append(i)
+    out = set()
+    for members in groups.values():
+        if len(members) <= small_group:
+            out |= {(min(a, b), max(a, b)) for x, a in enumerate(members) for b in members[x + 1:]}
+        else:
+            out |= {(min(members), b) for b in members}
+    return sorted([a, b] for a, b in out if a != b)
+
+
+@pytest.mark.parametrize("kind", ["few_values", "low_bits_only", "random_with_repeats", "one_huge_group"])
+def test_group_pairs_matches_a_dictionary_of_buckets(kind: str) -> None:
+    """group_pairs finds repeated keys by a value sort on the high bits (positions packed in the low bits), then
+    an exact argsort: keys equal only in their high bits must not meet, big groups pair with their smallest id."""
+    rng = np.random.default_rng(7)
+    for _ in range(25):
+        m = int(rng.integers(2, 2000))
+        if kind == "few_values":
+            keys = rng.integers(0, 40, size=m).astype(np.uint64)
+        elif kind == "low_bits_only":  # same high bits, different low bits: colliding in the packed sort
+            keys = (rng.integers(0, 8, size=m).astype(np.uint64) << np.uint64(40)) | rng.integers(0, 3, size=m).astype(
+                np.uint64)
+        elif kind == "random_with_repeats":
+            keys = rng.integers(0, 2**63, size=m, dtype=np.int64).astype(np.uint64) << np.uint64(1)
+            keys[rng.integers(0, m, size=m // 4)] = keys[rng.integers(0, m, size=m // 4)]
+        else:
+            keys = np.full(m, np.uint64(2**64 - 1))
+            keys[::5] = np.uint64(3)
+        ids = rng.integers(0, m // 2 + 1, size=m)
+        small = int(rng.integers(2, 10))
+        assert group_pairs(keys, ids, small).tolist() == _reference_pairs(keys.tolist(), ids.tolist(), small)
 
 
 def test_removal_never_goes_through_a_chain_and_names_its_kept_document() -> None:
