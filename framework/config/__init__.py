@@ -28,8 +28,7 @@ from framework.config.core import (
 from framework.errors import ConfigError, ParallelismError
 from framework.infer.config import EvalConfig
 from framework.observe.config import ObserveConfig
-from framework.parallel.config import ParallelConfig
-from framework.parallel.context import context_problem
+from framework.parallel.config import ParallelConfig, context_problem
 from framework.train.config import TrainConfig
 from models.config import PRESETS, ModelConfig
 

@@ -147,3 +147,15 @@ class ParallelConfig:
                 "2.11-2.13 _fsdp_param.py all_gather_inputs raises NotImplementedError in SHARDED_POST_FORWARD); "
                 "use one of them (with zero_quantized_gradients if wanted) - docs/PARALLELISM.md, ZeRO++")
 
+
+def context_problem(seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> str:
+    """Why `seq_len` cannot be split over `cp` (and then over `tp` by sequence parallelism); "" when it can."""
+    if cp == 1:
+        return ""
+    unit = 2 * cp * (tp if tp > 1 and sequence_parallel else 1)
+    if seq_len % unit == 0:
+        return ""
+    fits = sorted({seq_len - seq_len % unit, seq_len - seq_len % unit + unit} - {0})
+    what = f"2 x cp = {2 * cp}" if unit == 2 * cp else f"2 x cp x tp = {unit} (sequence parallelism)"
+    return (f"data.seq_len={seq_len} must be divisible by {what}: context parallelism cuts every sequence into "
+            f"2 x cp load-balanced chunks; use data.seq_len={' or '.join(map(str, fits))}")

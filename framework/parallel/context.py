@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.errors import ParallelismError
+from framework.parallel.config import context_problem
 from models.documents import DocumentMasking, document_ids, document_positions
 
 
@@ -48,19 +49,6 @@ def local_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
 def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
     """(T,) global token index of every key after the all-gather (rank-major: rank 0's tokens first)."""
     return torch.cat([local_indices(seq_len, cp, r) for r in range(cp)])
-
-
-def context_problem(seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> str:
-    """Why `seq_len` cannot be split over `cp` (and then over `tp` by sequence parallelism); "" when it can."""
-    if cp == 1:
-        return ""
-    unit = 2 * cp * (tp if tp > 1 and sequence_parallel else 1)
-    if seq_len % unit == 0:
-        return ""
-    fits = sorted({seq_len - seq_len % unit, seq_len - seq_len % unit + unit} - {0})
-    what = f"2 x cp = {2 * cp}" if unit == 2 * cp else f"2 x cp x tp = {unit} (sequence parallelism)"
-    return (f"data.seq_len={seq_len} must be divisible by {what}: context parallelism cuts every sequence into "
-            f"2 x cp load-balanced chunks; use data.seq_len={' or '.join(map(str, fits))}")
 
 
 # torch 2.13 renamed them (the old names warn); the GPU machine's torch 2.11 has only the old ones.

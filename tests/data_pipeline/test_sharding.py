@@ -205,6 +205,30 @@ def test_a_stage_missing_its_inputs_from_other_tasks_says_which(straight) -> Non
         run_build(cfg, stages=("minhash",), task=0, tasks=2)
 
 
+def test_every_stage_runs_without_torch_or_megatron(straight) -> None:  # type: ignore[no-untyped-def]
+    """A stage process (`tessera data build`, as each SLURM array task runs it) imports neither torch (~230 MB,
+    ~2 CPU-s a process) nor megatron-core, not even lazily: both are blocked at import in a subprocess whose
+    build, all stages with forked workers, must give the straight build's bytes."""
+    import yaml
+
+    root, _ = straight
+    cfg = _config(root, "notorch")
+    path = root / "notorch.yaml"
+    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg)))
+    code = ("import importlib.abc, sys\n"
+            "class Block(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'megatron'):\n"
+            "            raise ImportError(f'a data stage imported {name}')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from framework.cli import main\n"
+            f"sys.exit(main(['data', 'build', {str(path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _outputs(root / "notorch") == _outputs(root / "one")
+
+
 def test_removed_documents_name_a_kept_one_they_are_near(straight) -> None:  # type: ignore[no-untyped-def]
     root, manifest = straight
     rows = [json.loads(x) for x in (root / "one" / "near_duplicates.jsonl").read_text().splitlines()]
