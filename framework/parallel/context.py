@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.errors import ParallelismError
-from framework.parallel.config import context_problem
 from models.documents import DocumentMasking, document_ids, document_positions
 
 
@@ -132,4 +131,4 @@ class ContextParallel:
         return inputs[:, q_idx].contiguous(), labels[:, q_idx].contiguous(), kwargs
 
 
-__all__ = ["ContextParallel", "chunks_of_rank", "context_problem", "gathered_indices", "local_indices"]
+__all__ = ["ContextParallel", "chunks_of_rank", "gathered_indices", "local_indices"]
