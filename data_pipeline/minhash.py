@@ -65,30 +65,29 @@ class MinHashConfig:
 _WORD_BYTE = np.zeros(256, dtype=bool)
 _WORD_BYTE[list(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")] = True
 _WORD_BYTE[0x80:] = True
-_P = 0x100000001B3  # odd multiplier of the polynomial word hash (FNV prime); invertible mod 2^64
-_P_INV = pow(_P, -1, 1 << 64)
+_P = 0x100000001B3  # odd multiplier of the polynomial word hash over 8-byte chunks (FNV prime)
+_CHUNK_MASK = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
+"""The low k bytes of a little-endian 8-byte chunk: a word's last chunk cut to the bytes it has."""
 
 
 WORD_BATCH_BYTES = 1 << 24
-"""Bytes `word_hashes` hashes at once. Its prefix sums and the cached powers take 8 bytes per input byte each, so
-a batch of 16 MiB holds about 400 MB; a longer input is split at document boundaries (the hashes do not depend
-on the split) and the power table never grows past one batch (a single longer document excepted)."""
+"""Bytes `word_hashes` hashes at once. A batch holds about 4 bytes per input byte (the translated bytes, the word
+mask and its edges) and 40 bytes per word, so 16 MiB of text stays under 100 MB; a longer input is split at
+document boundaries (the hashes do not depend on the split)."""
 
 
 class _Powers:
-    """P^i and P^-i mod 2^64 for i < n, grown on demand (one cumulative product each), to at most one batch."""
+    """P^j mod 2^64 for j < n, grown on demand (one cumulative product): the weight of a word's chunk j."""
 
     def __init__(self) -> None:
         self.pos = np.ones(1, dtype=np.uint64)
-        self.neg = np.ones(1, dtype=np.uint64)
 
-    def get(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, n: int) -> np.ndarray:
         if len(self.pos) < n:
-            size = max(n, min(2 * len(self.pos), WORD_BATCH_BYTES + 2))
+            size = max(n, 2 * len(self.pos))
             with np.errstate(over="ignore"):
                 self.pos = np.concatenate([[np.uint64(1)], np.cumprod(np.full(size - 1, _P, dtype=np.uint64))])
-                self.neg = np.concatenate([[np.uint64(1)], np.cumprod(np.full(size - 1, _P_INV, dtype=np.uint64))])
-        return self.pos[:n], self.neg[:n]
+        return self.pos[:n]
 
 
 _POWERS = _Powers()
@@ -116,9 +115,10 @@ one C pass gives both the lower-cased bytes and the word mask (nonzero)."""
 def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """64-bit hashes of the lower-cased words of each text, concatenated, and each text's first word index.
 
-    Vectorized over the bytes of a batch at once: word boundaries from a byte table, and each word's
-    polynomial hash sum(b_j P^(j - start)) from one prefix sum, so no Python runs per word. Batches hold at most
-    `WORD_BATCH_BYTES` (memory: about 24 bytes per input byte).
+    Vectorized over the bytes of a batch at once, no Python per word: word boundaries from a byte table, then
+    each word's bytes read as little-endian 8-byte chunks c_j (the last cut to the word) straight out of the
+    batch's buffer, hashed as mix64(sum(c_j P^j) + length) mod 2^64. A word of at most 8 bytes (most words) is
+    one gather and a mask, and its hash is injective. Batches hold at most `WORD_BATCH_BYTES`.
     """
     # ASCII text is lower-cased by the byte table in `_word_hashes` (one pass over the batch); other text by
     # Python's Unicode `str.lower` first, then UTF-8 (the table leaves bytes >= 0x80 as they are).
@@ -143,25 +143,38 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    # A non-word byte before and after every text; lower-cased, non-word bytes 0.
-    data = np.frombuffer(b"\x00".join([b"", *encoded, b""]).translate(_LOWER_WORD_TABLE), dtype=np.uint8)
-    n = len(data)
+    # A non-word byte before and after every text; lower-cased, non-word bytes 0; 8 more zeros so that an
+    # 8-byte window can start at any byte.
+    buf = b"\x00".join([b"", *encoded, bytes(8)]).translate(_LOWER_WORD_TABLE)
+    n = len(buf) - 8
+    data = np.frombuffer(buf, dtype=np.uint8, count=n)
     is_word = data != 0
     # Word k spans data[bounds[2k] + 1 : bounds[2k + 1] + 1].
     bounds = np.flatnonzero(is_word[1:] ^ is_word[:-1])
-    starts, ends = bounds[0::2], bounds[1::2]
-    pos, neg = _POWERS.get(n + 1)
+    starts = bounds[0::2] + 1
+    lens = bounds[1::2] - bounds[0::2]
+    # windows[i] = data[i : i + 8] as one little-endian integer: a word's chunk j is windows[start + 8j], cut
+    # to the word's bytes.
+    windows = np.ndarray(shape=(n + 1,), dtype="<u8", buffer=buf, strides=(1,))
+    raw = windows[starts]
+    raw &= _CHUNK_MASK[np.minimum(lens, 8)]
+    many = np.flatnonzero(lens > 8)
+    if len(many):  # words of more than 8 bytes: every further chunk j times P^j, summed per word
+        extra = (lens[many] + 7) // 8 - 1
+        word = np.repeat(many, extra)
+        first = np.zeros(len(many), dtype=np.int64)
+        np.cumsum(extra[:-1], out=first[1:])
+        j = np.arange(len(word), dtype=np.int64) - np.repeat(first - 1, extra)
+        chunk = windows[starts[word] + 8 * j]
+        chunk &= _CHUNK_MASK[np.minimum(lens[word] - 8 * j, 8)]
+        with np.errstate(over="ignore"):
+            chunk *= _POWERS.get(int(j.max()) + 1)[j]
+            raw[many] += np.add.reduceat(chunk, first)
     with np.errstate(over="ignore"):
-        # prefix[i] = sum(data[j] P^j, j <= i): word k's sum is prefix[end] - prefix[start] (bounds as above).
-        prefix = np.multiply(data, pos[:n], dtype=np.uint64)
-        np.cumsum(prefix, out=prefix)
-        at = prefix[bounds]
-        raw = at[1::2] - at[0::2]
-        raw *= neg[1:][starts]
-        raw += (ends - starts).view(np.uint64)
+        raw += lens.view(np.uint64)
     doc_starts = np.zeros(len(encoded) + 1, dtype=np.int64)  # the separator before each text, as bounds count
     np.cumsum([len(e) + 1 for e in encoded], out=doc_starts[1:])
-    first_word = np.searchsorted(starts, doc_starts)
+    first_word = np.searchsorted(bounds[0::2], doc_starts)
     return mix64(raw), first_word
 
 
