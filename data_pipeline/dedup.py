@@ -19,6 +19,7 @@ from data_pipeline.minhash import (
     jaccard,
     shingle_set,
     signatures,
+    sorted_distinct,
 )
 from framework.errors import ConfigError
 
@@ -187,7 +188,7 @@ def cluster_signatures(sig: np.ndarray, cfg: MinHashConfig, *, priority: np.ndar
 
 def verify_pairs(pairs: np.ndarray, shingles_of: Callable[[np.ndarray], Sequence[np.ndarray]]) -> np.ndarray:
     """Exact shingle Jaccard of each pair (m, 2) of document ids; `shingles_of(ids)` gives their shingle hashes."""
-    involved = np.unique(pairs)
+    involved = sorted_distinct(pairs.ravel())
     sets = {i: shingle_set(h) for i, h in zip(involved.tolist(), shingles_of(involved), strict=True)}
     return np.array([jaccard(sets[i], sets[j]) for i, j in pairs.tolist()], dtype=np.float64)
 
