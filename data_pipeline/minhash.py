@@ -16,6 +16,7 @@ clustered.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -329,18 +330,22 @@ def band_keys(sig: np.ndarray, bands: int, rows: int, probe: bool = False) -> np
     (n, bands * rows): one key per band with each one of its rows left out, so bands that differ in a single
     row also meet (multi-probe LSH, Lv et al. 2007)."""
     n = sig.shape[0]
-    s = sig.reshape(n, bands, rows).astype(np.uint64)
     mult = (np.arange(rows, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * _SHINGLE_MULT
     skips = list(range(rows)) if probe else [-1]
-    out = []
+    out = np.empty((n, bands * len(skips)), dtype=np.uint64)
+    block = 1 << 14  # documents at a time: the temporaries stay small and reused (fresh pages are not free)
     with np.errstate(over="ignore"):
-        for skip in skips:
-            keys = np.full((n, bands), np.uint64(skip + 1))
-            for r in range(rows):
-                if r != skip:
-                    keys = (keys ^ (s[:, :, r] * mult[r])) * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(r)
-            out.append(keys)
-    return np.concatenate(out, axis=1)
+        for lo in range(0, n, block):
+            s = sig[lo:lo + block].reshape(-1, bands, rows).astype(np.uint64)
+            for c, skip in enumerate(skips):
+                keys = np.full((len(s), bands), np.uint64(skip + 1))
+                for r in range(rows):
+                    if r != skip:
+                        keys ^= s[:, :, r] * mult[r]
+                        keys *= np.uint64(0xBF58476D1CE4E5B9)
+                        keys += np.uint64(r)
+                out[lo:lo + block, c * bands:(c + 1) * bands] = keys
+    return out
 
 
 def flat_keys(keys: np.ndarray) -> np.ndarray:
@@ -418,10 +423,43 @@ def unique_pairs(pairs: np.ndarray) -> np.ndarray:
     return np.stack([code // span, code % span], axis=1)
 
 
-def candidate_pairs(keys: np.ndarray, small_group: int = 8) -> np.ndarray:
-    """Pairs (i, j), i < j, of documents sharing a key in any column of `keys` (n, columns); see `group_pairs`."""
-    n = keys.shape[0]
-    return group_pairs(flat_keys(keys), np.repeat(np.arange(n, dtype=np.int64), keys.shape[1]), small_group)
+RANGE_KEYS = 1 << 21
+"""Keys `candidate_pairs` groups at once: it splits larger inputs into ranges of the key space, as the build's
+`pairs` stage does on disk, so no array it sorts or allocates is larger than about 16 MB."""
+
+
+def candidate_pairs(keys: np.ndarray, small_group: int = 8, range_keys: int = RANGE_KEYS) -> np.ndarray:
+    """Pairs (i, j), i < j, of documents sharing a key in any column of `keys` (n, columns); see `group_pairs`.
+
+    More than `range_keys` keys are split by their top bits into ranges of about that many, block by block of
+    documents (a stable radix argsort of the range numbers), and each range is grouped alone: the same pairs
+    (any partition of the key space gives them), without sorting all n x columns keys in one array — fresh
+    pages of large arrays cost as much as the sort itself on some machines (25 ns per uint64 measured on one).
+    """
+    n, cols = keys.shape
+    total = n * cols
+    if total <= range_keys:
+        return group_pairs(flat_keys(keys), np.repeat(np.arange(n, dtype=np.int64), cols), small_group)
+    bits = min(16, math.ceil(math.log2(total / range_keys)))
+    parts, shift = 1 << bits, np.uint64(64 - bits)
+    held_keys: list[list[np.ndarray]] = [[] for _ in range(parts)]
+    held_ids: list[list[np.ndarray]] = [[] for _ in range(parts)]
+    rows = max(1, range_keys // cols, -(-n // 64))  # at most 64 blocks: parts x blocks arrays are held
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        flat = flat_keys(keys[lo:hi])
+        part = (flat >> shift).astype(np.uint16)
+        order = np.argsort(part, kind="stable")
+        cuts = np.cumsum(np.bincount(part, minlength=parts))[:-1]
+        ids = (order // cols + lo).astype(np.int64)
+        for r, (k, i) in enumerate(zip(np.split(flat[order], cuts), np.split(ids, cuts), strict=True)):
+            held_keys[r].append(k)
+            held_ids[r].append(i)
+    found = []
+    for r in range(parts):
+        found.append(group_pairs(np.concatenate(held_keys[r]), np.concatenate(held_ids[r]), small_group))
+        held_keys[r], held_ids[r] = [], []
+    return unique_pairs(np.concatenate(found))
 
 
 def shingle_set(h: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ from data_pipeline.minhash import (
     MinHashConfig,
     band_keys,
     candidate_pairs,
+    flat_keys,
     group_pairs,
     shingle_hashes,
     signatures,
@@ -168,6 +169,27 @@ def test_group_pairs_matches_a_dictionary_of_buckets(kind: str) -> None:
         ids = rng.integers(0, m // 2 + 1, size=m)
         small = int(rng.integers(2, 10))
         assert group_pairs(keys, ids, small).tolist() == _reference_pairs(keys.tolist(), ids.tolist(), small)
+
+
+def test_candidate_pairs_split_into_key_ranges_give_the_pairs_of_one_array() -> None:
+    """Above `range_keys` keys, candidate_pairs groups key ranges block by block: the pairs of one group_pairs
+    call over all keys, big groups (paired with their smallest id) and keys repeated within a document included."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        n, cols = int(rng.integers(1, 1500)), int(rng.integers(1, 16))
+        keys = rng.integers(0, int(rng.choice([4, 60, 1 << 62])), size=(n, cols), dtype=np.int64).astype(np.uint64)
+        whole = group_pairs(flat_keys(keys), np.repeat(np.arange(n), cols))
+        for range_keys in (1, 9, 100, 5000):
+            assert np.array_equal(candidate_pairs(keys, range_keys=range_keys), whole), (n, cols, range_keys)
+
+
+def test_band_keys_in_blocks_are_the_keys_of_each_document_alone() -> None:
+    rng = np.random.default_rng(4)
+    sig = rng.integers(0, 1 << 32, size=(40_000, 16), dtype=np.uint32)  # three blocks of 2^14 documents
+    for probe in (False, True):
+        keys = band_keys(sig, 2, 8, probe)
+        for k in (0, 16383, 16384, 39_999):
+            assert np.array_equal(band_keys(sig[k:k + 1], 2, 8, probe)[0], keys[k])
 
 
 def test_removal_never_goes_through_a_chain_and_names_its_kept_document() -> None:
