@@ -74,24 +74,36 @@ def write_corpus(root: Path, docs: int, sources: int, files: int, seed: int) -> 
     return size
 
 
-def config(out: Path, corpus: Path, sources: int) -> dict[str, Any]:
+def config(out: Path, corpus: Path, sources: int, partition_docs: int | None = None) -> dict[str, Any]:
     return {"output_dir": str(out), "workers": 1, "shard_docs": 5000, "rejects": False,
+            **({"dedup": {"partition_docs": partition_docs}} if partition_docs else {}),
             "sources": [{"name": f"s{s}", "path": str(corpus / f"s{s}"), "profile": "minimal"} for s in range(sources)],
             "tokenizer": {"vocab_size": 4096, "type": "bpe", "sample_chars": 5_000_000}}
+
+
+LAUNCHER = """
+import json, os, subprocess, sys
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+err = proc.stderr.read()
+_, status, ru = os.wait4(proc.pid, 0)
+sys.stderr.buffer.write(err)
+print(json.dumps({"code": os.waitstatus_to_exitcode(status), "cpu_s": ru.ru_utime + ru.ru_stime,
+                  "peak_rss_mb": ru.ru_maxrss / 1024}))
+"""
+"""Starts a stage process and reports its rusage. A child's ru_maxrss starts from the high-water mark of the
+process that spawned it (the kernel carries it across vfork + exec), so stage processes are started by this
+small launcher (about 10 MB), not by the bench, whose RSS grows with the corpus and the digests (52-67 MB)."""
 
 
 def run_task(cfg_path: Path, stage: str, task: int, tasks: int) -> dict[str, float]:
     cmd = [sys.executable, "-c", "import sys; from framework.cli import main; sys.exit(main(sys.argv[1:]))",
            "data", "build", str(cfg_path), "--stages", stage, "--task", str(task), "--tasks", str(tasks)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    err = proc.stderr.read()
-    _, status, ru = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd[4:])} failed ({proc.returncode}):\n{err.decode()[-3000:]}")
-    return {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024, "wall_s": time.perf_counter() - t0}
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], capture_output=True, check=True)
+    ru = json.loads(done.stdout)
+    if ru["code"]:
+        raise RuntimeError(f"{' '.join(cmd[4:])} failed ({ru['code']}):\n{done.stderr.decode()[-3000:]}")
+    return {"cpu_s": ru["cpu_s"], "peak_rss_mb": ru["peak_rss_mb"], "wall_s": time.perf_counter() - t0}
 
 
 def files_under(path: Path) -> int:
@@ -126,9 +138,10 @@ def run_killed(cfg_path: Path, out: Path, stage: str, task: int, tasks: int, rng
 def process_start() -> dict[str, float]:
     """What one stage process costs before any work: the CLI's imports (the reference for small builds)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", "import framework.cli, data_pipeline.build"])
-    _, _, ru = os.wait4(proc.pid, 0)
-    return {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024, "wall_s": time.perf_counter() - t0}
+    imports = [sys.executable, "-c", "import framework.cli, data_pipeline.build"]
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, *imports], capture_output=True, check=True)
+    ru = json.loads(done.stdout)
+    return {"cpu_s": ru["cpu_s"], "peak_rss_mb": ru["peak_rss_mb"], "wall_s": time.perf_counter() - t0}
 
 
 def du(path: Path) -> int:
@@ -150,14 +163,15 @@ def digest(out: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def build(corpus: Path, out: Path, sources: int, tasks: int, kill: random.Random | None = None) -> dict[str, Any]:
+def build(corpus: Path, out: Path, sources: int, tasks: int, kill: random.Random | None = None,
+          partition_docs: int | None = None) -> dict[str, Any]:
     """One build, stage by stage; with `kill`, one task of every stage (chosen by it) is first killed mid-way
     (`run_killed`) and then rerun, as after a node failure."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     cfg_path = out.parent / f"{out.name}.yaml"
-    cfg_path.write_text(yaml.safe_dump(config(out, corpus, sources)))
+    cfg_path.write_text(yaml.safe_dump(config(out, corpus, sources, partition_docs)))
     sharded = tuple(SHARDED)
     stages: dict[str, Any] = {}
     disk_before = 0
@@ -193,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill", action="store_true",
                         help="kill one task of every stage mid-way and rerun it, in every build (seeded by --seed)")
     parser.add_argument("--expect", help="the digest every build must have (e.g. an uninterrupted build's)")
+    parser.add_argument("--partition-docs", type=int,
+                        help="dedup.partition_docs (default the build's 2^19: a 10^5 corpus then fills a fifth of one"
+                             " partition, so its exact/verify/near tasks hold less than a 10^6 corpus's)")
     args = parser.parse_args(argv)
     if args.dry:
         args.docs, args.tasks, args.sources, args.files = [600], [1, 2], 2, 2
@@ -210,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         digests = set()
         for tasks in args.tasks:
             kill = random.Random(f"{args.seed}-{n_docs}-{tasks}") if args.kill else None
-            row = build(corpus, root / f"build-{n_docs}-t{tasks}", args.sources, tasks, kill)
-            row.update(docs=n_docs, tasks=tasks, killed=args.kill, text_bytes=int((corpus / "done").read_text()),
+            row = build(corpus, root / f"build-{n_docs}-t{tasks}", args.sources, tasks, kill, args.partition_docs)
+            row.update(docs=n_docs, tasks=tasks, killed=args.kill, partition_docs=args.partition_docs,
+                       text_bytes=int((corpus / "done").read_text()),
                        docs_per_cpu_s=n_docs / row["cpu_s"])
             table["runs"].append(row)
             digests.add(row["digest"])
