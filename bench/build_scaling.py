@@ -95,15 +95,20 @@ process that spawned it (the kernel carries it across vfork + exec), so stage pr
 small launcher (about 10 MB), not by the bench, whose RSS grows with the corpus and the digests (52-67 MB)."""
 
 
-def run_task(cfg_path: Path, stage: str, task: int, tasks: int) -> dict[str, float]:
-    cmd = [sys.executable, "-c", "import sys; from framework.cli import main; sys.exit(main(sys.argv[1:]))",
-           "data", "build", str(cfg_path), "--stages", stage, "--task", str(task), "--tasks", str(tasks)]
+def launch(cmd: list[str], what: str) -> dict[str, float]:
+    """`cmd` run through `LAUNCHER`: its CPU seconds, own peak RSS and wall seconds; an error names `what`."""
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], capture_output=True, check=True)
     ru = json.loads(done.stdout)
     if ru["code"]:
-        raise RuntimeError(f"{' '.join(cmd[4:])} failed ({ru['code']}):\n{done.stderr.decode()[-3000:]}")
+        raise RuntimeError(f"{what} failed ({ru['code']}):\n{done.stderr.decode()[-3000:]}")
     return {"cpu_s": ru["cpu_s"], "peak_rss_mb": ru["peak_rss_mb"], "wall_s": time.perf_counter() - t0}
+
+
+def run_task(cfg_path: Path, stage: str, task: int, tasks: int) -> dict[str, float]:
+    cmd = [sys.executable, "-c", "import sys; from framework.cli import main; sys.exit(main(sys.argv[1:]))",
+           "data", "build", str(cfg_path), "--stages", stage, "--task", str(task), "--tasks", str(tasks)]
+    return launch(cmd, " ".join(cmd[4:]))
 
 
 def files_under(path: Path) -> int:
@@ -137,11 +142,7 @@ def run_killed(cfg_path: Path, out: Path, stage: str, task: int, tasks: int, rng
 
 def process_start() -> dict[str, float]:
     """What one stage process costs before any work: the CLI's imports (the reference for small builds)."""
-    t0 = time.perf_counter()
-    imports = [sys.executable, "-c", "import framework.cli, data_pipeline.build"]
-    done = subprocess.run([sys.executable, "-c", LAUNCHER, *imports], capture_output=True, check=True)
-    ru = json.loads(done.stdout)
-    return {"cpu_s": ru["cpu_s"], "peak_rss_mb": ru["peak_rss_mb"], "wall_s": time.perf_counter() - t0}
+    return launch([sys.executable, "-c", "import framework.cli, data_pipeline.build"], "the CLI's imports")
 
 
 def du(path: Path) -> int:

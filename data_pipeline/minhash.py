@@ -153,8 +153,9 @@ def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     is_word = data != 0
     # Word k spans data[bounds[2k] + 1 : bounds[2k + 1] + 1].
     bounds = np.flatnonzero(is_word[1:] ^ is_word[:-1])
-    starts = bounds[0::2] + 1
-    lens = bounds[1::2] - bounds[0::2]
+    before = bounds[0::2]  # the non-word byte before each word
+    starts = before + 1
+    lens = bounds[1::2] - before
     # windows[i] = data[i : i + 8] as one little-endian integer: a word's chunk j is windows[start + 8j], cut
     # to the word's bytes.
     windows = np.ndarray(shape=(n + 1,), dtype="<u8", buffer=buf, strides=(1,))
@@ -176,7 +177,7 @@ def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         raw += lens.view(np.uint64)
     doc_starts = np.zeros(len(encoded) + 1, dtype=np.int64)  # the separator before each text, as bounds count
     np.cumsum([len(e) + 1 for e in encoded], out=doc_starts[1:])
-    first_word = np.searchsorted(bounds[0::2], doc_starts)
+    first_word = np.searchsorted(before, doc_starts)
     return mix64(raw), first_word
 
 
