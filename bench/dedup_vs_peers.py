@@ -4,8 +4,9 @@ Same shingles: every tool hashes the same word 5-grams — lower-cased text, wor
 letters, digits, '_' and non-ASCII UTF-8 bytes (Tessera's rule, `data_pipeline.minhash`), joined by a space.
 datasketch gets them as bytes; datatrove gets the same splitter as its `WordTokenizer` and a `TextNormConfig`
 with every normalisation off (so its own number/punctuation folding does not change the shingle sets). Same
-banding: 14 bands x 8 rows, seed 1. Each tool keeps its own hash function (datasketch: xxh32, faster than its
-sha1 default; datatrove: its xxhash64 default).
+banding for every tool in a row: 14 bands x 8 rows (FineWeb's, datatrove's default) for the plain rows, 20 x 5
+(Tessera's default, made for verification) for the default rows; seed 1. Each tool keeps its own hash function
+(datasketch: xxh32, faster than its sha1 default; datatrove: its xxhash64 default).
 
 Rows, all in one process, one after another, on the same corpus:
   plain      : signatures + LSH + each tool's clustering, trusting the bands (the headline: plain vs plain).
@@ -13,8 +14,10 @@ Rows, all in one process, one after another, on the same corpus:
                same edge clustering as Tessera's (remove a document only next to a kept one, labelled with it).
                datatrove: its four stages (signature, buckets, cluster, filter) with the local executor.
   + verify   : the candidate pairs verified by exact Jaccard >= 0.7 on the tool's own shingle sets, then the
-               same edge clustering; for peers a post-pass (its CPU time is also shown alone). Tessera's
-               default (one-row multi-probe + verification) is its own row.
+               same edge clustering; for peers a post-pass (its CPU time is also shown alone).
+  default    : Tessera's default (20 x 5 + verification) against each peer run at 20 x 5 plus the same verify
+               post-pass; and Tessera's previous default (14 x 8 with one-row multi-probe + verification:
+               the same curve at 112 keys a document instead of 20) in the same run, skip with `probe`.
   kperm      : Tessera plain and default with scheme "kperm" (112 permutations, the signatures before one
                permutation hashing became the default), for the scheme's speed and accuracy in the same run.
 docs/CPU-s: documents per CPU-second of the process (getrusage user + sys, children included), fair on a
@@ -61,6 +64,7 @@ from data_pipeline.dedup_eval import (
 from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, signatures
 
 BANDS, ROWS, SEED, NGRAM, VERIFY = 14, 8, 1, 5, 0.7
+DEFAULT_ROW = "tessera default (20x5 + verify)"
 _DRY_GROUPS = {"code": "code:json/", "prose": "prose:LICENSE"}
 _BYTE_WORDS = re.compile(rb"[0-9A-Za-z_\x80-\xff]+")
 
@@ -174,21 +178,22 @@ def run_tessera(texts: list[str], cfg: MinHashConfig, st: Stages) -> NearDedupRe
 # ---------------------------------------------------------------------------------------------- datasketch
 
 
-def datasketch_pairs(texts: list[str], st: Stages, batch: int = 10_000) -> np.ndarray:
+def datasketch_pairs(texts: list[str], st: Stages, bands: int = BANDS, rows: int = ROWS,
+                     batch: int = 10_000) -> np.ndarray:
     """datasketch's bulk API in batches of `batch` documents: shingles, `MinHash.bulk`, insertion; the
     shingle lists are dropped after each batch (kept whole they need ~40 GB at 10^6 prose documents), so the
     verify post-pass shingles the documents it reads again, as it does for datatrove."""
     import xxhash
     from datasketch import MinHash, MinHashLSH
 
-    lsh = MinHashLSH(num_perm=BANDS * ROWS, params=(BANDS, ROWS))
+    lsh = MinHashLSH(num_perm=bands * rows, params=(bands, rows))
     mhs: list[Any] = []
     with lsh.insertion_session() as session:
         for lo in range(0, len(texts), batch):
             with st("shingles"):
                 sh = [shingles(t) for t in texts[lo:lo + batch]]
             with st("MinHash.bulk"):
-                part = MinHash.bulk(sh, num_perm=BANDS * ROWS, seed=SEED, hashfunc=xxhash.xxh32_intdigest)
+                part = MinHash.bulk(sh, num_perm=bands * rows, seed=SEED, hashfunc=xxhash.xxh32_intdigest)
             del sh
             with st("LSH insertion session"):
                 for i, m in enumerate(part, start=lo):
@@ -199,8 +204,9 @@ def datasketch_pairs(texts: list[str], st: Stages, batch: int = 10_000) -> np.nd
     return as_pairs(found)
 
 
-def run_datasketch(texts: list[str], st: Stages) -> tuple[NearDedupResult, np.ndarray]:
-    pairs = datasketch_pairs(texts, st)
+def run_datasketch(texts: list[str], st: Stages, bands: int = BANDS,
+                   rows: int = ROWS) -> tuple[NearDedupResult, np.ndarray]:
+    pairs = datasketch_pairs(texts, st, bands, rows)
     with st("clustering"):
         return cluster_edges(len(texts), pairs, len(pairs)), pairs
 
@@ -208,7 +214,8 @@ def run_datasketch(texts: list[str], st: Stages) -> tuple[NearDedupResult, np.nd
 # ---------------------------------------------------------------------------------------------- datatrove
 
 
-def run_datatrove(texts: list[str], st: Stages) -> tuple[NearDedupResult, np.ndarray]:
+def run_datatrove(texts: list[str], st: Stages, bands: int = BANDS,
+                  rows: int = ROWS) -> tuple[NearDedupResult, np.ndarray]:
     """datatrove's four MinHash stages with the local executor; also returns the candidate pairs (.dups)."""
     from datatrove.data import Document
     from datatrove.executor import LocalPipelineExecutor
@@ -243,7 +250,7 @@ def run_datatrove(texts: list[str], st: Stages) -> tuple[NearDedupResult, np.nda
     off = TextNormConfig(lowercase=False, norm_whitespace=False, remove_punctuation=False,
                          norm_unicode_diacritics=False, norm_numbers=False, norm_weekdays=False,
                          norm_monthnames=False)
-    cfg = MinhashConfig(n_grams=NGRAM, num_buckets=BANDS, hashes_per_bucket=ROWS, seed=SEED, norm_config=off)
+    cfg = MinhashConfig(n_grams=NGRAM, num_buckets=bands, hashes_per_bucket=rows, seed=SEED, norm_config=off)
     kept: list[int] = []
 
     def reader(data: Any, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
@@ -261,7 +268,7 @@ def run_datatrove(texts: list[str], st: Stages) -> tuple[NearDedupResult, np.nda
             ("signature", [reader, MinhashDedupSignature(output_folder=str(root / "sigs"), config=cfg,
                                                          language=SameWords())], 1),
             ("buckets", [MinhashDedupBuckets(input_folder=str(root / "sigs"), output_folder=str(root / "buckets"),
-                                             config=cfg)], BANDS),
+                                             config=cfg)], bands),
             ("cluster", [MinhashDedupCluster(input_folder=str(root / "buckets"), output_folder=str(root / "remove"),
                                              config=cfg, save_cluster_id=True)], 1),
             ("filter", [reader, MinhashDedupFilter(input_folder=str(root / "remove")), collect], 1),
@@ -320,17 +327,20 @@ def bench_corpus(bench: DedupBenchmark, skip: set[str]) -> dict[str, dict[str, A
     rows: dict[str, dict[str, Any]] = {}
     texts, n = bench.texts, len(bench.texts)
     warm_up(texts[:200], skip)
+    default = MinHashConfig(seed=SEED)
     plain = MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=False, verify_threshold=None)
     measure(rows, "tessera plain", bench, lambda st: run_tessera(texts, plain, st))
     measure(rows, "tessera plain + verify", bench,
             lambda st: run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=False), st))
-    measure(rows, "tessera default (probe + verify)", bench,
-            lambda st: run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED), st))
+    measure(rows, DEFAULT_ROW, bench, lambda st: run_tessera(texts, default, st))
+    if "probe" not in skip:  # the default before 20 x 5: the same curve from 112 keys a document
+        measure(rows, "tessera 14x8 probe + verify", bench,
+                lambda st: run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=True), st))
     if "kperm" not in skip:  # the scheme before one permutation hashing, for its speed and accuracy in this run
         kperm = MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=False, verify_threshold=None, scheme="kperm")
         measure(rows, "tessera plain, kperm", bench, lambda st: run_tessera(texts, kperm, st))
         measure(rows, "tessera default, kperm", bench,
-                lambda st: run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, scheme="kperm"), st))
+                lambda st: run_tessera(texts, MinHashConfig(seed=SEED, scheme="kperm"), st))
     for peer in ("datasketch", "datatrove"):
         if peer in skip:
             continue
@@ -339,28 +349,28 @@ def bench_corpus(bench: DedupBenchmark, skip: set[str]) -> dict[str, dict[str, A
         except ImportError:
             print(f"  {peer}: not installed here, skipped (see the docstring for the bench venv)")
             continue
-        found: dict[str, Any] = {}
+        runner = run_datasketch if peer == "datasketch" else run_datatrove
+        for label, bands, rows_per_band in (("", BANDS, ROWS), (f" {default.bands}x{default.rows}", default.bands,
+                                                                  default.rows)):
+            found: dict[str, Any] = {}
 
-        def plain_run(st: Stages, peer: str = peer, found: dict[str, Any] = found) -> NearDedupResult:
-            if peer == "datasketch":
-                result, found["pairs"] = run_datasketch(texts, st)
-            else:
-                result, found["pairs"] = run_datatrove(texts, st)
-            return result
+            def plain_run(st: Stages, bands: int = bands, r: int = rows_per_band, found: dict[str, Any] = found,
+                          run: Callable[..., tuple[NearDedupResult, np.ndarray]] = runner) -> NearDedupResult:
+                result, found["pairs"] = run(texts, st, bands, r)
+                return result
 
-        measure(rows, f"{peer} plain", bench, plain_run)
+            def verify_pass(st: Stages, found: dict[str, Any] = found) -> NearDedupResult:
+                with st("verify post-pass"):  # shingles its documents again: no peer keeps them (memory)
+                    edges = verify(found["pairs"], lambda i: shingles(texts[i]))
+                with st("clustering"):
+                    return cluster_edges(n, edges, len(found["pairs"]))
 
-        def verify_pass(st: Stages, peer: str = peer, found: dict[str, Any] = found) -> NearDedupResult:
-            with st("verify post-pass"):  # shingles its documents again: no peer keeps them (memory)
-                edges = verify(found["pairs"], lambda i: shingles(texts[i]))
-            with st("clustering"):
-                return cluster_edges(n, edges, len(found["pairs"]))
-
-        measure(rows, f"{peer} verify post-pass alone", bench, verify_pass)
-        both = dict(rows[f"{peer} verify post-pass alone"])
-        both["cpu_s"] = rows[f"{peer} plain"]["cpu_s"] + both["cpu_s"]
-        both["docs_per_cpu_s"] = n / both["cpu_s"]
-        rows[f"{peer} plain + verify post-pass"] = both
+            measure(rows, f"{peer}{label} plain", bench, plain_run)
+            measure(rows, f"{peer}{label} verify post-pass alone", bench, verify_pass)
+            both = dict(rows[f"{peer}{label} verify post-pass alone"])
+            both["cpu_s"] = rows[f"{peer}{label} plain"]["cpu_s"] + both["cpu_s"]
+            both["docs_per_cpu_s"] = n / both["cpu_s"]
+            rows[f"{peer}{label} plain + verify post-pass"] = both
     return rows
 
 
@@ -385,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="generated near-copies as a fraction of --docs (0.02 at 10^6: 20,000 pairs, each "
                              "found by bisection on truth Jaccard)")
     parser.add_argument("--cache", default=".cache/tessera/dedup_bench")
-    parser.add_argument("--skip", nargs="*", default=[], help="rows to skip: datatrove datasketch kperm")
+    parser.add_argument("--skip", nargs="*", default=[], help="rows to skip: datatrove datasketch kperm probe")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--dry", action="store_true", help="a 400-document run of every row, uncached")
     args = parser.parse_args(argv)
@@ -401,9 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         for peer in ("datasketch", "datatrove"):
             if f"{peer} plain" in rows:
                 plain = rows["tessera plain"]["docs_per_cpu_s"] / rows[f"{peer} plain"]["docs_per_cpu_s"]
-                full = (rows["tessera default (probe + verify)"]["docs_per_cpu_s"]
-                        / rows[f"{peer} plain + verify post-pass"]["docs_per_cpu_s"])
-                print(f"  tessera plain / {peer} plain: {plain:.1f}x   tessera default / {peer} + verify: {full:.1f}x")
+                full = (rows[DEFAULT_ROW]["docs_per_cpu_s"]
+                        / rows[f"{peer} 20x5 plain + verify post-pass"]["docs_per_cpu_s"])
+                old = (rows[DEFAULT_ROW]["docs_per_cpu_s"] / rows[f"{peer} plain + verify post-pass"]["docs_per_cpu_s"])
+                print(f"  tessera plain / {peer} plain: {plain:.1f}x   tessera default / {peer} 20x5 + verify: "
+                      f"{full:.1f}x (/ {peer} 14x8 + verify: {old:.1f}x)")
         out["corpora"][kind] = {"documents": len(bench.texts), "known_pairs": hist, "rows": rows}
     out["load_after"] = os.getloadavg()[0]
     if args.json:
