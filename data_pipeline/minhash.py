@@ -129,9 +129,7 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     batch's buffer, hashed as mix64(sum(c_j P^j) + length) mod 2^64. A word of at most 8 bytes (most words) is
     one gather and a mask, and its hash is injective. Batches hold at most `WORD_BATCH_BYTES`.
     """
-    # ASCII text is lower-cased by the byte table in `_word_hashes` (one pass over the batch); other text by
-    # Python's Unicode `str.lower` first, then UTF-8 (the table leaves bytes >= 0x80 as they are).
-    encoded = [t.encode("ascii") if t.isascii() else t.lower().encode("utf-8", "surrogatepass") for t in texts]
+    encoded = _lower_encoded(texts)
     groups, start, size = [], 0, 0
     for i, e in enumerate(encoded):
         if size + len(e) + 1 > WORD_BATCH_BYTES and i > start:
@@ -149,6 +147,48 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         base += len(h)
     firsts.append(np.array([base], dtype=np.int64))
     return np.concatenate(hashes), np.concatenate(firsts)
+
+
+_CASE_TABLE_SIZE = 0x20000
+
+
+@functools.lru_cache(maxsize=1)
+def _lower_changes() -> np.ndarray:
+    """Whether `str.lower` changes each code point below 0x20000 by itself (every cased character of Unicode 15
+    is there; those above are treated as changing, so a later Unicode stays exact)."""
+    return np.array([chr(c).lower() != chr(c) for c in range(_CASE_TABLE_SIZE)], dtype=bool)
+
+
+def _lower_encoded(texts: Sequence[str]) -> list[bytes]:
+    """Each text as UTF-8 (surrogates passed through), as `text.lower()` would encode except for ASCII A-Z, which
+    the byte table of `_word_hashes` lower-cases in one pass over the batch.
+
+    `str.lower` costs some 6 ns a character on non-ASCII text, about 5x the encoding, yet most non-ASCII text
+    (curly quotes, dashes, accented lower-case letters) has no character it changes besides ASCII. So non-ASCII
+    texts are encoded as they are; their characters are decoded in numpy from the lead bytes and looked up in
+    `_lower_changes`; only a text holding one (an upper-case 'É', 'Σ' whose lower case depends on its context,
+    the Kelvin sign that lowers to ASCII 'k') is lowered by `str.lower` first. For every other text `lower` changes
+    ASCII letters only, so the result is the same bytes."""
+    encoded = [t.encode("ascii") if t.isascii() else t.encode("utf-8", "surrogatepass") for t in texts]
+    wide = [k for k, t in enumerate(texts) if not t.isascii()]
+    if not wide:
+        return encoded
+    joined = b"".join([encoded[k] for k in wide])
+    data = np.frombuffer(joined + bytes(3), dtype=np.uint8)
+    lead = np.flatnonzero(data[:len(joined)] >= 0xC0)  # the first byte of every character of 2-4 bytes
+    b0 = data[lead].astype(np.int64)
+    b1, b2, b3 = ((data[lead + i] & 0x3F).astype(np.int64) for i in (1, 2, 3))
+    cp = np.where(b0 < 0xE0, ((b0 & 0x1F) << 6) | b1,
+                  np.where(b0 < 0xF0, ((b0 & 0x0F) << 12) | (b1 << 6) | b2,
+                           ((b0 & 0x07) << 18) | (b1 << 12) | (b2 << 6) | b3))
+    changes = _lower_changes()
+    cased = lead[(cp >= _CASE_TABLE_SIZE) | changes[np.minimum(cp, _CASE_TABLE_SIZE - 1)]]
+    if len(cased):
+        ends = np.cumsum([len(encoded[k]) for k in wide])
+        for d in sorted_distinct(np.searchsorted(ends, cased, side="right")).tolist():
+            k = wide[d]
+            encoded[k] = texts[k].lower().encode("utf-8", "surrogatepass")
+    return encoded
 
 
 def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -309,13 +349,13 @@ def signatures(texts: Sequence[str], cfg: MinHashConfig, batch_shingles: int = 1
         buf = np.empty((cfg.num_perm, batch_shingles), dtype=np.uint64)
     else:
         batch_shingles *= 4  # one hash per shingle: larger batches, fewer Python calls
+    # Batches of about batch_shingles shingles (documents vary a lot in length), guessed at one shingle per 6
+    # characters: a batch ends before the document that would take its guess past batch_shingles.
+    guess = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)) // 6 + 1, out=guess[1:])
     i = 0
     while i < len(texts):
-        # Grow the batch until it holds about batch_shingles shingles (documents vary a lot in length).
-        j, budget = i, 0
-        while j < len(texts) and (j == i or budget + len(texts[j]) // 6 < batch_shingles):
-            budget += len(texts[j]) // 6 + 1
-            j += 1
+        j = max(i + 1, int(np.searchsorted(guess, guess[i] + batch_shingles, side="right")) - 1)
         h, starts = shingle_hashes(texts[i:j], cfg.ngram)
         if keep_shingles is not None:
             keep_shingles.extend(np.split(h, starts[1:-1]))

@@ -92,7 +92,13 @@ def test_word_hashes_are_the_polynomial_hash_of_python_lowered_words_in_any_batc
     texts = ["Hello, WORLD_2 x\x00Y", "", "ΟΔΟΣ Σ ΣΑ aΣ", "İstanbul KELVIN \u212a ǅ ß ẞ", "A\ud800B café",
              "  --  ", "ÀÉÎ plain ASCII", "MiXeD ascii ONLY", "\U00010400\U00010428 x",
              # words of 7, 8, 9, 16, 17 and 40 bytes: one chunk, a full one, the chunk after, and many
-             "abcdefg abcdefgh abcdefghi abcdefghijklmnop abcdefghijklmnopq " + "ab_" * 13 + "z"]
+             "abcdefg abcdefgh abcdefghi abcdefghijklmnop abcdefghijklmnopq " + "ab_" * 13 + "z",
+             # non-ASCII with nothing `lower` changes but ASCII (encoded as is), and with one change at the very end
+             "Café “Quoted” — naïve 中文 😀 Ünchanged", "Ende ÜBER", "emoji 😀 then Ω", "x \U0001e900"]
+    # Random texts over characters lower leaves alone, changes, changes by context or to ASCII, of 1-4 bytes.
+    pool = list("aZ _-.") + list("éüñ’—“中😀\u00a0") + list("ÉÜΣΩЖİ\u212aǅ\U00010400\U0001e900")
+    rng = np.random.default_rng(3)
+    texts += ["".join(rng.choice(pool, size=int(rng.integers(1, 30)))) for _ in range(300)]
 
     def reference(text: str) -> list[int]:
         data = text.lower().encode("utf-8", "surrogatepass")
@@ -103,7 +109,7 @@ def test_word_hashes_are_the_polynomial_hash_of_python_lowered_words_in_any_batc
         return mh.mix64(np.array(raw, dtype=np.uint64)).tolist()
 
     want = [reference(t) for t in texts]
-    for batch in (texts, texts[::-1], [texts[2], texts[7]], [texts[7]], [texts[3]], []):
+    for batch in (texts, texts[::-1], [texts[2], texts[7]], [texts[7]], [texts[3]], texts[10:12], []):
         wh, first = word_hashes(batch)
         assert [wh[first[k]:first[k + 1]].tolist() for k in range(len(batch))] == [want[texts.index(t)] for t in batch]
     assert word_hashes([])[1].tolist() == [0] and shingle_hashes([], 5)[1].tolist() == [0]
