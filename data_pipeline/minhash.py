@@ -210,16 +210,23 @@ def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     raw &= _CHUNK_MASK[np.minimum(lens, 8)]
     many = np.flatnonzero(lens > 8)
     if len(many):  # words of more than 8 bytes: every further chunk j times P^j, summed per word
-        extra = (lens[many] + 7) // 8 - 1
-        word = np.repeat(many, extra)
-        first = np.zeros(len(many), dtype=np.int64)
-        np.cumsum(extra[:-1], out=first[1:])
-        j = np.arange(len(word), dtype=np.int64) - np.repeat(first - 1, extra)
-        chunk = windows[starts[word] + 8 * j]
-        chunk &= _CHUNK_MASK[np.minimum(lens[word] - 8 * j, 8)]
+        second = windows[starts[many] + 8]  # chunk 1 of each (most long words have two): one gather
+        second &= _CHUNK_MASK[np.minimum(lens[many] - 8, 8)]
         with np.errstate(over="ignore"):
-            chunk *= _POWERS.get(int(j.max()) + 1)[j]
-            raw[many] += np.add.reduceat(chunk, first)
+            second *= np.uint64(_P)
+            raw[many] += second
+        longer = many[lens[many] > 16]
+        if len(longer):  # chunks 2 and on
+            extra = (lens[longer] + 7) // 8 - 2
+            word = np.repeat(longer, extra)
+            first = np.zeros(len(longer), dtype=np.int64)
+            np.cumsum(extra[:-1], out=first[1:])
+            j = np.arange(len(word), dtype=np.int64) - np.repeat(first - 2, extra)
+            chunk = windows[starts[word] + 8 * j]
+            chunk &= _CHUNK_MASK[np.minimum(lens[word] - 8 * j, 8)]
+            with np.errstate(over="ignore"):
+                chunk *= _POWERS.get(int(j.max()) + 1)[j]
+                raw[longer] += np.add.reduceat(chunk, first)
     with np.errstate(over="ignore"):
         raw += lens.view(np.uint64)
     doc_starts = np.zeros(len(encoded) + 1, dtype=np.int64)  # the separator before each text, as bounds count
