@@ -64,7 +64,9 @@ from data_pipeline.dedup_eval import (
 from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, signatures
 
 BANDS, ROWS, SEED, NGRAM, VERIFY = 14, 8, 1, 5, 0.7
-DEFAULT_ROW = "tessera default (20x5 + verify)"
+DEFAULT_BANDING = f"{MinHashConfig().bands}x{MinHashConfig().rows}"  # the shipped default, for row names
+DEFAULT_ROW = f"tessera default ({DEFAULT_BANDING} + verify)"
+PROBE_ROW = f"tessera {BANDS}x{ROWS} probe + verify"  # the default before it
 _DRY_GROUPS = {"code": "code:json/", "prose": "prose:LICENSE"}
 _BYTE_WORDS = re.compile(rb"[0-9A-Za-z_\x80-\xff]+")
 
@@ -334,7 +336,7 @@ def bench_corpus(bench: DedupBenchmark, skip: set[str]) -> dict[str, dict[str, A
             lambda st: run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=False), st))
     measure(rows, DEFAULT_ROW, bench, lambda st: run_tessera(texts, default, st))
     if "probe" not in skip:  # the default before 20 x 5: the same curve from 112 keys a document
-        measure(rows, "tessera 14x8 probe + verify", bench,
+        measure(rows, PROBE_ROW, bench,
                 lambda st: run_tessera(texts, MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=True), st))
     if "kperm" not in skip:  # the scheme before one permutation hashing, for its speed and accuracy in this run
         kperm = MinHashConfig(bands=BANDS, rows=ROWS, seed=SEED, probe=False, verify_threshold=None, scheme="kperm")
@@ -412,10 +414,10 @@ def main(argv: list[str] | None = None) -> int:
             if f"{peer} plain" in rows:
                 plain = rows["tessera plain"]["docs_per_cpu_s"] / rows[f"{peer} plain"]["docs_per_cpu_s"]
                 full = (rows[DEFAULT_ROW]["docs_per_cpu_s"]
-                        / rows[f"{peer} 20x5 plain + verify post-pass"]["docs_per_cpu_s"])
+                        / rows[f"{peer} {DEFAULT_BANDING} plain + verify post-pass"]["docs_per_cpu_s"])
                 old = (rows[DEFAULT_ROW]["docs_per_cpu_s"] / rows[f"{peer} plain + verify post-pass"]["docs_per_cpu_s"])
-                print(f"  tessera plain / {peer} plain: {plain:.1f}x   tessera default / {peer} 20x5 + verify: "
-                      f"{full:.1f}x (/ {peer} 14x8 + verify: {old:.1f}x)")
+                print(f"  tessera plain / {peer} plain: {plain:.1f}x   tessera default / {peer} {DEFAULT_BANDING} "
+                      f"+ verify: {full:.1f}x (/ {peer} {BANDS}x{ROWS} + verify: {old:.1f}x)")
         out["corpora"][kind] = {"documents": len(bench.texts), "known_pairs": hist, "rows": rows}
     out["load_after"] = os.getloadavg()[0]
     if args.json:

@@ -84,7 +84,7 @@ def test_dedup_bench_dry(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     assert dedup.main(["--dry", "--corpus", "code", "--skip", "datatrove", "datasketch", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["corpora"]["code"]["rows"]
-    best, probe = rows["tessera default (20x5 + verify)"], rows["tessera 14x8 probe + verify"]
+    best, probe = rows[dedup.DEFAULT_ROW], rows[dedup.PROBE_ROW]
     for row in (best, probe):
         assert row["recall@0.8"] >= 0.9 and row["shared_shingle_precision@0.7"] >= 0.99 and row["removed"] > 0
         assert 0.5 < row["pair_precision@0.7"] <= 1  # truth tokens disagree with the shingles near 0.7
