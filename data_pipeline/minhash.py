@@ -21,6 +21,7 @@ clustered.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -365,7 +366,7 @@ def signatures(texts: Sequence[str], cfg: MinHashConfig, batch_shingles: int = 1
         h, starts = shingle_hashes(texts[i:j], cfg.ngram)
         if keep_shingles is not None:  # views by plain slicing: np.split costs some 2 us a piece in Python
             cut = starts.tolist()
-            keep_shingles.extend([h[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True)])
+            keep_shingles.extend([h[a:b] for a, b in itertools.pairwise(cut)])
         if cfg.scheme != "kperm":
             out[i:j] = oph_signatures(h, starts, cfg.num_perm, cfg.seed)
             i = j
