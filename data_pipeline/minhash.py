@@ -201,16 +201,16 @@ def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     is_word = data != 0
     # Word k spans data[bounds[2k] + 1 : bounds[2k + 1] + 1].
     bounds = np.flatnonzero(is_word[1:] ^ is_word[:-1])
-    starts = bounds[0::2]  # the non-word byte before each word: windows below start one byte on
-    lens = bounds[1::2] - starts
-    # windows[i] = data[i + 1 : i + 9] as one little-endian integer: a word's chunk j is windows[start + 8j],
-    # cut to the word's bytes.
+    before = bounds[0::2]  # the non-word byte before each word
+    lens = bounds[1::2] - before
+    # windows[i] = data[i + 1 : i + 9] as one little-endian integer (one byte on, so no before + 1 array): a
+    # word's chunk j is windows[before + 8j], cut to the word's bytes.
     windows = np.ndarray(shape=(n,), dtype="<u8", buffer=buf, offset=1, strides=(1,))
-    raw = windows[starts]
+    raw = windows[before]
     raw &= _CHUNK_MASK[np.minimum(lens, 8)]
     many = np.flatnonzero(lens > 8)
     if len(many):  # words of more than 8 bytes: every further chunk j times P^j, summed per word
-        second = windows[starts[many] + 8]  # chunk 1 of each (most long words have two): one gather
+        second = windows[before[many] + 8]  # chunk 1 of each (most long words have two): one gather
         second &= _CHUNK_MASK[np.minimum(lens[many] - 8, 8)]
         with np.errstate(over="ignore"):
             second *= np.uint64(_P)
@@ -222,7 +222,7 @@ def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
             first = np.zeros(len(longer), dtype=np.int64)
             np.cumsum(extra[:-1], out=first[1:])
             j = np.arange(len(word), dtype=np.int64) - np.repeat(first - 2, extra)
-            chunk = windows[starts[word] + 8 * j]
+            chunk = windows[before[word] + 8 * j]
             chunk &= _CHUNK_MASK[np.minimum(lens[word] - 8 * j, 8)]
             with np.errstate(over="ignore"):
                 chunk *= _POWERS.get(int(j.max()) + 1)[j]
@@ -231,7 +231,7 @@ def _word_hashes(encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         raw += lens.view(np.uint64)
     doc_starts = np.zeros(len(encoded) + 1, dtype=np.int64)  # the separator before each text, as bounds count
     np.cumsum([len(e) + 1 for e in encoded], out=doc_starts[1:])
-    first_word = np.searchsorted(starts, doc_starts)
+    first_word = np.searchsorted(before, doc_starts)
     return mix64(raw), first_word
 
 
@@ -365,8 +365,7 @@ def signatures(texts: Sequence[str], cfg: MinHashConfig, batch_shingles: int = 1
         j = max(i + 1, int(np.searchsorted(guess, guess[i] + batch_shingles, side="right")) - 1)
         h, starts = shingle_hashes(texts[i:j], cfg.ngram)
         if keep_shingles is not None:  # views by plain slicing: np.split costs some 2 us a piece in Python
-            cut = starts.tolist()
-            keep_shingles.extend([h[a:b] for a, b in itertools.pairwise(cut)])
+            keep_shingles.extend([h[a:b] for a, b in itertools.pairwise(starts.tolist())])
         if cfg.scheme != "kperm":
             out[i:j] = oph_signatures(h, starts, cfg.num_perm, cfg.seed)
             i = j
