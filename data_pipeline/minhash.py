@@ -463,8 +463,9 @@ def _repeated(keys: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray
     if m >= FILTER_MIN:
         table = 1 << min(22, (2 * m - 1).bit_length())
         slot = (keys & np.uint64(table - 1)).astype(np.intp)
-        maybe = np.flatnonzero(np.bincount(slot, minlength=table)[slot] > 1)
-        del slot
+        hit = np.bincount(slot, minlength=table) > 1  # gathered as a bool table, not as the int64 counts
+        maybe = np.flatnonzero(hit[slot])
+        del slot, hit
         keys, ids = keys[maybe], ids[maybe]
         m = len(keys)
     bits = np.uint64(max(1, (m - 1).bit_length()))

@@ -189,14 +189,23 @@ def _run_units(index: CorpusIndex, stage: str, count: int, path: Any, fn: Any, t
 
 def _gather(index: CorpusIndex, stage: str, suffix: str, needs: str, lo: int, hi: int | None
             ) -> tuple[np.ndarray, np.ndarray]:
-    """From every shard's sorted (2, m) file, the values in [lo, hi) of its first row and their ranks."""
-    values, ranks = [np.zeros(0, dtype=np.uint64)], [np.zeros(0, dtype=np.int64)]
+    """From every shard's sorted (2, m) file, the values in [lo, hi) of its first row and their ranks. The
+    slices are sized first and copied into two arrays made once: a list of slices concatenated at the end would
+    hold the range twice at its peak (measured: 60 MB of a pairs task's 2 x 10^6 keys instead of 30)."""
+    bounds = []
     for shard in index.shards:
-        a = _load(shard.file(stage, suffix), needs)
-        i0, i1 = _slice(a[0], lo, hi)
-        values.append(np.array(a[0, i0:i1]))  # copies: a view would keep the file mapped
-        ranks.append(a[1, i0:i1].astype(np.int64) + shard.rank)
-    return np.concatenate(values), np.concatenate(ranks)
+        bounds.append(_slice(_load(shard.file(stage, suffix), needs)[0], lo, hi))
+    values = np.empty(sum(i1 - i0 for i0, i1 in bounds), dtype=np.uint64)
+    ranks = np.empty(len(values), dtype=np.int64)
+    at = 0
+    for shard, (i0, i1) in zip(index.shards, bounds, strict=True):
+        if i1 > i0:
+            a = _load(shard.file(stage, suffix), needs)
+            values[at:at + i1 - i0] = a[0, i0:i1]  # copies: a view would keep the file mapped
+            ranks[at:at + i1 - i0] = a[1, i0:i1]
+            ranks[at:at + i1 - i0] += shard.rank
+            at += i1 - i0
+    return values, ranks
 
 
 # ---- exact: hash-prefix partitions ----
