@@ -180,11 +180,12 @@ def _units(count: int, task: int, tasks: int, done: Any) -> list[int]:
 
 
 def _run_units(index: CorpusIndex, stage: str, count: int, path: Any, fn: Any, task: int, tasks: int) -> None:
-    """Units u < count of a stage with u % tasks == task whose output `path(work, u)` is missing, in workers."""
+    """Units u < count of a stage with u % tasks == task whose output `path(work, u)` is missing, each in a process
+    forked for it alone (`run_forked`: a unit's peak RSS does not depend on the units before it in the task)."""
     (index.work / stage).mkdir(exist_ok=True)
     _CTX["index"] = index
     jobs = [(u, count) for u in _units(count, task, tasks, lambda u: path(index.work, u).is_file())]
-    run_pool(fn, jobs, index.cfg.workers, stage)
+    run_pool(fn, jobs, index.cfg.workers, stage, isolate=True)
 
 
 def _gather(index: CorpusIndex, stage: str, suffix: str, needs: str, lo: int, hi: int | None

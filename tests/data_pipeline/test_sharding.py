@@ -268,7 +268,8 @@ import os, signal, sys
 from pathlib import Path
 import data_pipeline.stages as st, data_pipeline.shards as sh, data_pipeline.build as b
 from tests.data_pipeline.test_sharding import patch_writes
-patch_writes(Path(sys.argv[2]), sys.argv[3], lambda: os.kill(os.getpid(), signal.SIGKILL))
+build = os.getpid()  # the build process: a verify unit writes from a child forked for it, which dies with it
+patch_writes(Path(sys.argv[2]), sys.argv[3], lambda: [os.kill(p, signal.SIGKILL) for p in (build, os.getpid())])
 from data_pipeline.build_config import load_build_config
 b.run_build(load_build_config(sys.argv[1]))
 """
@@ -282,7 +283,7 @@ def patch_writes(out: Path, target: str, die: object) -> list[object]:
     import data_pipeline.shards as sh
     import data_pipeline.stages as st
 
-    seen = [0]
+    seen = multiprocessing.get_context("fork").Value("i", 0)  # shared: exact/pairs/verify write from a child per unit
 
     def stage(path: Path) -> str:
         parts = Path(path).relative_to(out).parts
@@ -293,8 +294,10 @@ def patch_writes(out: Path, target: str, die: object) -> list[object]:
     def wrap(orig):  # type: ignore[no-untyped-def]
         def write(path, obj):  # type: ignore[no-untyped-def]
             if stage(path) == target:
-                seen[0] += 1
-                if seen[0] == (1 if target == "manifest" else 2):
+                with seen.get_lock():
+                    seen.value += 1
+                    count = seen.value
+                if count == (1 if target == "manifest" else 2):
                     die()  # type: ignore[operator]
             orig(path, obj)
         return write
@@ -461,3 +464,50 @@ def test_a_single_jsonl_file_split_across_tasks_gives_the_same_bytes_and_lines(t
         for r in near:
             a, b = (json.loads(line_of(r[k].split(":", 1)[1]))["text"] for k in ("removed", "kept"))
             assert abs(true_jaccard(a, b) - r["jaccard"]) < 0.05
+
+
+def _vm(field: str) -> int:
+    """A /proc/self/status memory field in bytes."""
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _forked_unit(job: tuple[str, int, str]) -> None:
+    """What `run_forked` is asked to do: write this process's pid and peak RSS; or fail in one of three ways;
+    or hold 64 MB for a while (the next unit must not see it in its own peak)."""
+    out, k, what = job
+    if what == "big":
+        import numpy as np
+
+        np.ones(8 << 20).sum()  # 64 MB, touched
+    elif what == "bad":
+        raise DataError(f"unit {k} is bad: its input holds 'x'; remove it")
+    elif what == "unpicklable":
+        raise RuntimeError(lambda: k)  # an exception whose argument cannot be pickled
+    elif what == "killed":
+        os.kill(os.getpid(), 9)
+    Path(out, f"{k}.json").write_text(json.dumps({"pid": os.getpid(), "hwm": _vm("VmHWM")}))
+
+
+def test_forked_units_run_alone_and_their_failures_reach_the_stage(tmp_path: Path) -> None:
+    """`run_forked`, which exact, pairs and verify run their units with: each unit in a fresh child (its own pid,
+    its peak RSS not raised by the unit before it), at most `workers` at once, every unit done once; a unit's
+    DataError arrives as itself, any other exception with its text, a unit killed by a signal names it."""
+    from data_pipeline.stages import run_forked
+
+    done: list[int] = []
+    run_forked(_forked_unit, [(str(tmp_path), k, "ok") for k in range(5)], 2, lambda: done.append(1))
+    seen = [json.loads((tmp_path / f"{k}.json").read_text()) for k in range(5)]
+    assert len(done) == 5 and len({s["pid"] for s in seen} | {os.getpid()}) == 6
+
+    rss = _vm("VmRSS")
+    run_forked(_forked_unit, [(str(tmp_path), 10, "big"), (str(tmp_path), 11, "ok")], 1)
+    after_big = json.loads((tmp_path / "11.json").read_text())["hwm"]
+    assert after_big < rss + (32 << 20), (after_big, rss)  # in one process it would be >= rss + 64 MB
+
+    with pytest.raises(DataError, match=r"unit 3 is bad: its input holds 'x'; remove it"):
+        run_forked(_forked_unit, [(str(tmp_path), 2, "ok"), (str(tmp_path), 3, "bad")], 1)
+    with pytest.raises(RuntimeError, match=r"RuntimeError: <function"):
+        run_forked(_forked_unit, [(str(tmp_path), 4, "unpicklable")], 1)
+    with pytest.raises(DataError, match=r"_forked_unit died \(signal 9\); rerun the stage"):
+        run_forked(_forked_unit, [(str(tmp_path), 5, "killed"), (str(tmp_path), 6, "ok")], 2)
