@@ -528,11 +528,7 @@ def run_forked(fn: Any, jobs: Sequence[Any], workers: int, done: Callable[[], No
                 sent = pipe.read()
             code = os.waitstatus_to_exitcode(status)
             if sent:
-                try:
-                    failed: BaseException = pickle.loads(sent)
-                except Exception:  # an exception type that cannot be rebuilt from its pickle
-                    failed = DataError(f"unit {job!r:.80} of {getattr(fn, '__name__', fn)} failed (traceback above)")
-                raise failed
+                raise pickle.loads(sent)  # checked by the child to unpickle (`_pickled_error`)
             if code:
                 raise DataError(f"unit {job!r:.80} of {getattr(fn, '__name__', fn)} died "
                                 f"({f'signal {-code}' if code < 0 else f'exit status {code}'}); rerun the stage: "
@@ -549,15 +545,18 @@ def run_forked(fn: Any, jobs: Sequence[Any], workers: int, done: Callable[[], No
 
 
 def _pickled_error(err: BaseException) -> bytes:
-    """`err` as the parent of `run_forked` re-raises it; small enough for a pipe's buffer (the child writes it
-    before it exits, the parent reads it after)."""
+    """`err` as the parent of `run_forked` re-raises it, checked to unpickle; small enough for a pipe's buffer
+    (the child writes it before it exits, the parent reads it after). An exception that does not survive
+    pickling arrives as a DataError (a TesseraError) or RuntimeError naming its type and message."""
     try:
         data = pickle.dumps(err)
         if len(data) < 32_768:
+            pickle.loads(data)
             return data
-    except Exception:  # an exception holding something unpicklable
+    except Exception:  # an exception holding something unpicklable, or whose __init__ pickle cannot call
         pass
-    return pickle.dumps(RuntimeError(f"{type(err).__name__}: {str(err)[:4000]}"))
+    kind = DataError if isinstance(err, TesseraError) else RuntimeError
+    return pickle.dumps(kind(f"{type(err).__name__}: {str(err)[:4000]}"))
 
 
 # ---- tokenize kept documents, one shard per task ----

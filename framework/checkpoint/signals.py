@@ -47,6 +47,9 @@ class RunStopped(BaseException):
         super().__init__(message)
         self.exit_code = exit_code
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole: a data stage's forked unit sends it to its parent
+        return (type(self), (str(self), self.exit_code))
+
 
 class StopSignal(RunStopped):
     """A stop signal arrived outside the training loop (nothing to save)."""
@@ -56,6 +59,10 @@ class StopSignal(RunStopped):
         super().__init__(f"stopped by {signal.Signals(signum).name} before anything needed saving; exit code "
                          f"{code}", code)
         self.signum = signum
+        self.requeue_exit_code = requeue_exit_code
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.signum, self.requeue_exit_code))
 
 
 def check_stopped(exit_code: int, what: str) -> None:

@@ -473,7 +473,7 @@ def _vm(field: str) -> int:
 
 
 def _forked_unit(job: tuple[str, int, str]) -> None:
-    """What `run_forked` is asked to do: write this process's pid and peak RSS; or fail in one of three ways;
+    """What `run_forked` is asked to do: write this process's pid and peak RSS; or fail in one of four ways;
     or hold 64 MB for a while (the next unit must not see it in its own peak)."""
     out, k, what = job
     if what == "big":
@@ -486,13 +486,18 @@ def _forked_unit(job: tuple[str, int, str]) -> None:
         raise RuntimeError(lambda: k)  # an exception whose argument cannot be pickled
     elif what == "killed":
         os.kill(os.getpid(), 9)
+    elif what == "stopped":  # a stop signal the unit's process got (its handler raises StopSignal)
+        from framework.checkpoint.signals import StopSignal
+
+        raise StopSignal(15, 75)
     Path(out, f"{k}.json").write_text(json.dumps({"pid": os.getpid(), "hwm": _vm("VmHWM")}))
 
 
 def test_forked_units_run_alone_and_their_failures_reach_the_stage(tmp_path: Path) -> None:
     """`run_forked`, which exact, pairs and verify run their units with: each unit in a fresh child (its own pid,
     its peak RSS not raised by the unit before it), at most `workers` at once, every unit done once; a unit's
-    DataError arrives as itself, any other exception with its text, a unit killed by a signal names it."""
+    DataError arrives as itself, any other exception with its text, a unit killed by a signal names it, a unit's
+    StopSignal keeps its exit code."""
     from data_pipeline.stages import run_forked
 
     done: list[int] = []
@@ -511,3 +516,8 @@ def test_forked_units_run_alone_and_their_failures_reach_the_stage(tmp_path: Pat
         run_forked(_forked_unit, [(str(tmp_path), 4, "unpicklable")], 1)
     with pytest.raises(DataError, match=r"_forked_unit died \(signal 9\); rerun the stage"):
         run_forked(_forked_unit, [(str(tmp_path), 5, "killed"), (str(tmp_path), 6, "ok")], 2)
+    from framework.checkpoint.signals import StopSignal
+
+    with pytest.raises(StopSignal, match="stopped by SIGTERM") as stop:  # the CLI's requeue exit code survives
+        run_forked(_forked_unit, [(str(tmp_path), 7, "stopped")], 1)
+    assert stop.value.exit_code == 75
