@@ -112,9 +112,8 @@ def _sample_texts(cfg: BuildConfig, index: CorpusIndex) -> list[str]:
     for shard in index.shards:
         hashes = np.load(shard.file("ingest", ".hash.npy"))
         rows = np.flatnonzero((index.status(shard) == 0) & (mix64(hashes ^ salt) <= cut))
-        if len(rows):
-            texts = read_shard_texts(shard.jsonl)
-            picked.extend(texts[i] for i in rows.tolist())
+        if len(rows):  # only the picked lines decoded: a whole shard's texts would be the stage's peak
+            picked.extend(read_shard_texts(shard.jsonl, rows.tolist()))
     order = np.random.default_rng(cfg.seed).permutation(len(picked))
     return [picked[i] for i in order.tolist()]
 

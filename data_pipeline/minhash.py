@@ -345,11 +345,12 @@ def oph_signatures(h: np.ndarray, starts: np.ndarray, bins: int, seed: int) -> n
 
 
 def signatures(texts: Sequence[str], cfg: MinHashConfig, batch_shingles: int = 1 << 14,
-               keep_shingles: list[np.ndarray] | None = None) -> np.ndarray:
+               keep_shingles: list[np.ndarray] | None = None, counts: np.ndarray | None = None) -> np.ndarray:
     """MinHash signatures of `texts`: uint32 array of shape (len(texts), bands * rows), by `cfg.scheme`.
 
     When `keep_shingles` is a list, each document's shingle hashes are appended to it (for Jaccard
-    verification without shingling twice)."""
+    verification without shingling twice). When `counts` is given (one slot a text), each document's number of
+    shingles (repeats counted: at least its distinct ones) is written into it."""
     out = np.empty((len(texts), cfg.num_perm), dtype=np.uint32)
     if cfg.scheme == "kperm":
         a, b = permutations(cfg.num_perm, cfg.seed)
@@ -364,6 +365,8 @@ def signatures(texts: Sequence[str], cfg: MinHashConfig, batch_shingles: int = 1
     while i < len(texts):
         j = max(i + 1, int(np.searchsorted(guess, guess[i] + batch_shingles, side="right")) - 1)
         h, starts = shingle_hashes(texts[i:j], cfg.ngram)
+        if counts is not None:
+            counts[i:j] = np.diff(starts)
         if keep_shingles is not None:  # views by plain slicing: np.split costs some 2 us a piece in Python
             keep_shingles.extend([h[a:b] for a, b in itertools.pairwise(starts.tolist())])
         if cfg.scheme != "kperm":

@@ -12,6 +12,8 @@ naming it when that output is missing (each stage of a SLURM build is its own ar
     ingest/<s>/shard-U-K.hsort.npy  (2, m) uint64: the shard's document hashes sorted, and their rows
     exact/part-P.npy                ranks of exact duplicates among the hashes of prefix range P (of E), sorted
     minhash/<s>/shard-U-K.sig.npy   MinHash signatures (uint32, docs x bands*rows) of every document
+    minhash/<s>/shard-U-K.shingles.npy  shingles of every document (uint32, repeats counted): what bounds the
+                                    bytes of its shingle set before verify reads it
     bands/<s>/shard-U-K.keys.npy    (2, m) uint64: band keys (band folded in) sorted, and their rows; exact
                                     duplicates left out (the minhash stage writes both)
     pairs/range-R-of-N.npy          (2, m) int64: candidate pairs [worse rank; better rank] of key range R of N
@@ -31,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +52,13 @@ EDGE = np.dtype([("b", "<i8"), ("a", "<i8"), ("j", "<f4")])
 KEYS_PER_RANGE = 4
 """Band keys per key range, per `partition_docs`: a pairs task sorts about 4 P keys (2M at the default P; about
 80 bytes of working set each, 0.6 GB at 16 P)."""
-VERIFY_CHUNK = 1 << 14
-"""Candidate pairs verified at once: the shingle sets of at most 2^15 documents are held (about 80 MB for
-documents of 300 words), whatever the partition size."""
+VERIFY_SET_BYTES = 1 << 25
+"""Bytes of shingle sets verification holds at once, whatever the partition size and the documents' lengths: a
+chunk of candidate pairs ends before the pair whose documents would take it past this, counting 8 bytes for every
+shingle of each (`minhash/<s>/*.shingles.npy`, repeats included), so the bound holds before anything is read.
+(A fixed 2^14 pairs a chunk held up to 2^15 documents' sets: 80 MB at 300 words, 2.6 GB at 10,000.)"""
 _U64 = 1 << 64
+SHINGLE_COUNTS = ".shingles.npy"
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,15 @@ class CorpusIndex:
             sets = [shingle_set(h[off[i]:off[i + 1]]) for i in range(len(rows))]
             for p, i in zip(pos.tolist(), inverse.tolist(), strict=True):
                 out[p] = sets[i]
+        return out
+
+    def shingle_counts(self, ranks: np.ndarray) -> np.ndarray:
+        """Shingles (repeats counted) of documents by rank, from the minhash stage: an upper bound of the
+        distinct ones `shingle_sets` holds."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        out = np.zeros(len(ranks), dtype=np.int64)
+        for s, rows, pos, inverse in self._rows_by_shard(ranks):
+            out[pos] = np.asarray(_load(s.file("minhash", SHINGLE_COUNTS), "minhash")[rows])[inverse]
         return out
 
     def names(self, ranks: np.ndarray | Sequence[int]) -> list[str]:
@@ -256,7 +270,11 @@ def minhash_stage(index: CorpusIndex, task: int, tasks: int) -> None:
         return
     _CTX["index"] = index
     jobs = []
-    for k in _units(len(index.shards), task, tasks, lambda k: index.shards[k].file("bands", ".keys.npy").is_file()):
+    def done(k: int) -> bool:  # a build of code before the shingle counts makes them (and the same signatures)
+        return all(index.shards[k].file(stage, suffix).is_file()
+                   for stage, suffix in (("bands", ".keys.npy"), ("minhash", SHINGLE_COUNTS)))
+
+    for k in _units(len(index.shards), task, tasks, done):
         shard = index.shards[k]
         for stage in ("minhash", "bands"):
             shard.file(stage, "").parent.mkdir(parents=True, exist_ok=True)
@@ -268,9 +286,12 @@ def _minhash_shard(job: tuple[int, np.ndarray]) -> None:
     k, exact = job
     index: CorpusIndex = _CTX["index"]
     shard, mh = index.shards[k], index.cfg.dedup.minhash
-    sig_path = shard.file("minhash", ".sig.npy")
-    if not sig_path.is_file():
-        save_npy_atomic(sig_path, signatures(read_shard_texts(shard.jsonl), mh))
+    sig_path, count_path = shard.file("minhash", ".sig.npy"), shard.file("minhash", SHINGLE_COUNTS)
+    if not (sig_path.is_file() and count_path.is_file()):
+        counts = np.zeros(shard.n, dtype=np.uint32)
+        sig = signatures(read_shard_texts(shard.jsonl), mh, counts=counts)
+        save_npy_atomic(count_path, counts)
+        save_npy_atomic(sig_path, sig)
     rows = np.setdiff1d(np.arange(shard.n), exact - shard.rank)
     keys = band_keys(np.load(sig_path)[rows], mh.bands, mh.rows, mh.probe)
     flat = flat_keys(keys)
@@ -343,15 +364,47 @@ def _verify_part(job: tuple[int, int]) -> None:
     if mh.verify_threshold is None:
         edges["j"] = np.nan
     elif len(edges):
-        for start in range(0, len(edges), VERIFY_CHUNK):  # bounded: the shingle sets of one chunk's documents
-            chunk = edges[start:start + VERIFY_CHUNK]
-            ids, inverse = np.unique(np.concatenate([chunk["a"], chunk["b"]]), return_inverse=True)
-            sets = index.shingle_sets(ids, mh.ngram)
-            chunk["j"] = [jaccard(sets[i], sets[k]) for i, k in
-                          zip(inverse[:len(chunk)].tolist(), inverse[len(chunk):].tolist(), strict=True)]
+        edges["j"] = verified_jaccard(edges["a"], edges["b"], lambda ids: index.shingle_sets(ids, mh.ngram),
+                                      lambda ids: 8 * index.shingle_counts(ids))
         edges = edges[edges["j"] >= mh.verify_threshold]
     write_json_atomic(verify_path(index.work, q).with_suffix(".json"), {"candidate_pairs": int(ba.shape[1])})
     save_npy_atomic(verify_path(index.work, q), edges)
+
+
+def verified_jaccard(a: np.ndarray, b: np.ndarray, sets_of: Callable[[np.ndarray], list[np.ndarray]],
+                     bytes_of: Callable[[np.ndarray], np.ndarray], budget: int | None = None) -> np.ndarray:
+    """Exact Jaccard of each pair (a[i], b[i]) of documents, float32. `sets_of(ids)` gives the shingle sets of
+    distinct document ids, sorted; it is asked for one chunk of consecutive pairs at a time, and that chunk's sets
+    are let go before the next are read. `bytes_of(ids)` bounds each set's bytes from above; a chunk ends before
+    the pair that would take its documents past `budget` bytes (`VERIFY_SET_BYTES`), so no more is held unless
+    one pair alone is larger. The values do not depend on the chunking."""
+    budget = VERIFY_SET_BYTES if budget is None else budget
+    j = np.empty(len(a), dtype=np.float32)
+    ids, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
+    cost = np.asarray(bytes_of(ids), dtype=np.int64).tolist()
+    ia, ib = inverse[:len(a)].tolist(), inverse[len(a):].tolist()
+    start = 0
+    while start < len(a):
+        chunk: dict[int, int] = {}  # document -> its place among the chunk's, in first-seen order
+        held, stop = 0, start
+        while stop < len(a):
+            new = [d for d in dict.fromkeys((ia[stop], ib[stop])) if d not in chunk]
+            add = sum(cost[d] for d in new)
+            if held + add > budget and stop > start:
+                break
+            for d in new:
+                chunk[d] = len(chunk)
+            held, stop = held + add, stop + 1
+        members = np.array(list(chunk), dtype=np.int64)
+        order = np.argsort(members)
+        place = np.empty(len(members), dtype=np.int64)
+        place[order] = np.arange(len(members))  # chunk place -> index in the sorted ids given to sets_of
+        sets, at = sets_of(ids[members[order]]), place.tolist()
+        j[start:stop] = [jaccard(sets[at[chunk[x]]], sets[at[chunk[y]]])
+                         for x, y in zip(ia[start:stop], ib[start:stop], strict=True)]
+        del sets  # before the next chunk's sets are read, not after: one chunk's sets at a time
+        start = stop
+    return j
 
 
 # ---- near: who is removed for whom, in rank order ----

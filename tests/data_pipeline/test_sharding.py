@@ -176,13 +176,26 @@ def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, tmp_path: 
     assert _outputs(root / "three") == one
     # One partition for everything (no sharding inside the stages), one merge unit per source and one worker
     # process instead of two: the same data, the trained sentencepiece model included (its thread count is
-    # `tokenizer.threads`, not `workers`); verified 3 pairs at a time, words hashed 512 bytes at a time (the memory
-    # bounds), changing nothing.
-    monkeypatch.setattr(shard_stages, "VERIFY_CHUNK", 3)
+    # `tokenizer.threads`, not `workers`); verified a few pairs at a time (4 KB of shingle sets), words hashed
+    # 512 bytes at a time (the memory bounds), changing nothing.
+    monkeypatch.setattr(shard_stages, "VERIFY_SET_BYTES", 4096)
     monkeypatch.setattr(minhash, "WORD_BATCH_BYTES", 512)
     single = _config(root, "single", dedup=DedupConfig(partition_docs=10_000), workers=1, merge_bytes=1 << 30)
     run_build(single)
     assert _outputs(root / "single") == one and "tokenizer.model" in one
+    # A build by code from before the minhash stage wrote shingle counts: verify names the stage to run, which
+    # shingles those shards again (the same signatures), and verification gives the same edges.
+    work1 = root / "single" / "work"
+    verified = {p.name: p.read_bytes() for p in (work1 / "verify").iterdir()}
+    sigs = {p: p.read_bytes() for p in (work1 / "minhash").rglob("*.sig.npy")}
+    for f in (work1 / "minhash").rglob(f"*{shard_stages.SHINGLE_COUNTS}"):
+        f.unlink()
+    shutil.rmtree(work1 / "verify")
+    with pytest.raises(DataError, match=r"shingles\.npy is missing.*--stages minhash"):
+        run_build(single, stages=("verify",))
+    run_build(single, stages=("minhash", "verify"))
+    assert {p.name: p.read_bytes() for p in (work1 / "verify").iterdir()} == verified
+    assert {p: p.read_bytes() for p in (work1 / "minhash").rglob("*.sig.npy")} == sigs
     # Work is split: each sharded stage had several units (partitions, ranges, shards, ingest units, merge units).
     work = root / "three" / "work"
     assert len(list((work / "exact").glob("part-*.npy"))) >= 5 and len(list((work / "pairs").glob("*.npy"))) >= 5
@@ -191,6 +204,54 @@ def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, tmp_path: 
     assert len(list((work / "merge" / "web").glob("unit-*.json"))) == 4
     assert len(list((root / "single/work/merge/web").glob("unit-*.json"))) == 1
     assert not list((work / "merge").rglob("*.partial"))  # moved into place
+
+
+def test_verification_holds_one_chunk_of_sets_within_its_byte_budget() -> None:
+    """`verified_jaccard` cuts its chunks by the bytes of the shingle sets they need, not by a count of pairs, so
+    documents of any length stay within the budget, across a jump in length too; the previous chunk's sets are
+    gone before the next are read; the values are those of one chunk."""
+    import weakref
+
+    import numpy as np
+
+    from data_pipeline.minhash import jaccard
+
+    rng = np.random.default_rng(7)
+    pool = rng.integers(0, 1 << 63, size=6_000, dtype=np.uint64)
+    # 600 documents from one pool (so pairs overlap): a source of short ones, then one of documents ten times
+    # longer; shingles with repeats, so their count bounds the distinct ones from above.
+    lens = np.where(np.arange(600) < 300, rng.integers(30, 300, 600), rng.integers(300, 3000, 600))
+    shingles = [rng.choice(pool[:2 * n], size=n) for n in lens.tolist()]
+    sets = [np.unique(h) for h in shingles]
+    b = np.sort(rng.integers(0, 600, size=5_000))
+    a = np.maximum(0, b - rng.integers(0, 40, size=5_000))  # the better copy: a nearby, earlier document
+    held: list[int] = []
+    alive: list[weakref.ref[np.ndarray]] = []
+
+    def sets_of(ids: np.ndarray) -> list[np.ndarray]:
+        assert all(r() is None for r in alive), "the previous chunk's sets are still held"
+        assert np.all(np.diff(ids) > 0)
+        out = [sets[i].copy() for i in ids.tolist()]
+        alive[:] = [weakref.ref(x) for x in out]
+        held.append(sum(x.nbytes for x in out))
+        return out
+
+    def bytes_of(ids: np.ndarray) -> np.ndarray:
+        return np.array([8 * len(shingles[i]) for i in ids.tolist()])
+
+    budget = 256 * 1024
+    j = shard_stages.verified_jaccard(a, b, sets_of, bytes_of, budget=budget)
+    want = np.array([jaccard(sets[x], sets[y]) for x, y in zip(a.tolist(), b.tolist(), strict=True)],
+                    dtype=np.float32)
+    assert np.array_equal(j, want) and 0 < want.min() < want.max() <= 1
+    assert len(held) >= 20 and max(held) <= budget and np.median(held) > budget / 2, held
+    # A fixed count of pairs that fits the short documents holds several budgets' worth of the long ones.
+    assert sum(sets[i].nbytes for i in np.unique(np.concatenate([a[-400:], b[-400:]]))) > 3 * budget
+    assert np.array_equal(shard_stages.verified_jaccard(a, b, lambda ids: [sets[i] for i in ids.tolist()],
+                                                        bytes_of, budget=1 << 40), want)
+    calls = len(held)
+    one = shard_stages.verified_jaccard(a[:3], b[:3], sets_of, bytes_of, budget=1)  # a pair past the budget: alone
+    assert np.array_equal(one, want[:3]) and len(held) == calls + 3
 
 
 def test_a_stage_missing_its_inputs_from_other_tasks_says_which(straight) -> None:  # type: ignore[no-untyped-def]
