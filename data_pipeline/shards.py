@@ -385,23 +385,19 @@ def verified_jaccard(a: np.ndarray, b: np.ndarray, sets_of: Callable[[np.ndarray
     ia, ib = inverse[:len(a)].tolist(), inverse[len(a):].tolist()
     start = 0
     while start < len(a):
-        chunk: dict[int, int] = {}  # document -> its place among the chunk's, in first-seen order
+        chunk: set[int] = set()  # the chunk's documents, as indices into ids
         held, stop = 0, start
         while stop < len(a):
-            new = [d for d in dict.fromkeys((ia[stop], ib[stop])) if d not in chunk]
+            new = {ia[stop], ib[stop]} - chunk
             add = sum(cost[d] for d in new)
             if held + add > budget and stop > start:
                 break
-            for d in new:
-                chunk[d] = len(chunk)
+            chunk |= new
             held, stop = held + add, stop + 1
-        members = np.array(list(chunk), dtype=np.int64)
-        order = np.argsort(members)
-        place = np.empty(len(members), dtype=np.int64)
-        place[order] = np.arange(len(members))  # chunk place -> index in the sorted ids given to sets_of
-        sets, at = sets_of(ids[members[order]]), place.tolist()
-        j[start:stop] = [jaccard(sets[at[chunk[x]]], sets[at[chunk[y]]])
-                         for x, y in zip(ia[start:stop], ib[start:stop], strict=True)]
+        members = sorted(chunk)  # indices into the sorted ids: their ids come out sorted too
+        at = {d: i for i, d in enumerate(members)}
+        sets = sets_of(ids[members])
+        j[start:stop] = [jaccard(sets[at[x]], sets[at[y]]) for x, y in zip(ia[start:stop], ib[start:stop], strict=True)]
         del sets  # before the next chunk's sets are read, not after: one chunk's sets at a time
         start = stop
     return j
