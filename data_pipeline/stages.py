@@ -3,7 +3,8 @@
 Layout under `<output_dir>/work/`:
     ingest/<source>/shard-U-K.jsonl, .hash.npy      normalized, filtered documents ("t") of ingest unit U with
                                                     where each came from ("w": file:line or file), their hashes
-                                                    (.hash.npy) and the hashes sorted with their rows (.hsort.npy)
+                                                    (.hash.npy), the hashes sorted with their rows (.hsort.npy)
+                                                    and each line's byte offset (.offsets.npy)
     ingest/<source>/unit-U.counts.json              the unit's accounting; written last = unit done
     ingest/<source>/unit-U.rejects.jsonl            malformed records with their reason
     ingest/<source>/unit-U.filtered.jsonl           the first documents each filter rule removed (samples)
@@ -78,13 +79,32 @@ def save_npy_atomic(path: Path, arr: np.ndarray) -> None:
     tmp.replace(path)
 
 
+LINE_OFFSETS = ".offsets.npy"
+"""Beside each ingest shard `shard-U-K.jsonl`: the byte offset of each of its lines and of its end (uint64,
+lines + 1), so a few rows are read by offset instead of by scanning the shard up to the last of them."""
+
+
 def read_shard_rows(path: Path, rows: Sequence[int] | None, read: Any) -> list[Any]:
-    """`read(json)` of every line of an ingest shard, or of the given rows only (sorted, distinct): the other
-    lines are skipped undecoded (a shard line holds the whole text; decoding them all was most of the near
-    stage's time)."""
+    """`read(json)` of every line of an ingest shard, or of the given rows only (sorted, distinct): only those
+    lines are read, at their offsets (`LINE_OFFSETS`), and decoded (a shard line holds the whole text; decoding
+    them all was most of the near stage's time). A shard written before the offsets is scanned line by line."""
     if rows is None:
         with open(path, encoding="utf-8") as f:
             return [read(json.loads(line)) for line in f]
+    offsets_path = path.with_name(path.name.replace(".jsonl", LINE_OFFSETS))
+    if offsets_path.is_file():
+        offsets = np.load(offsets_path, mmap_mode="r")  # only the pages of the rows asked for are read
+        if len(rows) and rows[-1] >= len(offsets) - 1:
+            raise DataError(f"{path}: row {rows[-1]} is past the shard's end ({len(offsets) - 1} lines); the ingest "
+                            f"output is damaged: delete the build's work/ folder and rebuild")
+        picked = np.asarray(rows, dtype=np.int64)
+        starts, ends = np.asarray(offsets[picked]).tolist(), np.asarray(offsets[picked + 1]).tolist()
+        del offsets
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return [read(json.loads(os.pread(fd, e - b, b))) for b, e in zip(starts, ends, strict=True)]
+        finally:
+            os.close(fd)
     out: list[Any] = []
     want = iter(rows)
     nxt, lines = next(want, None), 0
@@ -228,9 +248,12 @@ class _ShardWriter:
             return
         name = f"{self.prefix}-{self.k:05d}"
         tmp = self.out / f"{name}.jsonl.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for t, w in self.texts:
-                f.write(json.dumps({"t": t, "w": w}, ensure_ascii=False) + "\n")
+        lines = [(json.dumps({"t": t, "w": w}, ensure_ascii=False) + "\n").encode("utf-8") for t, w in self.texts]
+        with open(tmp, "wb") as f:
+            f.writelines(lines)
+        offsets = np.zeros(len(lines) + 1, dtype=np.uint64)
+        np.cumsum([len(line) for line in lines], out=offsets[1:])
+        save_npy_atomic(self.out / f"{name}{LINE_OFFSETS}", offsets)
         hashes = np.array([doc_hash(t) for t, _ in self.texts], dtype=np.uint64)
         save_npy_atomic(self.out / f"{name}.hash.npy", hashes)
         order = np.argsort(hashes, kind="stable")  # hash-prefix partitions of the exact stage slice this

@@ -254,6 +254,41 @@ def test_verification_holds_one_chunk_of_sets_within_its_byte_budget() -> None:
     assert np.array_equal(one, want[:3]) and len(held) == calls + 3
 
 
+def test_shard_rows_are_read_at_their_byte_offsets_and_older_shards_by_scanning(tmp_path: Path) -> None:
+    """Rows of an ingest shard are read by the byte offsets its writer records (multi-byte UTF-8, escapes and
+    long lines included), giving the lines a full read gives; a shard without offsets (written by older code) is
+    scanned with the same result; a row past the end is named either way."""
+    import numpy as np
+
+    from data_pipeline.stages import LINE_OFFSETS, _ShardWriter, read_shard_texts, read_shard_where
+
+    texts = [f"{i} naïve café — Σίσυφος 漢字 🙂\n\"quoted\" \\ tab\t{'x' * (i * 37 % 500)}" for i in range(50)]
+    writer = _ShardWriter(tmp_path / "new", "shard-00000", 20)
+    writer.out.mkdir()
+    for i, t in enumerate(texts):
+        writer.add(t, f"src.jsonl:{i + 1}")
+    writer.flush()
+    shards = sorted(writer.out.glob("shard-*.jsonl"))
+    assert len(shards) == 3
+    (tmp_path / "old").mkdir()
+    rng = random.Random(5)
+    for shard in shards:
+        offsets = np.load(shard.with_name(shard.name.replace(".jsonl", LINE_OFFSETS)))
+        every, wheres = read_shard_texts(shard), read_shard_where(shard)
+        assert len(offsets) == len(every) + 1 and int(offsets[-1]) == shard.stat().st_size
+        old = tmp_path / "old" / shard.name
+        shutil.copy(shard, old)
+        for k in (1, 3, len(every)):
+            rows = sorted(rng.sample(range(len(every)), k))
+            for path in (shard, old):
+                assert read_shard_texts(path, rows) == [every[r] for r in rows]
+                assert read_shard_where(path, rows) == [wheres[r] for r in rows]
+        for path in (shard, old):
+            with pytest.raises(DataError, match=rf"row {len(every)} is past the shard's end \({len(every)} lines\)"):
+                read_shard_texts(path, [0, len(every)])
+    assert [t for shard in shards for t in read_shard_texts(shard)] == texts
+
+
 def test_a_stage_missing_its_inputs_from_other_tasks_says_which(straight) -> None:  # type: ignore[no-untyped-def]
     root, _ = straight
     cfg = _config(root, "partial")
