@@ -58,8 +58,10 @@ from data_pipeline.dedup_eval import (
     DedupBenchmark,
     jaccard_histogram,
     make_corpus,
-    recall_precision,
+    precision_by_origin,
     removal_recall,
+    removed_precision,
+    same_cluster_recall,
 )
 from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, signatures
 
@@ -302,18 +304,24 @@ def measure(rows: dict[str, dict[str, Any]], name: str, bench: DedupBenchmark,
     c0, t0 = cpu_seconds(), time.perf_counter()
     result = fn(st)
     cpu, wall = cpu_seconds() - c0, time.perf_counter() - t0
-    recall, precision = recall_precision(bench, result)
+    recall = same_cluster_recall(bench, result)
+    removed, good = removed_precision(bench, result)
+    precision = float(good.mean()) if len(good) else 0.0
+    by_origin = precision_by_origin(bench, removed, good)
     shared = shared_precision(bench.texts, result)
     n = len(bench.texts)
     rows[name] = {"docs_per_cpu_s": n / cpu, "cpu_s": cpu, "wall_s": wall, "recall@0.8": recall,
                   "removal_recall@0.8": removal_recall(bench, result),
-                  "pair_precision@0.7": precision, "shared_shingle_precision@0.7": shared,
+                  "pair_precision@0.7": precision, "pair_precision@0.7_by_origin": by_origin,
+                  "shared_shingle_precision@0.7": shared,
                   "removed": int((~result.keep).sum()),
                   "candidates": result.candidates, "stages_cpu_s": {k: round(v, 2) for k, v in st.cpu.items()}}
     print(f"  {name:38s} {n / cpu:9.0f} docs/CPU-s (cpu {cpu:7.1f} s, wall {wall:7.1f} s)  recall@0.8 {recall:.3f}"
           f" (not both kept {rows[name]['removal_recall@0.8']:.3f})"
           f"  pair-precision@0.7 {precision:.3f} (shared shingles {shared:.3f})  removed {rows[name]['removed']}"
           f"  candidates {result.candidates}"
+          f"\n  {'':38s} precision@0.7 by removed document: " + ", ".join(
+              f"{k} {v['precision@0.7']:.3f} ({v['removed']})" for k, v in by_origin.items()) +
           f"\n  {'':38s} stages (CPU s): " + ", ".join(f"{k} {v:.2f}" for k, v in st.cpu.items()), flush=True)
 
 

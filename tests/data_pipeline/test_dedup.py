@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 import numpy as np
 import pytest
 
 from data_pipeline.dedup import assign_removals, exact_keep, near_dedup
-from data_pipeline.dedup_eval import make_benchmark, recall_precision, true_jaccard
+from data_pipeline.dedup_eval import (
+    DedupBenchmark,
+    make_benchmark,
+    precision_by_origin,
+    recall_precision,
+    removed_precision,
+    true_jaccard,
+)
 from data_pipeline.minhash import (
     MinHashConfig,
     band_keys,
@@ -242,6 +250,30 @@ def test_removal_never_goes_through_a_chain_and_names_its_kept_document() -> Non
     assert removed2.tolist() == [False, True] and (a[1:][chosen2] == 0).all()
 
 
+def test_precision_is_split_by_what_the_removed_document_is() -> None:
+    """A removed member of a natural known pair, a removed generated copy and a removed document in no known pair
+    (filler) are told apart, each with its own precision on the truth's tokens."""
+    rng = random.Random(3)
+    words = [f"tok{i}" for i in range(3_000)]
+    base = [" ".join(rng.choice(words) for _ in range(120)) for _ in range(3)]
+
+    def edit(t: str, k: int) -> str:
+        w = t.split()
+        for i in rng.sample(range(len(w)), k):
+            w[i] = "zz" + w[i]
+        return " ".join(w)
+
+    texts = [base[0], edit(base[0], 2), base[1], edit(base[1], 2), base[2], edit(base[2], 2)]
+    bench = DedupBenchmark(texts, [(0, 1, true_jaccard(texts[0], texts[1])), (2, 3, true_jaccard(texts[2], texts[3]))],
+                           ["natural", "generated"])
+    result = near_dedup(texts, MinHashConfig())
+    removed, good = removed_precision(bench, result)
+    assert removed.tolist() == [1, 3, 5] and good.all()
+    assert precision_by_origin(bench, removed, good) == {
+        "generated copy": {"removed": 1, "precision@0.7": 1.0}, "natural": {"removed": 1, "precision@0.7": 1.0},
+        "other": {"removed": 1, "precision@0.7": 1.0}}
+
+
 def test_recall_and_precision_on_generated_near_duplicates() -> None:
     bench = make_benchmark(n_base=500, n_copies=240, seed=4)
     js = np.array([j for _, _, j in bench.pairs])
@@ -249,5 +281,11 @@ def test_recall_and_precision_on_generated_near_duplicates() -> None:
     result = near_dedup(bench.texts, MinHashConfig())
     recall, precision = recall_precision(bench, result)
     assert recall >= 0.98 and precision >= 0.95, (recall, precision)
+    # Split by what the removed documents are: the parts add up to the whole.
+    removed, good = removed_precision(bench, result)
+    split = precision_by_origin(bench, removed, good)
+    assert sum(v["removed"] for v in split.values()) == len(removed) == int((~result.keep).sum())
+    assert sum(v["removed"] * v["precision@0.7"] for v in split.values()) == pytest.approx(precision * len(removed))
+    assert list(split) == ["generated copy"] and split["generated copy"]["removed"] > 100  # the copies go
     report = result.report()
     assert report["removed"] == int((~result.keep).sum()) > 0 and report["largest"][0]["size"] >= 2
