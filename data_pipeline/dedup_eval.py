@@ -20,7 +20,8 @@ recall@0.8: share of known pairs with truth J >= 0.8 that end in one cluster.
 removal recall@0.8: share of those pairs not both kept — the dedup outcome. Lower same-cluster recall with it
 at ~1 means pairs removed for two different kept documents (star clusters, which never chain), not missed ones.
 pair precision@0.7: share of removed documents whose truth J with some kept member of their cluster is >= 0.7
-(the most favourable kept partner, the same rule for every tool).
+(the most favourable kept partner, the same rule for every tool); `precision_by_origin` splits it by what the
+removed document is, because the mix of natural pairs, generated copies and filler moves with the corpus size.
 """
 
 from __future__ import annotations
