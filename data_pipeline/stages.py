@@ -99,9 +99,13 @@ def read_shard_rows(path: Path, rows: Sequence[int] | None, read: Any) -> list[A
                             f"output is damaged: delete the build's work/ folder and rebuild")
         picked = np.asarray(rows, dtype=np.int64)
         starts, ends = np.asarray(offsets[picked]).tolist(), np.asarray(offsets[picked + 1]).tolist()
+        end = offsets[-1]
         del offsets
         fd = os.open(path, os.O_RDONLY)
         try:
+            if os.fstat(fd).st_size != int(end):
+                raise DataError(f"{path} holds {os.fstat(fd).st_size} bytes but its {offsets_path.name} says {end}: "
+                                f"the shard was changed after ingest; delete the build's work/ folder and rebuild")
             return [read(json.loads(os.pread(fd, e - b, b))) for b, e in zip(starts, ends, strict=True)]
         finally:
             os.close(fd)

@@ -287,6 +287,11 @@ def test_shard_rows_are_read_at_their_byte_offsets_and_older_shards_by_scanning(
             with pytest.raises(DataError, match=rf"row {len(every)} is past the shard's end \({len(every)} lines\)"):
                 read_shard_texts(path, [0, len(every)])
     assert [t for shard in shards for t in read_shard_texts(shard)] == texts
+    # A shard edited after ingest no longer matches its offsets: named, not read at the wrong places.
+    with open(shards[0], "ab") as f:
+        f.write(b'{"t": "appended", "w": "x"}\n')
+    with pytest.raises(DataError, match=r"holds \d+ bytes but its shard-00000-00000\.offsets\.npy says \d+"):
+        read_shard_texts(shards[0], [0])
 
 
 def test_a_stage_missing_its_inputs_from_other_tasks_says_which(straight) -> None:  # type: ignore[no-untyped-def]
