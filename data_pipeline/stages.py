@@ -252,11 +252,14 @@ class _ShardWriter:
             return
         name = f"{self.prefix}-{self.k:05d}"
         tmp = self.out / f"{name}.jsonl.tmp"
-        lines = [(json.dumps({"t": t, "w": w}, ensure_ascii=False) + "\n").encode("utf-8") for t, w in self.texts]
-        with open(tmp, "wb") as f:
-            f.writelines(lines)
-        offsets = np.zeros(len(lines) + 1, dtype=np.uint64)
-        np.cumsum([len(line) for line in lines], out=offsets[1:])
+        lengths = []
+        with open(tmp, "wb") as f:  # line by line: the shard's texts are not held twice
+            for t, w in self.texts:
+                line = (json.dumps({"t": t, "w": w}, ensure_ascii=False) + "\n").encode("utf-8")
+                f.write(line)
+                lengths.append(len(line))
+        offsets = np.zeros(len(lengths) + 1, dtype=np.uint64)
+        np.cumsum(lengths, out=offsets[1:])
         save_npy_atomic(self.out / f"{name}{LINE_OFFSETS}", offsets)
         hashes = np.array([doc_hash(t) for t, _ in self.texts], dtype=np.uint64)
         save_npy_atomic(self.out / f"{name}.hash.npy", hashes)
