@@ -95,17 +95,17 @@ def read_shard_rows(path: Path, rows: Sequence[int] | None, read: Any) -> list[A
     if offsets_path.is_file():
         offsets = np.load(offsets_path, mmap_mode="r")  # only the pages of the rows asked for are read
         if len(rows) and rows[-1] >= len(offsets) - 1:
-            raise DataError(f"{path}: row {rows[-1]} is past the shard's end ({len(offsets) - 1} lines); the ingest "
-                            f"output is damaged: delete the build's work/ folder and rebuild")
+            raise _past_end(path, rows[-1], len(offsets) - 1)
         picked = np.asarray(rows, dtype=np.int64)
         starts, ends = np.asarray(offsets[picked]).tolist(), np.asarray(offsets[picked + 1]).tolist()
         end = offsets[-1]
         del offsets
         fd = os.open(path, os.O_RDONLY)
         try:
-            if os.fstat(fd).st_size != int(end):
-                raise DataError(f"{path} holds {os.fstat(fd).st_size} bytes but its {offsets_path.name} says {end}: "
-                                f"the shard was changed after ingest; delete the build's work/ folder and rebuild")
+            size = os.fstat(fd).st_size
+            if size != int(end):
+                raise DataError(f"{path} holds {size} bytes but its {offsets_path.name} says {end}: the shard was "
+                                f"changed after ingest; delete the build's work/ folder and rebuild")
             return [read(json.loads(os.pread(fd, e - b, b))) for b, e in zip(starts, ends, strict=True)]
         finally:
             os.close(fd)
@@ -121,9 +121,13 @@ def read_shard_rows(path: Path, rows: Sequence[int] | None, read: Any) -> list[A
                 if nxt is None:
                     break
     if nxt is not None:
-        raise DataError(f"{path}: row {nxt} is past the shard's end ({lines} lines); the ingest output is damaged: "
-                        f"delete the build's work/ folder and rebuild")
+        raise _past_end(path, nxt, lines)
     return out
+
+
+def _past_end(path: Path, row: int, lines: int) -> DataError:
+    return DataError(f"{path}: row {row} is past the shard's end ({lines} lines); the ingest output is damaged: "
+                     f"delete the build's work/ folder and rebuild")
 
 
 def read_shard_texts(path: Path, rows: Sequence[int] | None = None) -> list[str]:
