@@ -13,8 +13,9 @@ Rows, all in one process, one after another, on the same corpus:
                datasketch: `MinHash.bulk`, `MinHashLSH.insertion_session`, one `query` per document, then the
                same edge clustering as Tessera's (remove a document only next to a kept one, labelled with it).
                datatrove: its four stages (signature, buckets, cluster, filter) with the local executor.
-  + verify   : the candidate pairs verified by exact Jaccard >= 0.7 on the tool's own shingle sets, then the
-               same edge clustering; for peers a post-pass (its CPU time is also shown alone).
+  + verify   : the candidate pairs verified by exact Jaccard >= VERIFY (0.75, the default's threshold) on the
+               tool's own shingle sets, then the same edge clustering; for peers a post-pass (its CPU time is also
+               shown alone).
   default    : Tessera's default (20 x 5 + verification) against each peer run at 20 x 5 plus the same verify
                post-pass; and Tessera's previous default (14 x 8 with one-row multi-probe + verification:
                the same curve at 112 keys a document instead of 20) in the same run, skip with `probe`.
@@ -22,12 +23,16 @@ Rows, all in one process, one after another, on the same corpus:
                permutation hashing became the default), for the scheme's speed and accuracy in the same run.
 docs/CPU-s: documents per CPU-second of the process (getrusage user + sys, children included), fair on a
 shared machine; wall seconds beside it. Ground truth and metrics: `data_pipeline.dedup_eval` (truth Jaccard on
-whitespace tokens with plain Python sets, independent of every tool's tokenizer); recall both as "in one
-cluster" and as "not both kept" (star clusters split some pairs that were both removed).
+whitespace tokens with plain Python sets, independent of every tool's tokenizer). recall@0.8 is the dedup outcome,
+"not both kept": a known pair of truth J >= 0.8 with at least one copy removed. "In one cluster" is printed beside
+it, with why the pairs it misses are split (`dedup_eval.split_pairs`: two kept documents below J 0.7 of each other,
+which one cluster would chain, or two kept documents of J >= 0.7 with no verified edge). A threshold sweep of the
+default (`--sweep`) shows recall and precision at each verification threshold, from one set of verified candidate
+pairs; `--png` plots it.
 
 datatrove and datasketch are not Tessera dependencies; run with a separate environment:
     python3 -m venv /tmp/benchvenv
-    /tmp/benchvenv/bin/pip install numpy "xxhash<4" datasketch datatrove regex tokenizers nltk
+    /tmp/benchvenv/bin/pip install numpy "xxhash<4" datasketch datatrove regex tokenizers nltk matplotlib
     PYTHONPATH=. nice -n 19 /tmp/benchvenv/bin/python bench/dedup_vs_peers.py --docs 20000 --corpus code prose
     ... --docs 1000000 for the headline size (CPU-hours for datatrove; --skip datatrove leaves it out)
 """
@@ -62,11 +67,20 @@ from data_pipeline.dedup_eval import (
     removal_recall,
     removed_precision,
     same_cluster_recall,
+    set_jaccard,
+    split_pairs,
+    word_shingles,
 )
 from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, signatures
 
-BANDS, ROWS, SEED, NGRAM, VERIFY = 14, 8, 1, 5, 0.7
-_DEFAULT = MinHashConfig(seed=SEED)  # the shipped banding (the bench's seed)
+BANDS, ROWS, SEED, NGRAM = 14, 8, 1, 5
+_DEFAULT = MinHashConfig(seed=SEED)  # the shipped banding and verification threshold (the bench's seed)
+assert _DEFAULT.verify_threshold is not None
+VERIFY = _DEFAULT.verify_threshold
+"""Every verified row and every peer's post-pass keeps the pairs of exact Jaccard >= this: the same work."""
+PRECISION_AT = 0.7
+"""The metric's threshold (pair precision@0.7), not a tool's: see `dedup_eval`."""
+SWEEP = (0.70, 0.72, 0.75, 0.78, 0.80)
 DEFAULT_BANDING = f"{_DEFAULT.bands}x{_DEFAULT.rows}"  # for row names
 DEFAULT_ROW = f"tessera default ({DEFAULT_BANDING} + verify)"
 PROBE_ROW = f"tessera {BANDS}x{ROWS} probe + verify"  # the default before it
@@ -151,7 +165,7 @@ def shared_precision(texts: Sequence[str], result: NearDedupResult) -> float:
         for k in order[lo:hi].tolist():
             if result.keep[k]:
                 inter = len(sh(r) & sh(k))
-                if inter >= VERIFY * (len(sh(r)) + len(sh(k)) - inter):
+                if inter >= PRECISION_AT * (len(sh(r)) + len(sh(k)) - inter):
                     good += 1
                     break
     return good / len(removed)
@@ -178,6 +192,79 @@ def run_tessera(texts: list[str], cfg: MinHashConfig, st: Stages) -> NearDedupRe
             edges = pairs[verify_pairs(pairs, lambda ids: [kept[i] for i in ids]) >= cfg.verify_threshold]
     with st("clustering"):
         return cluster_edges(len(texts), edges, len(pairs))
+
+
+def threshold_sweep(bench: DedupBenchmark, thresholds: Sequence[float] = SWEEP) -> dict[str, Any]:
+    """Accuracy of Tessera's default banding at each verification threshold, from one set of verified candidate
+    pairs (untimed). The metrics put the negatives below truth J 0.7 (precision) and the positives at 0.8 and above
+    (recall); a tool whose shingles are not the truth's should sit inside that margin, and this shows where.
+
+    Also the calibration the choice rests on: for the known pairs with truth J in 0.6-0.8 (the margin and the hard
+    negatives below it), how far the shingles every tool hashes (lower-cased words, `dedup_eval.word_shingles`,
+    plain Python sets) put them from the truth's whitespace tokens."""
+    texts = bench.texts
+    kept: list[np.ndarray] = []
+    sig = signatures(texts, _DEFAULT, keep_shingles=kept)
+    pairs = candidate_pairs(band_keys(sig, _DEFAULT.bands, _DEFAULT.rows, _DEFAULT.probe))
+    sims = verify_pairs(pairs, lambda ids: [kept[i] for i in ids]) if len(pairs) else np.zeros(0)
+    kept.clear()  # the shingles: only the sims are needed from here
+    rows: dict[str, Any] = {}
+    for t in thresholds:
+        result = cluster_edges(len(texts), pairs[sims >= t], len(pairs))
+        removed, good = removed_precision(bench, result)
+        rows[f"{t:.2f}"] = {"recall@0.8": same_cluster_recall(bench, result),
+                            "removal_recall@0.8": removal_recall(bench, result),
+                            "pair_precision@0.7": float(good.mean()) if len(good) else 0.0,
+                            "pair_precision@0.7_by_origin": precision_by_origin(bench, removed, good),
+                            "removed": len(removed), "split_pairs@0.8": split_pairs(bench, result)}
+    gaps: dict[str, list[float]] = {}
+    for (a, b, j), origin in zip(bench.pairs, bench.origin or ["generated"] * len(bench.pairs), strict=True):
+        if 0.6 <= j < 0.8:
+            gaps.setdefault(origin, []).append(set_jaccard(word_shingles(texts[a]), word_shingles(texts[b])) - j)
+    calibration = {o: {"pairs": len(g), "median": float(np.median(g)), "p10": float(np.percentile(g, 10)),
+                       "p90": float(np.percentile(g, 90))} for o, g in sorted(gaps.items())}
+    print(f"  threshold sweep, {DEFAULT_BANDING} + verify at t (recall@0.8 in one cluster / not both kept, "
+          "pair precision@0.7 on truth tokens):")
+    for t, r in rows.items():
+        sp = r["split_pairs@0.8"]
+        print(f"    t={t}: {r['recall@0.8']:.3f} / {r['removal_recall@0.8']:.3f}, "
+              f"precision {r['pair_precision@0.7']:.3f} (" + ", ".join(
+                  f"{k} {v['precision@0.7']:.3f} of {v['removed']}"
+                  for k, v in r["pair_precision@0.7_by_origin"].items()) + ")"
+              f"; split pairs: both kept {sp['both kept']}, chain {sp['chain']}, near kept {sp['near kept']}",
+              flush=True)
+    print("  words J - truth J on known pairs of truth J 0.6-0.8: " + ", ".join(
+        f"{o} median {c['median']:+.3f} (p10 {c['p10']:+.3f}, p90 {c['p90']:+.3f}; {c['pairs']} pairs)"
+        for o, c in calibration.items()), flush=True)
+    return {"thresholds": rows, "words_minus_truth_J_0.6-0.8": calibration}
+
+
+def plot_sweeps(sweeps: dict[str, dict[str, Any]], png: str) -> None:
+    """Recall and precision against the verification threshold, one panel per corpus, the goals drawn in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(5.5 * len(sweeps), 4.2), squeeze=False)
+    for ax, (kind, sweep) in zip(axes[0], sweeps.items(), strict=True):
+        ts = [float(t) for t in sweep["thresholds"]]
+        rows = list(sweep["thresholds"].values())
+        ax.plot(ts, [r["removal_recall@0.8"] for r in rows], "o-", label="recall@0.8 (not both kept)")
+        ax.plot(ts, [r["recall@0.8"] for r in rows], "o--", label="recall@0.8 (in one cluster)")
+        ax.plot(ts, [r["pair_precision@0.7"] for r in rows], "s-", label="pair precision@0.7")
+        for origin in sorted({o for r in rows for o in r["pair_precision@0.7_by_origin"]}):
+            ax.plot(ts, [r["pair_precision@0.7_by_origin"].get(origin, {}).get("precision@0.7", np.nan)
+                         for r in rows], ":", lw=1, label=f"  precision, {origin}")
+        ax.axhline(0.98, color="grey", lw=0.6)
+        ax.axhline(0.95, color="grey", lw=0.6, ls="--")
+        ax.axvline(VERIFY, color="black", lw=0.6)
+        ax.set_title(f"{kind}: {DEFAULT_BANDING} + verify, truth on whitespace tokens", fontsize=9)
+        ax.set_xlabel("verification threshold (Jaccard of Tessera's word 5-grams)")
+        ax.set_ylim(0.8, 1.005)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 
 # ---------------------------------------------------------------------------------------------- datasketch
@@ -316,12 +403,17 @@ def measure(rows: dict[str, dict[str, Any]], name: str, bench: DedupBenchmark,
                   "shared_shingle_precision@0.7": shared,
                   "removed": int((~result.keep).sum()),
                   "candidates": result.candidates, "stages_cpu_s": {k: round(v, 2) for k, v in st.cpu.items()}}
-    print(f"  {name:38s} {n / cpu:9.0f} docs/CPU-s (cpu {cpu:7.1f} s, wall {wall:7.1f} s)  recall@0.8 {recall:.3f}"
-          f" (not both kept {rows[name]['removal_recall@0.8']:.3f})"
+    split = split_pairs(bench, result)
+    rows[name]["split_pairs@0.8"] = split
+    print(f"  {name:38s} {n / cpu:9.0f} docs/CPU-s (cpu {cpu:7.1f} s, wall {wall:7.1f} s)"
+          f"  recall@0.8 {rows[name]['removal_recall@0.8']:.3f} (in one cluster {recall:.3f})"
           f"  pair-precision@0.7 {precision:.3f} (shared shingles {shared:.3f})  removed {rows[name]['removed']}"
           f"  candidates {result.candidates}"
           f"\n  {'':38s} precision@0.7 by removed document: " + ", ".join(
               f"{k} {v['precision@0.7']:.3f} ({v['removed']})" for k, v in by_origin.items()) +
+          f"\n  {'':38s} pairs of J >= 0.8 in two clusters: {split['pairs'] - round(recall * split['pairs'])} of "
+          f"{split['pairs']} (both kept {split['both kept']}, kept documents below J 0.7 of each other "
+          f"{split['chain']}, of J >= 0.7 {split['near kept']})"
           f"\n  {'':38s} stages (CPU s): " + ", ".join(f"{k} {v:.2f}" for k, v in st.cpu.items()), flush=True)
 
 
@@ -406,10 +498,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default=".cache/tessera/dedup_bench")
     parser.add_argument("--skip", nargs="*", default=[], help="rows to skip: datatrove datasketch kperm probe")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--sweep", nargs="*", type=float, default=list(SWEEP),
+                        help="verification thresholds for the accuracy sweep of the default banding (none: skip)")
+    parser.add_argument("--png", help="plot the threshold sweeps here")
     parser.add_argument("--dry", action="store_true", help="a 400-document run of every row, uncached")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out: dict[str, Any] = {"python": sys.version.split()[0], "load_before": os.getloadavg()[0], "corpora": {}}
+    sweeps: dict[str, dict[str, Any]] = {}
     for kind in args.corpus:
         bench = (make_corpus(kind, 400, seed=args.seed, only=_DRY_GROUPS[kind]) if args.dry
                  else load_corpus(kind, args.docs, args.seed, Path(args.cache), args.copy_fraction))
@@ -417,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: {len(bench.texts)} documents, {len(bench.pairs)} known pairs (truth J per origin: "
               f"{json.dumps(hist)}); load {os.getloadavg()[0]:.1f}", flush=True)
         rows = bench_corpus(bench, set(args.skip))
+        if args.sweep:
+            sweeps[kind] = threshold_sweep(bench, args.sweep)
         for peer in ("datasketch", "datatrove"):
             if f"{peer} plain" in rows:
                 plain = rows["tessera plain"]["docs_per_cpu_s"] / rows[f"{peer} plain"]["docs_per_cpu_s"]
@@ -425,8 +523,11 @@ def main(argv: list[str] | None = None) -> int:
                 old = (rows[DEFAULT_ROW]["docs_per_cpu_s"] / rows[f"{peer} plain + verify post-pass"]["docs_per_cpu_s"])
                 print(f"  tessera plain / {peer} plain: {plain:.1f}x   tessera default / {peer} {DEFAULT_BANDING} "
                       f"+ verify: {full:.1f}x (/ {peer} {BANDS}x{ROWS} + verify: {old:.1f}x)")
-        out["corpora"][kind] = {"documents": len(bench.texts), "known_pairs": hist, "rows": rows}
+        out["corpora"][kind] = {"documents": len(bench.texts), "known_pairs": hist, "rows": rows,
+                                "threshold_sweep": sweeps.get(kind)}
     out["load_after"] = os.getloadavg()[0]
+    if args.png and sweeps:
+        plot_sweeps(sweeps, args.png)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -8,13 +8,16 @@ import re
 import numpy as np
 import pytest
 
-from data_pipeline.dedup import assign_removals, exact_keep, near_dedup
+from data_pipeline.dedup import NearDedupResult, assign_removals, exact_keep, near_dedup
 from data_pipeline.dedup_eval import (
     DedupBenchmark,
     make_benchmark,
     precision_by_origin,
     recall_precision,
+    removal_recall,
     removed_precision,
+    same_cluster_recall,
+    split_pairs,
     true_jaccard,
 )
 from data_pipeline.minhash import (
@@ -272,6 +275,24 @@ def test_precision_is_split_by_what_the_removed_document_is() -> None:
     assert precision_by_origin(bench, removed, good) == {
         "generated copy": {"removed": 1, "precision@0.7": 1.0}, "natural": {"removed": 1, "precision@0.7": 1.0},
         "other": {"removed": 1, "precision@0.7": 1.0}}
+
+
+def test_split_pairs_tell_a_chain_from_a_miss() -> None:
+    """Known pairs of J >= 0.8 in two clusters, by cause: a chain (B removed for A, C kept, A and C below J 0.7 —
+    one cluster would join them), two kept documents that are near each other themselves, and a pair left whole.
+    Windows of one token sequence set the truth Jaccard: 100 tokens shifted by 10 share 86 of 106 shingles."""
+    x, y, z = ([f"{p}{i}" for i in range(200)] for p in "xyz")
+    texts = [" ".join(x[0:100]), " ".join(x[10:110]), " ".join(x[20:120]),  # A ~ B ~ C, A and C apart
+             " ".join(z[0:100]), " ".join(z[5:105]),  # D ~ E, both kept
+             " ".join(y[0:100]), " ".join(y[5:105]), " ".join(y[10:110])]  # F ~ G ~ H, F and H near too
+    assert true_jaccard(texts[0], texts[1]) == pytest.approx(86 / 106) and true_jaccard(texts[0], texts[2]) < 0.7
+    assert true_jaccard(texts[5], texts[7]) >= 0.8
+    pairs = [(a, b, true_jaccard(texts[a], texts[b])) for a, b in ((0, 1), (1, 2), (3, 4), (6, 7))]
+    bench = DedupBenchmark(texts, pairs, ["natural"] * 4)
+    keep = np.array([True, False, True, True, True, True, False, True])
+    result = NearDedupResult(keep=keep, cluster=np.array([0, 0, 2, 3, 4, 5, 5, 7]), candidates=0, verified=0)
+    assert split_pairs(bench, result) == {"pairs": 4, "both kept": 1, "chain": 1, "near kept": 1}
+    assert same_cluster_recall(bench, result) == 0.25 and removal_recall(bench, result) == 0.75
 
 
 def test_recall_and_precision_on_generated_near_duplicates() -> None:

@@ -89,6 +89,16 @@ def test_dedup_bench_dry(tmp_path: Path) -> None:
         assert row["recall@0.8"] >= 0.9 and row["shared_shingle_precision@0.7"] >= 0.99 and row["removed"] > 0
         assert 0.5 < row["pair_precision@0.7"] <= 1  # truth tokens disagree with the shingles near 0.7
     assert rows["tessera plain"]["candidates"] <= probe["candidates"]  # the probe only adds candidates
+    # The sweep re-clusters the default's own verified candidates: at the default threshold it is the default row.
+    from data_pipeline.minhash import MinHashConfig
+
+    assert dedup.VERIFY == MinHashConfig().verify_threshold and dedup.PRECISION_AT == 0.7
+    sweep = json.loads(out.read_text())["corpora"]["code"]["threshold_sweep"]["thresholds"]
+    at_default = sweep[f"{dedup.VERIFY:.2f}"]
+    for key in ("recall@0.8", "removal_recall@0.8", "pair_precision@0.7", "removed", "split_pairs@0.8"):
+        assert at_default[key] == best[key], key
+    assert sorted(sweep) == [f"{t:.2f}" for t in dedup.SWEEP]
+    assert sweep[f"{dedup.SWEEP[0]:.2f}"]["removed"] > sweep[f"{dedup.SWEEP[-1]:.2f}"]["removed"]  # fewer edges
 
 
 def test_loader_bench_dry_asserts_equal_batches(capsys: pytest.CaptureFixture[str]) -> None:
