@@ -14,8 +14,17 @@ default, 20 bands x 5 rows (100 values), gives 0.9996 at J=0.8, 0.975 at J=0.7 a
 FineWeb's 14 x 8 with one-row multi-probe (`probe`: bands that differ in one row also meet; 0.9999, 0.984 and
 0.39 there) at 20 band keys a document instead of 112, so the pairs stage sorts, writes and reads 5.6x fewer
 keys. Plain 14 x 8 (0.92 at J=0.8, 0.56 at J=0.7, 0.05 at J=0.5) trusts its bands without verification; the
-default's candidates below J=0.7 are what the verification by true shingle Jaccard drops. Candidates are then
-clustered.
+default's candidates below J=0.75 (0.9955 of the pairs at J=0.75 are candidates) are what the verification by true
+shingle Jaccard drops. Candidates are then clustered.
+
+Verification threshold 0.75: the middle of the margin between what must be found (pairs of J >= 0.8) and what must
+not be removed (pairs below 0.7), where J is measured in another tokenization than these words. Two tokenizations
+of one pair disagree by a few points: on the bench's known pairs of whitespace-token Jaccard 0.6-0.8, these words
+put code 0.02 higher at the median and 0.07 at the 90th percentile (one whitespace token `self.x(y,` is three
+words, so a scattered edit of it costs fewer word shingles), prose pairs edited at random positions the same, and
+natural prose pairs 0.002. At 0.7, a tenth of the removed documents (pair precision 0.90-0.91 on both bench
+corpora at 10^5) fall below 0.7 in whitespace tokens; at 0.75 it is 0.96, and the share of J >= 0.8 pairs with a
+copy removed is what 0.7 gives (0.999 prose, 1.000 code). docs/BENCHMARKS.md, "The verification threshold".
 """
 
 from __future__ import annotations
@@ -44,8 +53,9 @@ class MinHashConfig:
     """bands x rows signature values in all. 20 x 5 (100) with verification is the default; FineWeb's 14 x 8 (112)
     is the steeper curve for trusting the bands alone (see the module docstring)."""
     seed: int = 1
-    verify_threshold: float | None = 0.7
-    """Keep a candidate pair only if its true shingle Jaccard reaches this (None: trust the bands)."""
+    verify_threshold: float | None = 0.75
+    """Keep a candidate pair only if its true shingle Jaccard reaches this (None: trust the bands). 0.75 sits between
+    the 0.7 below which a pair must not be removed and the 0.8 at which it must be (see the module docstring)."""
     probe: bool = False
     """Also pair documents whose band differs in one row (multi-probe: one key per band and left-out row, bands x
     rows keys a document; more candidates — use with verification). Off by default: more bands of fewer rows give

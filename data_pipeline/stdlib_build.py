@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tqdm import tqdm
 from data_pipeline.build import run_build
 from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.config import DataConfig
+from data_pipeline.dedup import DedupConfig
 from data_pipeline.stdlib_corpus import DOMAINS, iter_stdlib_documents, stdlib_identity
 
 STDLIB_BUILD_VERSION = 4  # 4: the code profile drops "generated from X with Y" files (gencodec codecs), encoded data
@@ -25,7 +27,7 @@ STDLIB_BUILD_VERSION = 4  # 4: the code profile drops "generated from X with Y" 
 def stdlib_build_key(cfg: DataConfig) -> dict[str, Any]:
     """Everything the stdlib build's output depends on (mixing settings are applied at train time)."""
     return {"version": STDLIB_BUILD_VERSION, "vocab_size": cfg.vocab_size, "tokenizer_type": cfg.tokenizer_type,
-            "tokenizer_sample_chars": cfg.tokenizer_sample_chars, **stdlib_identity()}
+            "tokenizer_sample_chars": cfg.tokenizer_sample_chars, "dedup": asdict(DedupConfig()), **stdlib_identity()}
 
 
 def stdlib_build_config(out: Path, cfg: DataConfig) -> BuildConfig:
