@@ -338,10 +338,11 @@ def removed_precision(bench: DedupBenchmark, result: NearDedupResult) -> tuple[n
 
 def precision_by_origin(bench: DedupBenchmark, removed: np.ndarray, good: np.ndarray) -> dict[str, dict[str, Any]]:
     """`removed_precision`'s result split by what each removed document is: "generated copy" (the copy of a
-    generated pair), "natural" (a member of a natural known pair), "other" (neither: filler, or a natural file in
-    no known pair). Each: removed documents and their precision@0.7. The mix moves with the corpus size (the
-    natural pairs are what this machine holds; generated copies and filler scale with it), so one overall figure
-    compares badly across sizes."""
+    generated pair), "natural" (a member of a natural known pair), "natural, unpaired" (a natural file in no known
+    pair), "filler" (lines drawn at random; with `groups` unknown, filler and unpaired files are one class,
+    "other"). Each: removed documents and their precision@0.7. The mix moves with the corpus size (the natural pairs
+    are what this machine holds; generated copies and filler scale with it), so one overall figure compares badly
+    across sizes."""
     kind: dict[int, str] = {}
     for (a, b, _), o in zip(bench.pairs, bench.origin or ["generated"] * len(bench.pairs), strict=True):
         if o == "generated":
@@ -351,7 +352,9 @@ def precision_by_origin(bench: DedupBenchmark, removed: np.ndarray, good: np.nda
             kind.setdefault(b, "natural")
     out: dict[str, dict[str, Any]] = {}
     for r, g in zip(removed.tolist(), good.tolist(), strict=True):
-        row = out.setdefault(kind.get(r, "other"), {"removed": 0, "good": 0})
+        other = ("other" if len(bench.groups) != len(bench.texts)
+                 else "natural, unpaired" if bench.groups[r] else "filler")
+        row = out.setdefault(kind.get(r, other), {"removed": 0, "good": 0})
         row["removed"] += 1
         row["good"] += g
     return {k: {"removed": v["removed"], "precision@0.7": v["good"] / v["removed"]} for k, v in sorted(out.items())}

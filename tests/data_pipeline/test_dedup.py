@@ -275,6 +275,11 @@ def test_precision_is_split_by_what_the_removed_document_is() -> None:
     assert precision_by_origin(bench, removed, good) == {
         "generated copy": {"removed": 1, "precision@0.7": 1.0}, "natural": {"removed": 1, "precision@0.7": 1.0},
         "other": {"removed": 1, "precision@0.7": 1.0}}
+    # With each document's group known, a removed document in no known pair is filler (no group) or a natural file.
+    bench.groups = ["a", "a", "", "", "c", ""]
+    assert set(precision_by_origin(bench, removed, good)) == {"generated copy", "natural", "filler"}
+    bench.groups[5] = "c"
+    assert set(precision_by_origin(bench, removed, good)) == {"generated copy", "natural", "natural, unpaired"}
 
 
 def test_split_pairs_tell_a_chain_from_a_miss() -> None:
