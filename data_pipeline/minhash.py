@@ -24,7 +24,8 @@ put code 0.02 higher at the median and 0.07 at the 90th percentile (one whitespa
 words, so a scattered edit of it costs fewer word shingles), prose pairs edited at random positions the same, and
 natural prose pairs 0.002. At 0.7, a tenth of the removed documents (pair precision 0.90-0.91 on both bench
 corpora at 10^5) fall below 0.7 in whitespace tokens; at 0.75 it is 0.96, and the share of J >= 0.8 pairs with a
-copy removed is what 0.7 gives (0.999 prose, 1.000 code). docs/BENCHMARKS.md, "The verification threshold".
+copy removed is what 0.7 gives (0.999 prose, 1.000 code). docs/BENCHMARKS.md, "The verification threshold is
+0.75".
 """
 
 from __future__ import annotations
