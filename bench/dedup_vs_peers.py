@@ -405,13 +405,14 @@ def measure(rows: dict[str, dict[str, Any]], name: str, bench: DedupBenchmark,
                   "candidates": result.candidates, "stages_cpu_s": {k: round(v, 2) for k, v in st.cpu.items()}}
     split = split_pairs(bench, result)
     rows[name]["split_pairs@0.8"] = split
+    n_split = split["both kept"] + split["chain"] + split["near kept"]
     print(f"  {name:38s} {n / cpu:9.0f} docs/CPU-s (cpu {cpu:7.1f} s, wall {wall:7.1f} s)"
           f"  recall@0.8 {rows[name]['removal_recall@0.8']:.3f} (in one cluster {recall:.3f})"
           f"  pair-precision@0.7 {precision:.3f} (shared shingles {shared:.3f})  removed {rows[name]['removed']}"
           f"  candidates {result.candidates}"
           f"\n  {'':38s} precision@0.7 by removed document: " + ", ".join(
               f"{k} {v['precision@0.7']:.3f} ({v['removed']})" for k, v in by_origin.items()) +
-          f"\n  {'':38s} pairs of J >= 0.8 in two clusters: {split['pairs'] - round(recall * split['pairs'])} of "
+          f"\n  {'':38s} pairs of J >= 0.8 in two clusters: {n_split} of "
           f"{split['pairs']} (both kept {split['both kept']}, kept documents below J 0.7 of each other "
           f"{split['chain']}, of J >= 0.7 {split['near kept']})"
           f"\n  {'':38s} stages (CPU s): " + ", ".join(f"{k} {v:.2f}" for k, v in st.cpu.items()), flush=True)

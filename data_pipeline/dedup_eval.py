@@ -364,8 +364,8 @@ def split_pairs(bench: DedupBenchmark, result: NearDedupResult) -> dict[str, int
     """Why known pairs of truth J >= 0.8 end in two clusters. "both kept": neither copy removed (missed). "chain":
     the kept documents of their two clusters are below truth J 0.7 of each other, so one cluster for the pair would
     join two unrelated kept documents — the chaining star clusters exist to avoid. "near kept": those kept
-    documents are themselves of truth J >= 0.7 (both kept, as their Jaccard in the tool's shingles is below its
-    threshold), or a cluster label is not a document (datatrove's component ids). "pairs": all pairs of J >= 0.8."""
+    documents are themselves of truth J >= 0.7 (both kept: no verified edge joins them), or a cluster label is not a
+    document (datatrove's component ids). "pairs": all pairs of J >= 0.8."""
     shingle = _TRUTH[bench.truth]
     out = {"pairs": 0, "both kept": 0, "chain": 0, "near kept": 0}
     for a, b, j in bench.pairs:
