@@ -179,19 +179,25 @@ def as_pairs(pairs: list[tuple[int, int]] | np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- Tessera
 
 
-def run_tessera(texts: list[str], cfg: MinHashConfig, st: Stages) -> NearDedupResult:
-    """near_dedup's steps one by one (same calls), so the profile shows each."""
+def scored_candidates(texts: list[str], cfg: MinHashConfig, st: Stages) -> tuple[np.ndarray, np.ndarray | None]:
+    """near_dedup's steps up to verification, one by one (same calls), so the profile shows each: the candidate
+    pairs and, when `cfg` verifies, their exact shingle Jaccard."""
     kept: list[np.ndarray] = []
     with st("shingles + signatures"):
         sig = signatures(texts, cfg, keep_shingles=kept if cfg.verify_threshold is not None else None)
     with st("band keys + candidate pairs"):
         pairs = candidate_pairs(band_keys(sig, cfg.bands, cfg.rows, cfg.probe))
-    edges = pairs
-    if cfg.verify_threshold is not None and len(pairs):
-        with st("verification"):
-            edges = pairs[verify_pairs(pairs, lambda ids: [kept[i] for i in ids]) >= cfg.verify_threshold]
+    if cfg.verify_threshold is None:
+        return pairs, None
+    with st("verification"):
+        return pairs, (verify_pairs(pairs, lambda ids: [kept[i] for i in ids]) if len(pairs) else np.zeros(0))
+
+
+def run_tessera(texts: list[str], cfg: MinHashConfig, st: Stages) -> NearDedupResult:
+    """near_dedup end to end, its steps timed one by one."""
+    pairs, sims = scored_candidates(texts, cfg, st)
     with st("clustering"):
-        return cluster_edges(len(texts), edges, len(pairs))
+        return cluster_edges(len(texts), pairs if sims is None else pairs[sims >= cfg.verify_threshold], len(pairs))
 
 
 def threshold_sweep(bench: DedupBenchmark, thresholds: Sequence[float] = SWEEP) -> dict[str, Any]:
@@ -203,11 +209,8 @@ def threshold_sweep(bench: DedupBenchmark, thresholds: Sequence[float] = SWEEP) 
     negatives below it), how far the shingles every tool hashes (lower-cased words, `dedup_eval.word_shingles`,
     plain Python sets) put them from the truth's whitespace tokens."""
     texts = bench.texts
-    kept: list[np.ndarray] = []
-    sig = signatures(texts, _DEFAULT, keep_shingles=kept)
-    pairs = candidate_pairs(band_keys(sig, _DEFAULT.bands, _DEFAULT.rows, _DEFAULT.probe))
-    sims = verify_pairs(pairs, lambda ids: [kept[i] for i in ids]) if len(pairs) else np.zeros(0)
-    kept.clear()  # the shingles: only the sims are needed from here
+    pairs, sims = scored_candidates(texts, _DEFAULT, Stages())
+    assert sims is not None
     rows: dict[str, Any] = {}
     for t in thresholds:
         result = cluster_edges(len(texts), pairs[sims >= t], len(pairs))
