@@ -35,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.sections import replace_section
-from framework.errors import ParallelismError
+from framework.base.errors import ParallelismError
 from framework.parallel.pipeline import build_schedule, run_schedule
 from framework.parallel.pipeline_schedules import SCHEDULES, bubble_fraction, schedule_spec, stages_of_rank
 from framework.parallel.schedule_sim import (

@@ -48,9 +48,9 @@ from data_pipeline.tokenizer import (
     train_hf_bpe,
     train_sentencepiece,
 )
-from framework.config.core import to_dict
-from framework.errors import ConfigError, DataError
-from framework.locks import build_locks
+from framework.base.errors import ConfigError, DataError
+from framework.base.locks import build_locks
+from framework.base.yaml_config import to_dict
 
 STAGES = ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenizer", "tokenize", "merge", "manifest")
 SHARDED = ("ingest", "exact", "minhash", "pairs", "verify", "tokenize", "merge")
@@ -259,7 +259,7 @@ def run_build(cfg: BuildConfig, *, stages: Sequence[str] = STAGES, task: int = 0
     """
     out = Path(cfg.output_dir)
     check_build(cfg)
-    locks = build_locks(out, stages, task)  # framework/locks.py
+    locks = build_locks(out, stages, task)  # framework/base/locks.py
     try:
         return _run_stages(cfg, out, stages, task, tasks)
     finally:

@@ -9,8 +9,8 @@ from typing import Literal
 from data_pipeline.dedup import DedupConfig
 from data_pipeline.filters import PROFILES, FiltersConfig, resolve_filters
 from data_pipeline.normalize import NormalizeConfig
-from framework.config.core import apply_overrides, from_dict, load_yaml, validate_tree
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
+from framework.base.yaml_config import apply_overrides, from_dict, load_yaml, validate_tree
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 MANIFEST = "manifest.json"
 

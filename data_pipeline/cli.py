@@ -24,7 +24,7 @@ def _task_from_env(args: argparse.Namespace) -> tuple[int, int]:
 def cmd_build(args: argparse.Namespace) -> int:
     from data_pipeline.build import STAGES, run_build
     from data_pipeline.build_config import load_build_config
-    from framework.errors import ConfigError
+    from framework.base.errors import ConfigError
 
     cfg = load_build_config(args.config, args.overrides)
     stages = tuple(args.stages.split(",")) if args.stages else STAGES
@@ -107,7 +107,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from data_pipeline.indexed import IndexedTokens
     from data_pipeline.prepare import read_manifest
     from data_pipeline.tokenizer import Tokenizer
-    from framework.errors import ConfigError
+    from framework.base.errors import ConfigError
 
     build = Path(args.build)
     manifest = read_manifest(build)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -21,7 +21,7 @@ from data_pipeline.minhash import (
     signatures,
     sorted_distinct,
 )
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 _WORD = re.compile(r"\S+")
 _STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 # Megatron's DType enum codes.

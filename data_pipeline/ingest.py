@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from framework.errors import ConfigError, DataError
+from framework.base.errors import ConfigError, DataError
 
 Format = Literal["auto", "jsonl", "parquet", "hf", "text"]
 COMPRESSED = (".gz", ".zst", ".bz2", ".xz")

@@ -28,7 +28,7 @@ from pathlib import Path
 from data_pipeline.build_config import BuildConfig
 from data_pipeline.cache import MANIFEST, config_key, write_json_atomic
 from data_pipeline.filters import resolve_filters
-from framework.config.core import to_dict
+from framework.base.yaml_config import to_dict
 
 STAMPS = "stamps.json"
 INGEST_VERSION = 4

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from framework.errors import ConfigError, DataError
+from framework.base.errors import ConfigError, DataError
 
 
 @runtime_checkable

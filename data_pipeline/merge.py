@@ -37,7 +37,7 @@ from data_pipeline.cache import config_key, write_json_atomic
 from data_pipeline.indexed import ConcatPlan, open_sized, plan_concat, pwrite_all, write_parts
 from data_pipeline.shards import CorpusIndex, Shard
 from data_pipeline.stages import run_pool
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 OUTCOMES = ("kept", "exact_duplicate", "near_duplicate")
 EXTS = (".bin", ".idx", ".hash.npy")

@@ -39,7 +39,7 @@ from typing import Literal
 
 import numpy as np
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _SHINGLE_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio) for combining word hashes

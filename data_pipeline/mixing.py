@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from data_pipeline.packing import PackedSource
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 
 def mixture_order(weights: Sequence[float], n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 import numpy as np
 
 from data_pipeline.indexed import IndexedTokens
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 
 def stable_seed(*parts: object) -> int:

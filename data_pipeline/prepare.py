@@ -24,7 +24,7 @@ from data_pipeline.loader import Samples, SyntheticSamples
 from data_pipeline.mixing import MixtureSamples
 from data_pipeline.packing import PackedSource
 from data_pipeline.progress import log
-from framework.errors import ConfigError, DataError
+from framework.base.errors import ConfigError, DataError
 
 _SYNTHETIC_VAL_SAMPLES = 64
 

@@ -46,7 +46,7 @@ from data_pipeline.dedup import assign_removals, star_report
 from data_pipeline.minhash import band_keys, flat_keys, group_pairs, jaccard, shingle_hashes, shingle_set, signatures
 from data_pipeline.progress import log
 from data_pipeline.stages import list_shards, read_shard_texts, read_shard_where, run_pool, save_npy_atomic
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 EDGE = np.dtype([("b", "<i8"), ("a", "<i8"), ("j", "<f4")])
 KEYS_PER_RANGE = 4

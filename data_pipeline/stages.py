@@ -57,7 +57,7 @@ from data_pipeline.ingest import (
 from data_pipeline.normalize import NormalizeConfig, doc_hash, normalize
 from data_pipeline.progress import Progress, log
 from data_pipeline.removed_tokens import RemovedSample
-from framework.errors import DataError, TesseraError
+from framework.base.errors import DataError, TesseraError
 
 _CHUNK = 256  # records per worker task
 FILTERED_SAMPLES = 20

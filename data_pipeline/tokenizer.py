@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from framework.errors import ConfigError, DataError
+from framework.base.errors import ConfigError, DataError
 
 USER_SYMBOLS = ("\n", "\t")
 TIKTOKEN_RANKS = "tokenizer.tiktoken"

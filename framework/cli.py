@@ -53,7 +53,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
 
 def check_launched(cfg: Any, config: str, overrides: Sequence[str]) -> None:
     """A layout of several ranks started as one process: say which command runs it (before any setup)."""
-    from framework.errors import ParallelismError
+    from framework.base.errors import ParallelismError
     from launch.env import dist_env
     from launch.local import ranks_needed
 
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from framework.errors import TesseraError
+    from framework.base.errors import TesseraError
 
     args = build_parser().parse_args(argv)
     # SIGTERM/SIGUSR1/SIGINT end every command with one line and the right code (requeue / 130); the training

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Literal
 
-from framework.errors import TesseraError
+from framework.base.errors import TesseraError
 
 Source = Literal["torchrun", "slurm", "single"]
 

@@ -34,8 +34,8 @@ def ranks_needed(p: Any) -> int:
 
 def validate(config: str, overrides: Sequence[str], nproc: int) -> Config:
     """Raise ParallelismError/ConfigError now rather than in N ranks; return the loaded config."""
+    from framework.base.errors import ParallelismError
     from framework.config import load_config
-    from framework.errors import ParallelismError
     from framework.parallel.mesh import ParallelDims
     from framework.train.parallel_engine import micro_batches
 

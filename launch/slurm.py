@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from framework.base.errors import ParallelismError
 from framework.config import Config
-from framework.errors import ParallelismError
 from framework.parallel.mesh import ParallelDims
 from launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError
 

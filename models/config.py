@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -280,7 +280,7 @@ def _resolve_preset(name: str) -> dict[str, object]:
 
 def model_config(preset: str | None = None, **overrides: object) -> ModelConfig:
     """A ModelConfig from a preset name plus explicit field overrides (validated)."""
-    from framework.config.core import deep_merge, from_dict
+    from framework.base.yaml_config import deep_merge, from_dict
 
     data: dict[str, object] = _resolve_preset(preset) if preset else {}
     data = deep_merge(data, overrides)

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from framework.base.errors import CheckpointError
 from framework.checkpoint import dcp as ckpt
-from framework.errors import CheckpointError
 
 
 def stage(state: Any) -> Any:

@@ -58,11 +58,11 @@ def _human(n: float) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from framework.base.errors import CheckpointError
     from framework.checkpoint import dcp as ckpt
     from framework.checkpoint.hf import resolve_checkpoint
     from framework.checkpoint.manager import verify_checkpoint
     from framework.checkpoint.storage import SafeFileSystemReader
-    from framework.errors import CheckpointError
 
     root = args.path / "checkpoints" if (args.path / "checkpoints").is_dir() else args.path
     if (root / ckpt.LATEST).exists() or list(root.glob("step_*")):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 REQUEUE_EXIT_CODE = 42
 """Exit code of every rank after a signal-triggered save or a watchdog timeout; launch/slurm requeues on it."""

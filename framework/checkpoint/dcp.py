@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from framework.base.errors import CheckpointError
 from framework.checkpoint.manifest import VerifyMode, write_manifest
 from framework.checkpoint.storage import SafeFileSystemReader, SafeLoadPlanner
-from framework.errors import CheckpointError
 
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.base.errors import CheckpointError
+from framework.base.yaml_config import from_dict, to_dict
 from framework.checkpoint import dcp as ckpt
-from framework.config.core import from_dict, to_dict
-from framework.errors import CheckpointError
 from models.config import ModelConfig
 from models.decoder import build_model
 

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from framework.base.errors import CheckpointError
+from framework.base.logs import get_logger
 from framework.checkpoint import dcp as ckpt
 from framework.checkpoint.async_save import AsyncSaver, new_checkpoint_group
 from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.manifest import VerifyMode, verify_manifest
 from framework.checkpoint.resume_rules import check_resume
-from framework.errors import CheckpointError
-from framework.logs import get_logger
 
 log = get_logger("checkpoint")
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from framework.errors import CheckpointError
+from framework.base.errors import CheckpointError
 
 try:
     import xxhash

@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from framework.base.errors import CheckpointError
 from framework.checkpoint.config import CheckpointConfig
-from framework.errors import CheckpointError
 
 # Model fields that do not change what a checkpoint holds (naming, initialization).
 SHAPE_NEUTRAL = {"preset", "init_std", "depth_scaled_init"}

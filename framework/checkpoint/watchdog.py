@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from framework.logs import get_logger
+from framework.base.logs import get_logger
 
 log = get_logger("watchdog")
 

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from framework.config.core import from_dict, load_yaml, replace, validate_tree
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
+from framework.base.yaml_config import from_dict, load_yaml, replace, validate_tree
 
 
 @dataclass(kw_only=True, frozen=True)

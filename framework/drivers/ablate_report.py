@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from framework.base.errors import ConfigError
 from framework.drivers.ablate import AblationSpec, RunPlan
 from framework.drivers.ablate_fit import LOG_EPS, Fit, Recommendation, objective_values, pareto_mask, recommend
-from framework.errors import ConfigError
 from framework.observe.plot import Curves, plot_runs, read_curves
 
 

@@ -35,8 +35,8 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
+from framework.base.errors import TesseraError
 from framework.config import Config, replace
-from framework.errors import TesseraError
 from framework.parallel.config import ParallelConfig
 
 
@@ -175,7 +175,7 @@ def _short_run(cfg: Config) -> dict[str, Any]:
 
 
 def _train_losses(run_dir: Any) -> list[float]:
-    from framework.train.run_dir import RunDir
+    from framework.base.run_dir import RunDir
 
     return [float(r["loss"]) for r in RunDir(run_dir).read_metrics("train")]
 
@@ -243,8 +243,8 @@ def _local_slots(cfg: Config) -> int | None:
 def stage_layout(cfg: Config, config: str | None, overrides: list[str], reference: list[float], keep: bool,
                  skip_layout: bool = False) -> str:
     """Stage 4: stage 3's short run on the configured layout, through `tessera launch local`, with a resume."""
+    from framework.base.run_dir import RunDir
     from framework.checkpoint.signals import INTERRUPT_EXIT_CODE, check_stopped
-    from framework.train.run_dir import RunDir
     from launch.local import ranks_needed, run_local
 
     world = ranks_needed(cfg.parallel)

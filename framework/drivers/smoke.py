@@ -49,7 +49,7 @@ def _val_losses(record: Mapping[str, Any]) -> dict[str, float]:
 
 def _summary(cfg: Any, half: int, ranks: int) -> SmokeSummary:
     """The summary from the run's metrics (every step once, also across a stop and a rerun)."""
-    from framework.train.run_dir import RunDir
+    from framework.base.run_dir import RunDir
 
     run = RunDir(cfg.run.path)
     train = run.read_metrics("train")
@@ -72,7 +72,7 @@ def _single_process(config: str, overrides: Sequence[str]) -> SmokeSummary:
 
 def _launched(config: str, overrides: Sequence[str], nproc: int) -> SmokeSummary:
     from data_pipeline.prepare import prepare_data
-    from framework.errors import TesseraError
+    from framework.base.errors import TesseraError
     from launch.local import run_local
 
     cfg = load_config(config, overrides)
@@ -139,7 +139,7 @@ def _print_summary(s: SmokeSummary, elapsed: float) -> None:
 
 def _print_downstream(run_dir: str) -> None:
     """Each downstream task's accuracy at the first and the last eval, and the gain in standard errors."""
-    from framework.train.run_dir import RunDir
+    from framework.base.run_dir import RunDir
 
     evals = [r for r in RunDir(Path(run_dir)).read_metrics("eval") if any(k.startswith("downstream/") for k in r)]
     if not evals:

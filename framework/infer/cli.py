@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    from framework.errors import ConfigError
+    from framework.base.errors import ConfigError
 
     prompts = list(args.prompt)
     if args.prompts_file is not None:
@@ -69,7 +69,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from framework.errors import ConfigError
+    from framework.base.errors import ConfigError
     from framework.infer.generate import SamplingConfig, find_tokenizer, generate, load_generator
 
     prompts = read_prompts(args)

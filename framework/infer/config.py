@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.errors import DataError
+from framework.base.errors import DataError
+from framework.base.logs import get_logger
 from framework.infer import stdlib_task
 from framework.infer.config import EvalConfig
 from framework.infer.tasks import Task, load_task, metrics, parse_item, score_items
-from framework.logs import get_logger
 from models.config import ModelConfig
 
 log = get_logger("downstream")

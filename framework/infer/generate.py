@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from models.decoder import Decoder
 from models.kv_cache import KVCache
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 NAME = "stdlib-nextline"
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 Encode = Callable[[str], list[int]]
 

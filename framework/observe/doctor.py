@@ -130,9 +130,9 @@ def check_resumes(run_dir: Path, logs: list[tuple[str, int, str]]) -> list[Findi
 
 
 def check_checkpoints(run_dir: Path, checksums: bool = False) -> list[Finding]:
+    from framework.base.errors import CheckpointError
     from framework.checkpoint import dcp as ckpt
     from framework.checkpoint.manager import verify_checkpoint
-    from framework.errors import CheckpointError
 
     root = run_dir / "checkpoints"
     if not root.is_dir():
@@ -279,7 +279,7 @@ def check_throughput(records: list[dict[str, Any]]) -> list[Finding]:
 
 def diagnose(run_dir: Path, checksums: bool = False) -> list[Finding]:
     """Every finding for one run directory, most severe topics first."""
-    from framework.errors import ConfigError
+    from framework.base.errors import ConfigError
 
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a run directory; pass runs/<run.name> (it holds metrics.jsonl)")

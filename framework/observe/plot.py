@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Curves:
 
 def read_curves(run_dir: str | Path, name: str | None = None) -> Curves:
     """Train loss and validation losses of the run at `run_dir` (its metrics.jsonl)."""
-    from framework.train.run_dir import RunDir
+    from framework.base.run_dir import RunDir
 
     run = RunDir(run_dir)
     if not run.metrics_file.is_file():

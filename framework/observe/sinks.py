@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from framework.observe.config import ObserveConfig, WandbConfig
 
 _SKIP = {"type", "step"}

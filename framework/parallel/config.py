@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from framework.parallel.pipeline_schedules import schedule_spec
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.errors import ParallelismError
+from framework.base.errors import ParallelismError
 from models.documents import DocumentMasking, document_ids, document_positions
 
 

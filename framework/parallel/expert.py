@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from framework.errors import ParallelismError, divisors
+from framework.base.errors import ParallelismError, divisors
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import ParallelDims
 from models.config import ModelConfig

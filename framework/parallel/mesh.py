@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from framework.errors import ParallelismError, divisors
+from framework.base.errors import ParallelismError, divisors
 from framework.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from framework.parallel.config import NVMeOffloadConfig
 
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "glusterfs",

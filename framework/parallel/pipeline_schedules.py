@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 Shape = Literal["single", "looped", "v"]
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 def _save_list() -> set[Any]:

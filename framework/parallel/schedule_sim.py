@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from framework.errors import ConfigError, ParallelismError
+from framework.base.errors import ConfigError, ParallelismError
 from framework.parallel.pipeline_schedules import SCHEDULES, schedule_spec, stages_of_rank
 
 F, B, I, W = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD,  # noqa: E741 (torch's own names)

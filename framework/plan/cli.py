@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from framework.parallel.pipeline_schedules import SCHEDULES
 from framework.plan.estimate import Estimate
 from framework.plan.hardware import GIB, HARDWARE, Hardware, get_hardware, load_calibration, parse_overrides
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Standalone entry point: `python -m framework.plan.cli --model ... --gpus ...`."""
-    from framework.errors import TesseraError
+    from framework.base.errors import TesseraError
 
     parser = argparse.ArgumentParser(prog="tessera plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

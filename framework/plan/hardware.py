@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 GIB = 1 << 30
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from framework.errors import ParallelismError, divisors
+from framework.base.errors import ParallelismError, divisors
 from framework.parallel.pipeline_schedules import schedule_spec
 from framework.plan.activations import RECOMPUTE_MODES
 from framework.plan.estimate import Estimate, estimate

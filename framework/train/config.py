@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 @dataclass(kw_only=True, frozen=True)

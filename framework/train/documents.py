@@ -7,7 +7,7 @@ The config cannot know the EOD id of a tokenizer that is trained or read at run 
 from __future__ import annotations
 
 from data_pipeline.config import DataConfig
-from framework.errors import ConfigError, DataError
+from framework.base.errors import ConfigError, DataError
 from models.documents import DocumentMasking
 
 

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from framework.base.errors import ParallelismError
 from framework.engine import autocast, cross_entropy
-from framework.errors import ParallelismError
 from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.config import ParallelConfig
 from framework.parallel.memory import model_state_report, unsharded_bytes

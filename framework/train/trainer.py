@@ -21,19 +21,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from framework.base.errors import ConfigError, DivergenceError
+from framework.base.locks import DirLock
+from framework.base.logs import get_logger, setup_logging
+from framework.base.run_dir import RunDir
 from framework.checkpoint.guard import Verdict
 from framework.checkpoint.runtime import FaultTolerance
 from framework.config import Config, dump_config, to_dict
 from framework.engine import Engine, resolve_device
-from framework.errors import ConfigError, DivergenceError
-from framework.locks import DirLock
-from framework.logs import get_logger, setup_logging
 from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
 from framework.train.local_engine import LocalEngine
 from framework.train.lr_schedule import lr_at
 from framework.train.parallel_engine import build_parallel_engine
-from framework.train.run_dir import RunDir
 from models.documents import DocumentMasking
 
 log = get_logger("train")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.base.errors import CheckpointError
 from framework.checkpoint.hf import check_exportable, export_tokenizer, load_model, resolve_checkpoint
 from framework.cli import main
 from framework.config import load_config
-from framework.errors import CheckpointError
 from framework.testing.tiny import TINY
 from framework.train.trainer import Trainer
 from models.config import model_config

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from framework.base.errors import CheckpointError
 from framework.checkpoint import dcp, manifest
 from framework.checkpoint.dcp import prune_checkpoints
-from framework.errors import CheckpointError
 from framework.testing.tiny import TINY, tiny_config
 from framework.train.trainer import Trainer
 

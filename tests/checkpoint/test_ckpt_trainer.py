@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.base.errors import CheckpointError
 from framework.config import Config
-from framework.errors import CheckpointError
 from framework.testing.tiny import tiny_config
 from framework.train.trainer import Trainer
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.base.errors import CheckpointError, ConfigError
 from framework.checkpoint import REQUEUE_EXIT_CODE
 from framework.checkpoint.async_save import AsyncSaver
 from framework.checkpoint.config import CheckpointConfig, GuardConfig
@@ -21,7 +22,6 @@ from framework.checkpoint.manager import check_compatible, find_valid_checkpoint
 from framework.checkpoint.manifest import verify_manifest, write_manifest
 from framework.checkpoint.signals import StopSignals
 from framework.checkpoint.storage import read_dcp_metadata
-from framework.errors import CheckpointError, ConfigError
 
 
 def _fake_ckpt(root: Path, step: int) -> Path:

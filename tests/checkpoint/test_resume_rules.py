@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from framework.base.errors import CheckpointError
 from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.resume_rules import check_resume
 from framework.config import load_config, to_dict
-from framework.errors import CheckpointError
 from framework.testing.tiny import TINY
 from framework.train.lr_schedule import lr_at
 from framework.train.trainer import Trainer

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from framework.base.errors import CheckpointError, ConfigError
 from framework.checkpoint.hf import config_from_hf, hf_config, load_model, resolve_checkpoint
 from framework.cli import main
 from framework.config import load_config
-from framework.errors import CheckpointError, ConfigError
 from framework.testing.tiny import TINY
 from framework.train.trainer import Trainer
 from models.config import model_config

@@ -16,7 +16,7 @@ from data_pipeline.filters import FiltersConfig, LengthFilter
 from data_pipeline.indexed import IndexedTokens
 from data_pipeline.prepare import prepare_data
 from data_pipeline.tokenizer import Tokenizer
-from framework.errors import ConfigError, DataError
+from framework.base.errors import ConfigError, DataError
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
          "phi chi psi omega the of and to with have that be").split()
@@ -153,7 +153,7 @@ def test_build_killed_hard_then_rerun_matches_a_straight_build(built) -> None:  
 
     import yaml
 
-    from framework.config.core import to_dict
+    from framework.base.yaml_config import to_dict
 
     root, sources, _, straight = built
     for n in (3, 9):

@@ -20,7 +20,7 @@ from data_pipeline.filters import FiltersConfig, apply_filters, resolve_filters
 from data_pipeline.ingest import detect_format
 from data_pipeline.normalize import NormalizeConfig, normalize
 from data_pipeline.stages import read_shard_texts, read_shard_where
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 PROSE = ("README", "docs/guide.rst", "docs/changelog")

@@ -24,7 +24,7 @@ from data_pipeline.filters import (
     resolve_filters,
 )
 from data_pipeline.normalize import NormalizeConfig, normalize
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 PROSE = ("The committee met on Tuesday to review the budget for the coming year. Members agreed that the library "
          "should have longer opening hours and that the park needs new benches. The treasurer explained how the "

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.indexed import IndexedTokens, IndexedWriter, open_sized, plan_concat, write_parts
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 
 def _megatron() -> tuple[type, type]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data_pipeline.loader import BatchLoader, SyntheticSamples
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 class _Indexed:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.mixing import MixtureSamples, mixture_order
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 
 def _prefix_error(src: np.ndarray, w: np.ndarray) -> float:

@@ -19,7 +19,7 @@ from data_pipeline.indexed import IndexedTokens
 from data_pipeline.packing import PackedSource
 from data_pipeline.prepare import prepare_data
 from data_pipeline.tokenizer import Tokenizer
-from framework.errors import ConfigError, DataError
+from framework.base.errors import ConfigError, DataError
 
 REPO = Path(__file__).resolve().parents[2]
 

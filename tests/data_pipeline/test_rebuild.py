@@ -14,7 +14,7 @@ import pytest
 from data_pipeline.build import run_build
 from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.invalidate import stage_keys
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 

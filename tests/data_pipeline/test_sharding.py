@@ -25,7 +25,7 @@ from data_pipeline.build import SHARDED, STAGES, run_build
 from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.dedup import DedupConfig
 from data_pipeline.dedup_eval import true_jaccard
-from framework.errors import DataError
+from framework.base.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = [f"w{i}" for i in range(400)]
@@ -419,7 +419,7 @@ def test_killed_in_every_stage_and_rerun_gives_the_same_bytes(straight) -> None:
     after the stop happens; ~8 s of torch import saved per stage)."""
     import yaml
 
-    from framework.config.core import to_dict
+    from framework.base.yaml_config import to_dict
 
     root, _ = straight
     cfg = _config(root, "killed", workers=1)  # one worker: every write is in the stopped process

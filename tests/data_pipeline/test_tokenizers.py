@@ -18,7 +18,7 @@ from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfi
 from data_pipeline.dedup import DedupConfig
 from data_pipeline.indexed import IndexedTokens
 from data_pipeline.tokenizer import CL100K_PATTERN, Tokenizer, _bytes_to_unicode, train_hf_bpe
-from framework.errors import DataError
+from framework.base.errors import DataError
 from framework.testing.tiny import TINY
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"

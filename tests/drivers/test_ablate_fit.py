@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from framework.base.errors import ConfigError
 from framework.drivers.ablate import AblationSpec, MixtureSpec, mixture_list, simplex_grid
 from framework.drivers.ablate_fit import LOG_EPS, fit, pareto_mask, recommend
-from framework.errors import ConfigError
 
 SOURCES = ["code", "prose", "tests"]
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from framework.base.errors import ConfigError
+from framework.base.yaml_config import apply_overrides, parse_override
 from framework.config import Config, dump_config, load_config
-from framework.config.core import apply_overrides, parse_override
-from framework.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml"))

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from framework.base.errors import DataError
+from framework.base.locks import DirLock, build_locks
 from framework.cli import main
-from framework.errors import DataError
-from framework.locks import DirLock, build_locks
 
 REPO = Path(__file__).resolve().parents[2]
-HOLD = "import sys, time; from framework.locks import {what}; lock = {call}; print('held', flush=True); time.sleep(120)"
+HOLD = ("import sys, time; from framework.base.locks import {what}; lock = {call}; print('held', flush=True); "
+        "time.sleep(120)")
 
 
 def _holder(call: str, what: str) -> subprocess.Popen[str]:

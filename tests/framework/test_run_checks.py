@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.base.errors import CheckpointError, ConfigError
+from framework.base.run_dir import RunDir
 from framework.checkpoint import dcp
 from framework.config import load_config
-from framework.errors import CheckpointError, ConfigError
 from framework.testing.tiny import TINY
-from framework.train.run_dir import RunDir
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -60,7 +60,7 @@ def test_multi_rank_layout_as_one_process_names_the_command(capsys: pytest.Captu
 
 
 def test_launch_local_finds_a_missing_build_before_launch(tmp_path: Path) -> None:
-    from framework.errors import DataError
+    from framework.base.errors import DataError
     from launch.local import validate
 
     with pytest.raises(DataError, match="is not a finished data build"):

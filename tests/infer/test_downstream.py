@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from framework.base.errors import DataError
 from framework.config import load_config
-from framework.errors import DataError
 from framework.infer.generate import load_generator
 from framework.infer.tasks import load_task, metrics, score_items
 from framework.testing import run_distributed

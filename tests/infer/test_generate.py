@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.base.errors import ConfigError
 from framework.cli import main
 from framework.config import load_config
-from framework.errors import ConfigError
 from framework.infer.generate import SamplingConfig, filter_logits, generate, load_generator
 from framework.testing.tiny import TINY
 from framework.train.trainer import Trainer

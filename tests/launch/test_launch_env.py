@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from framework.errors import TesseraError
+from framework.base.errors import TesseraError
 from launch.env import (
     DistEnv,
     LaunchError,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from slurm_cluster import REPO, SlurmCluster, job_env
 
+from framework.base.errors import ParallelismError
 from framework.config import load_config
-from framework.errors import ParallelismError
 from launch.env import LaunchError
 from launch.slurm import SlurmSpec, check_cluster, layout_degrees, parse_time_s, render_sbatch, validate_spec
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.config import DataConfig
+from framework.base.errors import ConfigError, DataError
 from framework.config import load_config
-from framework.errors import ConfigError, DataError
 from framework.testing.tiny import TINY
 from framework.train.documents import resolve_documents
 from framework.train.local_engine import LocalEngine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from models import build_model, model_config, param_counts
 
 BAD = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework.errors import ParallelismError
+from framework.base.errors import ParallelismError
 from framework.parallel.config import ParallelConfig
 from framework.parallel.expert import check_expert_parallel
 from framework.parallel.mesh import ParallelDims

@@ -56,7 +56,7 @@ def test_wandb_offline_files_hold_metrics(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_wandb_online_needs_project() -> None:
-    from framework.errors import ConfigError
+    from framework.base.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"observe\.wandb\.project"):
         WandbConfig(enabled=True, mode="online").validate()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from framework.errors import ParallelismError
+from framework.base.errors import ParallelismError
 from framework.parallel.pipeline_schedules import bubble_fraction
 from framework.parallel.schedule_sim import (
     StageCosts,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from parallel_parity import documents, make_config, pack_rounds, reference, run_round, train_engine
 
-from framework.errors import ParallelismError
+from framework.base.errors import ParallelismError
 from framework.testing import run_distributed
 
 AOT = {"train.compile": True, "train.compile_backend": "aot_eager"}

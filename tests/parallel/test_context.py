@@ -26,8 +26,8 @@ from parallel_parity import (
     run_rounds,
 )
 
+from framework.base.errors import ParallelismError
 from framework.config import load_config
-from framework.errors import ParallelismError
 from framework.parallel.context import gathered_indices, local_indices
 from framework.parallel.mesh import ParallelDims
 from framework.testing import run_distributed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from framework.plan.hardware import load_calibration
 
 ROOT = Path(__file__).resolve().parents[2]

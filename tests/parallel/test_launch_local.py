@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from framework.base.errors import ParallelismError
 from framework.cli import main
-from framework.errors import ParallelismError
 from framework.testing.tiny import TINY
 from launch.local import layout_world, rank_command, rank_envs, validate
 

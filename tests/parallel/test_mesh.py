@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from framework.errors import ConfigError, ParallelismError
+from framework.base.errors import ConfigError, ParallelismError
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import AXES, ParallelDims, groups_created, stage_layers
 from framework.parallel.pipeline_schedules import stages_of_rank

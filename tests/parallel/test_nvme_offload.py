@@ -18,7 +18,7 @@ import pytest
 import torch
 from parallel_parity import batches, layout_overrides, make_config, rank_batch
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from framework.parallel.offload import NVMeOffloadConfig, check_offload_path, mount_of
 from framework.testing import run_distributed
 

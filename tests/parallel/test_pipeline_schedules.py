@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from framework.base.errors import ConfigError
 from framework.config import load_config
-from framework.errors import ConfigError
 from framework.parallel.mesh import ParallelDims
 from framework.parallel.pipeline_schedules import (
     SCHEDULES,

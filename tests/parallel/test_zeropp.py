@@ -33,7 +33,7 @@ import pytest
 import torch
 from parallel_parity import batches, make_config, rank_batch
 
-from framework.errors import ConfigError, ParallelismError
+from framework.base.errors import ConfigError, ParallelismError
 from framework.parallel.mesh import ParallelDims
 from framework.parallel.quant import packed_numel
 from framework.testing import run_distributed

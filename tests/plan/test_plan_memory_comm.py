@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from framework.parallel.pipeline_schedules import bubble_fraction
 from framework.plan.comm import dp_comm_per_step, pp_comm_per_step, ring_factor, tp_comm_per_micro
 from framework.plan.estimate import estimate

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from framework.base.errors import ParallelismError
 from framework.config import load_config
-from framework.errors import ParallelismError
 from framework.plan.cli import main
 from framework.plan.hardware import get_hardware
 from framework.plan.layout import Workload

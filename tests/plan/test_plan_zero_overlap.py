@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 from framework.parallel.offload import check_offload_path
 from framework.plan.estimate import _zero3_exposed, estimate, zero3_pass_exposed
 from framework.plan.hardware import get_hardware

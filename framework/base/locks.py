@@ -25,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from framework.errors import TesseraError
+from framework.base.errors import TesseraError
 
 log = logging.getLogger("tessera.locks")
 
@@ -152,7 +152,7 @@ def build_locks(output_dir: Path, stages: Sequence[str], task: int) -> LockSet:
     Raises:
         DataError: naming the holder of a busy stage.
     """
-    from framework.errors import DataError
+    from framework.base.errors import DataError
 
     return LockSet([DirLock(output_dir / ".locks" / f"{stage}.task{task}.lock", what=f"data build of stage {stage!r} "
                             f"task {task}", error=DataError) for stage in stages])

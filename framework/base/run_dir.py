@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 
 class RunDir:

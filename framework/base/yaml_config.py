@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from data_pipeline.config import DataConfig
-from framework.checkpoint.config import CheckpointConfig
-from framework.config.core import (
+from framework.base.errors import ConfigError, ParallelismError
+from framework.base.yaml_config import (
     apply_overrides,
     deep_merge,
     from_dict,
@@ -25,7 +25,7 @@ from framework.config.core import (
     to_dict,
     validate_tree,
 )
-from framework.errors import ConfigError, ParallelismError
+from framework.checkpoint.config import CheckpointConfig
 from framework.infer.config import EvalConfig
 from framework.observe.config import ObserveConfig
 from framework.parallel.config import ParallelConfig, context_problem
@@ -120,7 +120,7 @@ def _derive_data_vocab(data: dict[str, Any]) -> dict[str, Any]:
     if "vocab_size" not in section:
         return {**data, "data": {**section, "vocab_size": model_vocab}}
     if section["vocab_size"] != model_vocab:
-        from framework.logs import get_logger
+        from framework.base.logs import get_logger
 
         get_logger("config").warning(
             "data.vocab_size=%s differs from model.vocab_size=%s: data.vocab_size is deprecated (the tokenizer "
