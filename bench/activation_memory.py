@@ -1,5 +1,5 @@
 """Activation bytes per layer with Tessera's recompute wrappers (framework/parallel/recompute.py) — none,
-selective, full — measured by storage liveness (framework/plan/measure.py) against the formula for Tessera's
+selective, full — measured by storage liveness (bench/plan_measure.py) against the formula for Tessera's
 own block (framework/plan/activations.py), with Korthikanti et al. 2022's GPT formula sbh(34 + 5as/h) shown
 as the reference.
 
@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py`: bench.* from the root
+
 
 def measure(preset: str, seq: int, batch: int, mode: str) -> int:
+    from bench.plan_measure import saved_bytes
     from framework.parallel.recompute import apply_recompute
-    from framework.plan.measure import saved_bytes
     from models.config import model_config
     from models.decoder import build_model
 

@@ -1,7 +1,7 @@
 """End-to-end build scaling: generated corpora, ingest to manifest, as 1, 2, 4, 8 array tasks.
 
 Every stage runs as its own processes, `tessera data build CFG --stages STAGE --task K --tasks N` for each
-task K of a sharded stage (`data_pipeline.build.SHARDED`; task 0 alone for the others), each process's CPU
+task K of a sharded stage (`data_pipeline.build.run.SHARDED`; task 0 alone for the others), each process's CPU
 seconds and peak RSS taken from the kernel (`os.wait4`), tasks one after another (their sum is what N nodes
 would spend; the wall of N parallel nodes is about the slowest task's). Per (documents, tasks): documents per
 CPU-second of the whole build, per stage the tasks' CPU seconds and largest peak RSS, the bytes each stage
@@ -33,9 +33,11 @@ from typing import Any
 
 import yaml
 
-from data_pipeline.build import SHARDED, STAGES
-from data_pipeline.dedup_eval import mutate
-from data_pipeline.stdlib_corpus import list_stdlib_files
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py`: bench.* from the root
+
+from bench.dedup_eval import mutate
+from data_pipeline.build.run import SHARDED, STAGES
+from data_pipeline.build.stdlib_corpus import list_stdlib_files
 
 
 def write_corpus(root: Path, docs: int, sources: int, files: int, seed: int) -> int:
@@ -142,7 +144,7 @@ def run_killed(cfg_path: Path, out: Path, stage: str, task: int, tasks: int, rng
 
 def process_start() -> dict[str, float]:
     """What one stage process costs before any work: the CLI's imports (the reference for small builds)."""
-    return launch([sys.executable, "-c", "import framework.cli, data_pipeline.build"], "the CLI's imports")
+    return launch([sys.executable, "-c", "import framework.cli, data_pipeline.build.run"], "the CLI's imports")
 
 
 def du(path: Path) -> int:

@@ -4,7 +4,7 @@
 
 One 4-rank gloo spawn. For cp = 1, 2, 4 (sub-groups of the 4 ranks) every rank runs one decoder block of the GQA
 test model on its load-balanced chunks (framework/parallel/context.py), fp32:
-- activation bytes: storages autograd keeps after the forward (framework/plan/measure.py `saved_bytes`), per rank,
+- activation bytes: storages autograd keeps after the forward (bench/plan_measure.py `saved_bytes`), per rank,
   against the planner's `layer_bytes` (a block on s/cp tokens + the gathered K/V SDPA saves); the (1, 1, s/cp, s)
   additive mask, shared by every layer of a forward (`cp_mask_bytes`), is listed apart;
 - K/V bytes: the cp collectives of one forward + backward (framework/parallel/comm.py `CommLogger`) against the
@@ -16,10 +16,13 @@ Byte counts are exact and do not depend on machine load.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py`: bench.* from the root
 
 HEADING = "## Context parallelism: activations and K/V traffic (issue 16)"
 CPS = (1, 2, 4)
@@ -28,9 +31,9 @@ CPS = (1, 2, 4)
 def _measure(rank: int, world: int, seq: int, batch: int) -> dict[int, dict[str, float]]:
     import torch.distributed as dist
 
+    from bench.plan_measure import saved_bytes
     from framework.parallel.comm import CommLogger
     from framework.parallel.context import ContextParallel, gathered_indices, local_indices
-    from framework.plan.measure import saved_bytes
     from models.config import model_config
     from models.decoder import Block, build_model
 

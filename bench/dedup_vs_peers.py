@@ -1,7 +1,7 @@
 """Near dedup, same work for every tool: Tessera's numpy MinHash LSH vs datasketch vs datatrove.
 
 Same shingles: every tool hashes the same word 5-grams — lower-cased text, words = maximal runs of ASCII
-letters, digits, '_' and non-ASCII UTF-8 bytes (Tessera's rule, `data_pipeline.minhash`), joined by a space.
+letters, digits, '_' and non-ASCII UTF-8 bytes (Tessera's rule, `data_pipeline.build.minhash`), joined by a space.
 datasketch gets them as bytes; datatrove gets the same splitter as its `WordTokenizer` and a `TextNormConfig`
 with every normalisation off (so its own number/punctuation folding does not change the shingle sets). Same
 banding for every tool in a row: 14 bands x 8 rows (FineWeb's, datatrove's default) for the plain rows, 20 x 5
@@ -22,7 +22,7 @@ Rows, all in one process, one after another, on the same corpus:
   kperm      : Tessera plain and default with scheme "kperm" (112 permutations, the signatures before one
                permutation hashing became the default), for the scheme's speed and accuracy in the same run.
 docs/CPU-s: documents per CPU-second of the process (getrusage user + sys, children included), fair on a
-shared machine; wall seconds beside it. Ground truth and metrics: `data_pipeline.dedup_eval` (truth Jaccard on
+shared machine; wall seconds beside it. Ground truth and metrics: `bench.dedup_eval` (truth Jaccard on
 whitespace tokens with plain Python sets, independent of every tool's tokenizer). recall@0.8 is the dedup outcome,
 "not both kept": a known pair of truth J >= 0.8 with at least one copy removed. "In one cluster" is printed beside
 it, with why the pairs it misses are split (`dedup_eval.split_pairs`: two kept documents below J 0.7 of each other,
@@ -57,8 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.dedup import NearDedupResult, assign_removals, verify_pairs
-from data_pipeline.dedup_eval import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py`: bench.* from the root
+
+from bench.dedup_eval import (
     CACHE_SETS,
     DedupBenchmark,
     jaccard_histogram,
@@ -71,7 +72,8 @@ from data_pipeline.dedup_eval import (
     split_pairs,
     word_shingles,
 )
-from data_pipeline.minhash import MinHashConfig, band_keys, candidate_pairs, signatures
+from data_pipeline.build.dedup import NearDedupResult, assign_removals, verify_pairs
+from data_pipeline.build.minhash import MinHashConfig, band_keys, candidate_pairs, signatures
 
 BANDS, ROWS, SEED, NGRAM = 14, 8, 1, 5
 _DEFAULT = MinHashConfig(seed=SEED)  # the shipped banding and verification threshold (the bench's seed)

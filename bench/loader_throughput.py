@@ -84,7 +84,7 @@ class _Ordered:
 
 
 def tessera_batches(samples: object, batch: int, n_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    from data_pipeline.loader import BatchLoader
+    from data_pipeline.read.loader import BatchLoader
 
     loader = BatchLoader(samples, global_batch_size=batch, micro_batch_size=batch, dp_rank=0,  # type: ignore[arg-type]
                          dp_size=1)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from data_pipeline.indexed import IndexedTokens
-    from data_pipeline.packing import PackedSource
+    from data_pipeline.read.packing import PackedSource
 
     with tempfile.TemporaryDirectory() as tmp:
         prefix = args.prefix

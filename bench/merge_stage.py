@@ -1,5 +1,5 @@
-"""The merge stage (data_pipeline/merge.py) against the merge it replaced (megatron-core's add_index in the one-task
-manifest stage): per-task CPU and peak RSS, and memory as the document count grows.
+"""The merge stage (data_pipeline/build/merge.py) against the merge it replaced (megatron-core's add_index in the
+one-task manifest stage): per-task CPU and peak RSS, and memory as the document count grows.
 
 1. Build (`--docs`, default 10^5): bench/build_scaling.py's corpus, built to tokenize as one task; then, on the
    same token shards, its merge stage as 1 and as each of `--tasks` tasks, each followed by the manifest stage,
@@ -93,7 +93,8 @@ def build_part(root: Path, docs: int, tasks: list[int], reference: str) -> dict[
     cfg.write_text(yaml.safe_dump(config(out, corpus, 8)))
     for s in ("ingest", "exact", "minhash", "pairs", "verify", "near", "tokenizer", "tokenize"):
         stage(cfg, s)  # each resumes, and is a no-op once done
-    table: dict[str, Any] = {"process_start": run(["-c", "import framework.cli, data_pipeline.build"]), "docs": docs,
+    table: dict[str, Any] = {"process_start": run(["-c", "import framework.cli, data_pipeline.build.run"]),
+                             "docs": docs,
                              "token_bytes": sum(p.stat().st_size for p in (out / "work" / "tokens")
                                                               .rglob("*.bin")), "variants": {}}
     digests = {}

@@ -11,7 +11,7 @@ ranks (`run_distributed`): a warm-up step, `--steps` steps with all costs 0 (wha
 alone), then `--steps` timed steps. Idle fraction = 1 - busy / makespan per rank, averaged over ranks, where busy
 is the summed sleep time the ops recorded and makespan spans the earliest start to the latest end (median over
 steps). Next to it: `pipeline_schedules.bubble_fraction` (the planner's formula) and the schedule's own
-action table simulated with the same costs (`framework.parallel.schedule_sim`). The ops also log which
+action table simulated with the same costs (`bench.schedule_sim`). The ops also log which
 (stage, micro-batch) they ran, so the executed order is checked against the table.
 
     python bench/pipeline_bubble.py [--pp 2 4] [--micro 4 8] [--unit-ms 30] [--steps 5] [--write docs/BENCHMARKS.md]
@@ -34,11 +34,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.sections import replace_section
-from framework.base.errors import ParallelismError
-from framework.parallel.pipeline import build_schedule, run_schedule
-from framework.parallel.pipeline_schedules import SCHEDULES, bubble_fraction, schedule_spec, stages_of_rank
-from framework.parallel.schedule_sim import (
+from bench.schedule_sim import (
     StageCosts,
     Table,
     action_table,
@@ -50,6 +46,10 @@ from framework.parallel.schedule_sim import (
     stages_per_rank,
     validate_table,
 )
+from bench.sections import replace_section
+from framework.base.errors import ParallelismError
+from framework.parallel.pipeline import build_schedule, run_schedule
+from framework.parallel.pipeline_schedules import SCHEDULES, bubble_fraction, schedule_spec, stages_of_rank
 from framework.testing import run_distributed
 
 HEADING = "## Pipeline bubble (issue 3)"

@@ -4,7 +4,7 @@
 
 Measured on this machine, in the same run as each prediction:
   * activation bytes kept for backward, per layer and per whole model, by storage liveness
-    (framework.plan.measure) — no recompute / selective / full, flash and math SDPA, SwiGLU and GELU blocks —
+    (bench.plan_measure) — no recompute / selective / full, flash and math SDPA, SwiGLU and GELU blocks —
     and, without recompute, also with torch.autograd.graph.saved_tensors_hooks;
   * model-state bytes (parameters, gradients, AdamW states) after one AdamW step: 1 process (ZeRO-0) and FSDP2
     fully_shard over 2 and 4 gloo ranks (ZeRO-3), per rank.
@@ -24,19 +24,19 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.sections import replace_section
-from framework.plan.activations import embedding_bytes, head_bytes, korthikanti_layer_bytes, tessera_layer_bytes
-from framework.plan.hardware import get_hardware
-from framework.plan.layout import Layout, Precision, Workload
-from framework.plan.measure import (
+from bench.plan_measure import (
     hooked_saved_bytes,
     layer_saved_bytes,
     model_saved_bytes,
     tp_layer_saved_bytes,
     trained_state_bytes,
 )
+from bench.plan_published import PUBLISHED
+from bench.sections import replace_section
+from framework.plan.activations import embedding_bytes, head_bytes, korthikanti_layer_bytes, tessera_layer_bytes
+from framework.plan.hardware import get_hardware
+from framework.plan.layout import Layout, Precision, Workload
 from framework.plan.memory import model_state_bytes, moe_layer_extra_bytes, rank_params
-from framework.plan.published import PUBLISHED
 from framework.plan.search import SearchSpace, plan
 from models.config import model_config
 from models.decoder import build_model

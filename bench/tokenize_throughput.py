@@ -1,6 +1,6 @@
 """Tokenize-stage throughput, tokens per CPU-second (= per core), for each tokenizer type a build accepts.
 
-The timed code is the build's own tokenize task (`data_pipeline.stages._tokenize_task`: load the tokenizer,
+The timed code is the build's own tokenize task (`data_pipeline.build.stages._tokenize_task`: load the tokenizer,
 encode a shard in batches of 512 with EOS appended, write the partial .bin/.idx and its stats) on one shard of
 real text: the standard library's .py files (code) and the machine's licence/README/METADATA files (prose).
 Tokenizers, all trained here on a sample of the same text (no download):
@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py`: bench.* from the root
+
 
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -42,8 +44,8 @@ def cpu_seconds() -> float:
 
 
 def corpus(kind: str, mb: float) -> list[str]:
-    from data_pipeline.dedup_eval import iter_natural
-    from data_pipeline.stdlib_corpus import list_stdlib_files
+    from bench.dedup_eval import iter_natural
+    from data_pipeline.build.stdlib_corpus import list_stdlib_files
 
     out, size = [], 0
     if kind == "code":
@@ -74,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         args.mb, args.vocab = 0.05, 600
     import tiktoken
 
-    from data_pipeline.build import _given_tokenizer
-    from data_pipeline.build_config import BuildConfig, TokenizerConfig
-    from data_pipeline.stages import _tokenize_task, load_tokenizer
+    from data_pipeline.build.config import BuildConfig, TokenizerConfig
+    from data_pipeline.build.run import _given_tokenizer
+    from data_pipeline.build.stages import _tokenize_task, load_tokenizer
     from data_pipeline.tokenizer import (
         CL100K_PATTERN,
         Tokenizer,

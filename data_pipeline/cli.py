@@ -22,8 +22,8 @@ def _task_from_env(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from data_pipeline.build import STAGES, run_build
-    from data_pipeline.build_config import load_build_config
+    from data_pipeline.build.config import load_build_config
+    from data_pipeline.build.run import STAGES, run_build
     from framework.base.errors import ConfigError
 
     cfg = load_build_config(args.config, args.overrides)
@@ -93,7 +93,7 @@ def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from data_pipeline.prepare import read_manifest
+    from data_pipeline.read.prepare import read_manifest
 
     manifest = read_manifest(args.build)
     print(json.dumps(manifest["sources"], indent=2) if args.json else format_stats(manifest))
@@ -105,7 +105,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from data_pipeline.indexed import IndexedTokens
-    from data_pipeline.prepare import read_manifest
+    from data_pipeline.read.prepare import read_manifest
     from data_pipeline.tokenizer import Tokenizer
     from framework.base.errors import ConfigError
 
@@ -135,7 +135,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
-    from data_pipeline.ingest import read_records
+    from data_pipeline.build.ingest import read_records
     from data_pipeline.tokenizer import Tokenizer, sample_lines, train_sentencepiece
 
     def texts() -> Any:

@@ -44,7 +44,7 @@ def validate(config: str, overrides: Sequence[str], nproc: int) -> Config:
                                f"use --nproc {layout_world(config, overrides)}")
     cfg = load_config(config, overrides)
     if cfg.data.kind == "build" and cfg.data.build_dir:
-        from data_pipeline.prepare import read_manifest
+        from data_pipeline.read.prepare import read_manifest
 
         read_manifest(cfg.data.build_dir)  # DataError now, not in every rank after launch
     micro_batches(ParallelDims.from_config(cfg.parallel, nproc, cfg.model), cfg.train, cfg.parallel.pp_schedule)

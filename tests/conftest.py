@@ -21,7 +21,7 @@ class StdlibBuild:
 def stdlib_build(tmp_path_factory: pytest.TempPathFactory) -> StdlibBuild:
     """Build the three-domain stdlib corpus (vocab 4096) once per session; later prepare_data calls hit the cache."""
     from data_pipeline.config import DataConfig
-    from data_pipeline.prepare import prepare_data
+    from data_pipeline.read.prepare import prepare_data
 
     cfg = DataConfig(kind="stdlib", cache_dir=str(tmp_path_factory.mktemp("stdlib-cache")), seq_len=64,
                      vocab_size=4096)

@@ -375,7 +375,7 @@ def _find_tokenizer(meta: dict[str, Any]) -> Path | None:
     if data.get("kind") == "synthetic":
         return None
     from data_pipeline.config import DataConfig
-    from data_pipeline.prepare import prepare_data
+    from data_pipeline.read.prepare import prepare_data
 
     try:
         prepared = prepare_data(from_dict(DataConfig, data, "data"), is_builder=False)

@@ -310,7 +310,7 @@ def run_preflight(cfg: Config, keep: bool = False, out: TextIO | None = None, *,
     `config` and `overrides`: the file and overrides `cfg` was loaded from; stage 4 starts its ranks from them
     (without them a multi-rank layout is reported as skipped).
     """
-    from data_pipeline.prepare import prepare_data
+    from data_pipeline.read.prepare import prepare_data
 
     out = out or sys.stdout
     report = PreflightReport()

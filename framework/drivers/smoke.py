@@ -71,7 +71,7 @@ def _single_process(config: str, overrides: Sequence[str]) -> SmokeSummary:
 
 
 def _launched(config: str, overrides: Sequence[str], nproc: int) -> SmokeSummary:
-    from data_pipeline.prepare import prepare_data
+    from data_pipeline.read.prepare import prepare_data
     from framework.base.errors import TesseraError
     from launch.local import run_local
 

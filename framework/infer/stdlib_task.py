@@ -1,6 +1,6 @@
 """The smoke job's downstream task: pick the real next line of a standard-library file among four.
 
-Built from the data build's held-out documents only (`data_pipeline.prepare.val_mask`, the validation split,
+Built from the data build's held-out documents only (`data_pipeline.read.prepare.val_mask`, the validation split,
 never trained on; every source of the build unless `sources` names some): for a line, the context is the up
 to `context_lines` lines before it, the choices are the real line and three other lines of the same file
 (other files fill in for short ones), in a seeded random order. Same build + seed -> the same items.
@@ -34,7 +34,7 @@ def build_nextline_task(build_dir: str | Path, val_fraction: float, *, n_items: 
     length beside some context (the trainer passes data.seq_len // 2). Only the chosen lines are tokenized.
     """
     from data_pipeline.indexed import IndexedTokens
-    from data_pipeline.prepare import read_manifest, val_mask
+    from data_pipeline.read.prepare import read_manifest, val_mask
     from data_pipeline.tokenizer import Tokenizer
 
     build_dir = Path(build_dir)

@@ -5,7 +5,7 @@ Two formulas, both plain functions of the shape:
 * `tessera_layer_bytes` — Tessera's own block (`models.layers`: RMSNorm or LayerNorm, grouped-query attention
   with RoPE, SDPA reading the key/value heads where they lie (enable_gqa), SwiGLU or GELU MLP), derived tensor by
   tensor from what autograd actually keeps (`tessera_layer_terms` lists them by name) and checked byte for byte
-  against saved-tensor measurements on CPU (`framework.plan.measure`, tests/plan).
+  against saved-tensor measurements on CPU (`bench.plan_measure`, tests/plan).
 * `korthikanti_layer_bytes` — Korthikanti et al. 2022 (Reducing activation recomputation in large transformer
   models), sbh(34 + 5as/h) for a GPT block with 16-bit activations and dropout, the published reference.
 

@@ -146,7 +146,7 @@ class Trainer:
 
     # --- setup ---------------------------------------------------------------------------------------------
     def _prepare_data(self) -> Any:
-        from data_pipeline.prepare import prepare_data
+        from data_pipeline.read.prepare import prepare_data
 
         # One builder per node: node-local cache dirs work, and on a shared filesystem builders serialize on a lock.
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
@@ -160,7 +160,7 @@ class Trainer:
         return data
 
     def _make_loader(self) -> Any:
-        from data_pipeline.loader import BatchLoader
+        from data_pipeline.read.loader import BatchLoader
 
         return BatchLoader(self.data.train, global_batch_size=self.cfg.train.global_batch_size,
                            micro_batch_size=self.cfg.train.micro_batch_size, dp_rank=self.engine.dp_rank,
@@ -293,7 +293,7 @@ class Trainer:
         """Validation loss per domain on its held-out split (the same batches every time)."""
         out: dict[str, float] = {}
         for name, samples in self.data.val.items():
-            from data_pipeline.loader import BatchLoader
+            from data_pipeline.read.loader import BatchLoader
 
             per_rank = self.cfg.train.micro_batch_size * self.engine.dp_size
             loader = BatchLoader(samples, global_batch_size=per_rank, micro_batch_size=self.cfg.train.micro_batch_size,

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig, load_build_config
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig, load_build_config
+from data_pipeline.build.filters import FiltersConfig, LengthFilter
+from data_pipeline.build.run import run_build
 from data_pipeline.config import DataConfig
-from data_pipeline.filters import FiltersConfig, LengthFilter
 from data_pipeline.indexed import IndexedTokens
-from data_pipeline.prepare import prepare_data
+from data_pipeline.read.prepare import prepare_data
 from data_pipeline.tokenizer import Tokenizer
 from framework.base.errors import ConfigError, DataError
 
@@ -161,7 +161,7 @@ def test_build_killed_hard_then_rerun_matches_a_straight_build(built) -> None:  
         cfg_file = root / f"killed{n}.yaml"
         cfg_file.write_text(yaml.safe_dump(to_dict(cfg)))
         code = (
-            "import os, signal\nimport data_pipeline.stages as st\nimport data_pipeline.build as b\n"
+            "import os, signal\nimport data_pipeline.build.stages as st\nimport data_pipeline.build.run as b\n"
             "main, calls, orig = os.getpid(), [0], st.save_npy_atomic\n"
             "def killer(path, arr):\n"
             "    if os.getpid() == main:\n"
@@ -169,7 +169,7 @@ def test_build_killed_hard_then_rerun_matches_a_straight_build(built) -> None:  
             f"        if calls[0] == {n}: os.kill(main, signal.SIGKILL)\n"
             "    orig(path, arr)\n"
             "st.save_npy_atomic = b.save_npy_atomic = killer\n"
-            "from data_pipeline.build_config import load_build_config\n"
+            "from data_pipeline.build.config import load_build_config\n"
             f"b.run_build(load_build_config({str(cfg_file)!r}))\n")
         repo = Path(__file__).resolve().parents[2]
         proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,

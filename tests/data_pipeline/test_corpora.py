@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.filters import FiltersConfig, apply_filters, resolve_filters
+from data_pipeline.build.ingest import detect_format
+from data_pipeline.build.normalize import NormalizeConfig, normalize
+from data_pipeline.build.run import run_build
+from data_pipeline.build.stages import read_shard_texts, read_shard_where
 from data_pipeline.cli import format_stats
-from data_pipeline.dedup import DedupConfig
-from data_pipeline.filters import FiltersConfig, apply_filters, resolve_filters
-from data_pipeline.ingest import detect_format
-from data_pipeline.normalize import NormalizeConfig, normalize
-from data_pipeline.stages import read_shard_texts, read_shard_where
 from framework.base.errors import ConfigError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"

@@ -8,8 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from data_pipeline.dedup import NearDedupResult, assign_removals, exact_keep, near_dedup
-from data_pipeline.dedup_eval import (
+from bench.dedup_eval import (
     DedupBenchmark,
     make_benchmark,
     precision_by_origin,
@@ -20,7 +19,8 @@ from data_pipeline.dedup_eval import (
     split_pairs,
     true_jaccard,
 )
-from data_pipeline.minhash import (
+from data_pipeline.build.dedup import NearDedupResult, assign_removals, exact_keep, near_dedup
+from data_pipeline.build.minhash import (
     MinHashConfig,
     band_keys,
     candidate_pairs,
@@ -97,7 +97,7 @@ def test_word_hashes_match_regex_words() -> None:
 
 
 def test_word_hashes_are_the_polynomial_hash_of_python_lowered_words_in_any_batch() -> None:
-    import data_pipeline.minhash as mh
+    import data_pipeline.build.minhash as mh
 
     # ASCII documents are lower-cased by the byte table, the others by str.lower: both must give Python's words.
     texts = ["Hello, WORLD_2 x\x00Y", "", "ΟΔΟΣ Σ ΣΑ aΣ", "İstanbul KELVIN \u212a ǅ ß ẞ", "A\ud800B café",
@@ -127,7 +127,7 @@ def test_word_hashes_are_the_polynomial_hash_of_python_lowered_words_in_any_batc
 
 
 def test_word_hashes_split_into_bounded_batches_give_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
-    import data_pipeline.minhash as mh
+    import data_pipeline.build.minhash as mh
 
     rng = np.random.default_rng(0)
     vocab = ["alpha", "Beta", "café", "x_1", "naïve", "über", "42", "--", "\n", "   "]

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from data_pipeline.dedup_eval import (
+from bench.dedup_eval import (
     _lib_dirs,
     jaccard_histogram,
     make_corpus,
@@ -20,7 +20,7 @@ from data_pipeline.dedup_eval import (
     true_jaccard,
     truth_shingles,
 )
-from data_pipeline.minhash import word_hashes
+from data_pipeline.build.minhash import word_hashes
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -90,7 +90,7 @@ def test_dedup_bench_dry(tmp_path: Path) -> None:
         assert 0.5 < row["pair_precision@0.7"] <= 1  # truth tokens disagree with the shingles near 0.7
     assert rows["tessera plain"]["candidates"] <= probe["candidates"]  # the probe only adds candidates
     # The sweep re-clusters the default's own verified candidates: at the default threshold it is the default row.
-    from data_pipeline.minhash import MinHashConfig
+    from data_pipeline.build.minhash import MinHashConfig
 
     assert dedup.VERIFY == MinHashConfig().verify_threshold and dedup.PRECISION_AT == 0.7
     sweep = json.loads(out.read_text())["corpora"]["code"]["threshold_sweep"]["thresholds"]
@@ -110,7 +110,7 @@ def test_loader_bench_dry_asserts_equal_batches(capsys: pytest.CaptureFixture[st
 def test_scaling_bench_corpus_and_config(tmp_path: Path) -> None:
     import yaml
 
-    from data_pipeline.build_config import load_build_config
+    from data_pipeline.build.config import load_build_config
 
     scaling = _bench("build_scaling")
     scaling.write_corpus(tmp_path / "c", 60, sources=2, files=3, seed=0)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
-from data_pipeline.dedup import DedupConfig
-from data_pipeline.ingest import read_records
-from data_pipeline.stages import read_shard_texts, read_shard_where
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.ingest import read_records
+from data_pipeline.build.run import run_build
+from data_pipeline.build.stages import read_shard_texts, read_shard_where
 
 N = 3000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_pipeline.filters import (
+from data_pipeline.build.filters import (
     C4Filter,
     CodeFilter,
     DocsFilter,
@@ -23,7 +23,7 @@ from data_pipeline.filters import (
     length_filter,
     resolve_filters,
 )
-from data_pipeline.normalize import NormalizeConfig, normalize
+from data_pipeline.build.normalize import NormalizeConfig, normalize
 from framework.base.errors import ConfigError
 
 PROSE = ("The committee met on Tuesday to review the budget for the coming year. Members agreed that the library "

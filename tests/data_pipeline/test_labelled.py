@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline.filter_eval import kept_lines, load_labelled, score, score_profiles
-from data_pipeline.filters import PROFILES, FiltersConfig
+from bench.filter_eval import kept_lines, load_labelled, score, score_profiles
+from data_pipeline.build.filters import PROFILES, FiltersConfig
 
 ROOT = Path(__file__).parents[1] / "fixtures" / "labelled"
 

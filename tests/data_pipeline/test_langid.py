@@ -8,7 +8,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from data_pipeline.filters import FiltersConfig, LanguageFilter, apply_filters, identify_language
+from data_pipeline.build.filters import FiltersConfig, LanguageFilter, apply_filters, identify_language
 
 SAMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "langid_sample.jsonl"
 

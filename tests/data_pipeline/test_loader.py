@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline.loader import BatchLoader, SyntheticSamples
+from data_pipeline.read.loader import BatchLoader, SyntheticSamples
 from framework.base.errors import ConfigError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_pipeline.mixing import MixtureSamples, mixture_order
+from data_pipeline.read.mixing import MixtureSamples, mixture_order
 from framework.base.errors import DataError
 
 

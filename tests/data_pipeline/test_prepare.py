@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.cache import build_once
+from data_pipeline.build.cache import build_once
 from data_pipeline.config import DataConfig, MixturePhase
 from data_pipeline.indexed import IndexedTokens
-from data_pipeline.packing import PackedSource
-from data_pipeline.prepare import prepare_data
+from data_pipeline.read.packing import PackedSource
+from data_pipeline.read.prepare import prepare_data
 from data_pipeline.tokenizer import Tokenizer
 from framework.base.errors import ConfigError, DataError
 
@@ -48,7 +48,7 @@ def test_stdlib_build_contents_and_accounting(stdlib_build) -> None:  # type: ig
 def test_rerun_hits_the_cache_fast_without_importing_megatron(stdlib_build) -> None:  # type: ignore[no-untyped-def]
     code = (
         "import sys, time\n"
-        "from data_pipeline.config import DataConfig\nfrom data_pipeline.prepare import prepare_data\n"
+        "from data_pipeline.config import DataConfig\nfrom data_pipeline.read.prepare import prepare_data\n"
         "t = time.perf_counter()\n"
         f"p = prepare_data(DataConfig(kind='stdlib', cache_dir={stdlib_build.cfg.cache_dir!r}, seq_len=64))\n"
         "p.train[0]; print(time.perf_counter() - t, p.fingerprint)\n"

@@ -1,5 +1,5 @@
 """Builds that notice config edits: each of three edits — the tokenizer only, one source's filters, a cosmetic
-key — redoes exactly the units the dependency table (data_pipeline/invalidate.py, docs/DATA.md) names, and the
+key — redoes exactly the units the dependency table (data_pipeline/build/invalidate.py, docs/DATA.md) names, and the
 result equals a fresh build of the edited config."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
-from data_pipeline.invalidate import stage_keys
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.invalidate import stage_keys
+from data_pipeline.build.run import run_build
 from framework.base.errors import ConfigError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()

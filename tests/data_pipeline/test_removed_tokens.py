@@ -10,12 +10,12 @@ import random
 import pytest
 import sentencepiece as spm
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.removed_tokens import RemovedSample, count_removed_tokens
+from data_pipeline.build.run import run_build
+from data_pipeline.build.stages import REMOVED_SAMPLE
 from data_pipeline.cli import format_stats
-from data_pipeline.dedup import DedupConfig
-from data_pipeline.removed_tokens import RemovedSample, count_removed_tokens
-from data_pipeline.stages import REMOVED_SAMPLE
 from data_pipeline.tokenizer import Tokenizer
 
 WORDS = ("river stone market garden window letter morning island teacher engine village winter harvest "

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline import minhash
-from data_pipeline import shards as shard_stages
-from data_pipeline.build import SHARDED, STAGES, run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
-from data_pipeline.dedup import DedupConfig
-from data_pipeline.dedup_eval import true_jaccard
+from bench.dedup_eval import true_jaccard
+from data_pipeline.build import minhash
+from data_pipeline.build import shards as shard_stages
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.run import SHARDED, STAGES, run_build
 from framework.base.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,8 +106,8 @@ def _megatron_merge(prefixes: list[Path], out_prefix: Path, dtype: type) -> None
 def _lose_a_merge_unit(cfg: BuildConfig, source: str, u: int) -> None:
     """Merge unit u of `source` as a task killed in the middle of it leaves it: no marker, and its regions of the
     three partial files half written (here: garbage)."""
-    from data_pipeline.merge import source_merges
-    from data_pipeline.shards import CorpusIndex
+    from data_pipeline.build.merge import source_merges
+    from data_pipeline.build.shards import CorpusIndex
 
     (m,) = [m for m in source_merges(CorpusIndex(cfg, Path(cfg.output_dir) / "work"), Path(cfg.output_dir), 300)
             if m.name == source]
@@ -214,7 +214,7 @@ def test_verification_holds_one_chunk_of_sets_within_its_byte_budget() -> None:
 
     import numpy as np
 
-    from data_pipeline.minhash import jaccard
+    from data_pipeline.build.minhash import jaccard
 
     rng = np.random.default_rng(7)
     pool = rng.integers(0, 1 << 63, size=6_000, dtype=np.uint64)
@@ -260,7 +260,7 @@ def test_shard_rows_are_read_at_their_byte_offsets_and_older_shards_by_scanning(
     scanned with the same result; a row past the end is named either way."""
     import numpy as np
 
-    from data_pipeline.stages import LINE_OFFSETS, _ShardWriter, read_shard_texts, read_shard_where
+    from data_pipeline.build.stages import LINE_OFFSETS, _ShardWriter, read_shard_texts, read_shard_where
 
     texts = [f"{i} naïve café — Σίσυφος 漢字 🙂\n\"quoted\" \\ tab\t{'x' * (i * 37 % 500)}" for i in range(50)]
     writer = _ShardWriter(tmp_path / "new", "shard-00000", 20)
@@ -367,11 +367,11 @@ _STAGE_DIRS = {"ingest": "ingest", "exact": "exact", "minhash": "minhash", "band
 _KILLER = """
 import os, signal, sys
 from pathlib import Path
-import data_pipeline.stages as st, data_pipeline.shards as sh, data_pipeline.build as b
+import data_pipeline.build.stages as st, data_pipeline.build.shards as sh, data_pipeline.build.run as b
 from tests.data_pipeline.test_sharding import patch_writes
 build = os.getpid()  # the build process: a verify unit writes from a child forked for it, which dies with it
 patch_writes(Path(sys.argv[2]), sys.argv[3], lambda: [os.kill(p, signal.SIGKILL) for p in (build, os.getpid())])
-from data_pipeline.build_config import load_build_config
+from data_pipeline.build.config import load_build_config
 b.run_build(load_build_config(sys.argv[1]))
 """
 
@@ -379,10 +379,10 @@ b.run_build(load_build_config(sys.argv[1]))
 def patch_writes(out: Path, target: str, die: object) -> list[object]:
     """Make the build call `die()` at its second atomic write in stage `target` (the first for manifest, which
     has one); returns the originals (stages, shards, merge, build modules' save_npy_atomic and write_json_atomic)."""
-    import data_pipeline.build as b
-    import data_pipeline.merge as mg
-    import data_pipeline.shards as sh
-    import data_pipeline.stages as st
+    import data_pipeline.build.merge as mg
+    import data_pipeline.build.run as b
+    import data_pipeline.build.shards as sh
+    import data_pipeline.build.stages as st
 
     seen = multiprocessing.get_context("fork").Value("i", 0)  # shared: exact/pairs/verify write from a child per unit
 
@@ -449,7 +449,7 @@ def test_killed_in_every_stage_and_rerun_gives_the_same_bytes(straight) -> None:
 def _records_by_units(src: SourceConfig, unit_bytes: int) -> tuple[int, list[tuple[str | None, str, str | None]]]:
     """(number of units, every record as (text, where, reason)) read unit by unit, `where` rebased as the build
     does (the line bases from each range's line count)."""
-    from data_pipeline.stages import _line_bases, _rebase, _unit_records, source_units
+    from data_pipeline.build.stages import _line_bases, _rebase, _unit_records, source_units
 
     units = source_units(src, 8, unit_bytes)
     per_unit, lines = [], []
@@ -469,7 +469,7 @@ def test_one_large_file_is_cut_into_units_that_read_each_record_once(tmp_path: P
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data_pipeline.ingest import read_records
+    from data_pipeline.build.ingest import read_records
 
     lines = [b"\xef\xbb\xbf" + json.dumps({"text": "first, after a BOM"}).encode(), b"", b"   ",
              json.dumps({"text": "crlf line"}).encode() + b"\r", b"{not json", json.dumps({"text": "x" * 300}).encode(),
@@ -599,7 +599,7 @@ def test_forked_units_run_alone_and_their_failures_reach_the_stage(tmp_path: Pat
     its peak RSS not raised by the unit before it), at most `workers` at once, every unit done once; a unit's
     DataError arrives as itself, any other exception with its text, a unit killed by a signal names it, a unit's
     StopSignal keeps its exit code."""
-    from data_pipeline.stages import run_forked
+    from data_pipeline.build.stages import run_forked
 
     done: list[int] = []
     run_forked(_forked_unit, [(str(tmp_path), k, "ok") for k in range(5)], 2, lambda: done.append(1))

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
-from data_pipeline.dedup import DedupConfig
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.run import run_build
 from data_pipeline.indexed import IndexedTokens
 from data_pipeline.tokenizer import CL100K_PATTERN, Tokenizer, _bytes_to_unicode, train_hf_bpe
 from framework.base.errors import DataError
@@ -30,7 +30,7 @@ def _documents() -> list[str]:
     for rel in ("README", "docs/guide.rst", "docs/changelog", "code/http_session.py", "code/random_walk.py"):
         docs += [p.strip() for p in (FIXTURE / rel).read_text().split("\n\n") if len(p) > 40]
     docs += ["ünïcödé 日本語 and emoji 🙂 — dashes", "tabs\tand  double  spaces: {x: 1}"]
-    from data_pipeline.normalize import NormalizeConfig, normalize
+    from data_pipeline.build.normalize import NormalizeConfig, normalize
 
     assert all(normalize(d, NormalizeConfig()) == d for d in docs)
     return docs
@@ -156,7 +156,7 @@ def test_a_vocabulary_past_65535_writes_int32(raw) -> None:  # type: ignore[no-u
 def _real_shaped_texts() -> list[str]:
     """Code, unicode, whitespace runs, long lines and special-token text: where two regex engines and two BPE
     implementations could part."""
-    from data_pipeline.stdlib_corpus import list_stdlib_files
+    from data_pipeline.build.stdlib_corpus import list_stdlib_files
 
     code = [p.read_text(encoding="utf-8", errors="replace") for _, p in list_stdlib_files()[:40]]
     unicode = ["ünïcödé naïve café — “quotes” «guillemets» 日本語のテキスト 中文 한국어 العربية עברית हिन्दी",
@@ -177,7 +177,7 @@ def test_native_tiktoken_encodes_as_the_converted_tokenizer_json(tmp_path: Path)
     tokenizer.json was converted from is refused."""
     from tokenizers import Tokenizer as HF
 
-    from data_pipeline.build import _given_tokenizer
+    from data_pipeline.build.run import _given_tokenizer
     from data_pipeline.tokenizer import TIKTOKEN_RANKS
 
     texts = _real_shaped_texts()

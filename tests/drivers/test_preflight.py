@@ -48,7 +48,7 @@ def _stub_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pf, "stage_overfit", lambda cfg, data: "ok")
     monkeypatch.setattr(pf, "stage_batch", lambda cfg, data: "ok")
     monkeypatch.setattr(pf, "stage_full", lambda cfg, keep, out: out.extend([8.0, 7.0, 6.0, 5.0]) or "ok")
-    monkeypatch.setattr("data_pipeline.prepare.prepare_data", lambda *a, **k: None)
+    monkeypatch.setattr("data_pipeline.read.prepare.prepare_data", lambda *a, **k: None)
 
 
 def test_a_layout_this_node_cannot_run_is_skipped_and_the_verdict_says_so(

@@ -24,7 +24,7 @@ def _loader(path: Path):  # type: ignore[no-untyped-def]
     """configs/data/ holds data-build configs, *.ablate.yaml ablation specs; everything else trains."""
     kind = path.relative_to(REPO / "configs").parts[0]
     if kind == "data":
-        from data_pipeline.build_config import load_build_config
+        from data_pipeline.build.config import load_build_config
 
         return load_build_config
     if path.name.endswith(".ablate.yaml"):

@@ -113,7 +113,7 @@ def test_in_loop_figures_are_logged_and_equal_on_tp2_pp2(tmp_path: Path) -> None
 
 
 def test_stdlib_nextline_task_uses_held_out_documents_only(stdlib_build: object) -> None:
-    from data_pipeline.prepare import val_mask
+    from data_pipeline.read.prepare import val_mask
     from framework.infer.stdlib_task import build_nextline_task
 
     build_dir = Path(stdlib_build.build_dir)  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ def make_config(overrides: tuple[str, ...] = ()) -> Config:
 
 def documents(cfg: Config) -> DocumentMasking | None:
     """data.document_mask / reset_position_ids resolved against the synthetic data's EOS, as the trainer does."""
-    from data_pipeline.prepare import prepare_data
+    from data_pipeline.read.prepare import prepare_data
 
     return resolve_documents(cfg.data, prepare_data(cfg.data).eos_id, cfg.model.vocab_size)
 

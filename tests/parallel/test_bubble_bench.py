@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from framework.base.errors import ParallelismError
-from framework.parallel.pipeline_schedules import bubble_fraction
-from framework.parallel.schedule_sim import (
+from bench.schedule_sim import (
     StageCosts,
     Table,
     action_table,
@@ -24,6 +22,8 @@ from framework.parallel.schedule_sim import (
     stages_per_rank,
     validate_table,
 )
+from framework.base.errors import ParallelismError
+from framework.parallel.pipeline_schedules import bubble_fraction
 from framework.testing import run_distributed
 
 F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD

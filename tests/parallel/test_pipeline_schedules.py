@@ -8,6 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.schedule_sim import (
+    action_table,
+    executed_single_stage_table,
+    per_rank_costs,
+    simulate,
+    stages_per_rank,
+)
 from framework.base.errors import ConfigError
 from framework.config import load_config
 from framework.parallel.mesh import ParallelDims
@@ -19,13 +26,6 @@ from framework.parallel.pipeline_schedules import (
     schedule_micro_batch_problem,
     stages_of_rank,
     unregister_schedule,
-)
-from framework.parallel.schedule_sim import (
-    action_table,
-    executed_single_stage_table,
-    per_rank_costs,
-    simulate,
-    stages_per_rank,
 )
 from framework.plan.hardware import get_hardware
 from framework.plan.layout import Workload

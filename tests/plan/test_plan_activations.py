@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.plan_measure import hooked_saved_bytes, layer_saved_bytes, model_saved_bytes
 from framework.parallel.pipeline_schedules import in_flight_factor
 from framework.plan.activations import (
     embedding_bytes,
@@ -13,7 +14,6 @@ from framework.plan.activations import (
     tessera_layer_bytes,
     tessera_layer_terms,
 )
-from framework.plan.measure import hooked_saved_bytes, layer_saved_bytes, model_saved_bytes
 from framework.plan.memory import moe_layer_extra_bytes
 from models.config import model_config
 from models.decoder import build_model

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from bench.plan_measure import trained_state_bytes
 from framework.plan.layout import Layout, Precision
-from framework.plan.measure import trained_state_bytes
 from framework.plan.memory import model_state_bytes, rank_params
 from models.config import model_config
 from models.flops import num_params
@@ -29,7 +29,7 @@ def test_one_process_states_are_exact(preset: str) -> None:
 
 
 def _two_ranks(rank: int, world_size: int) -> tuple[dict[str, int], int]:
-    from framework.plan.measure import tp_layer_saved_bytes
+    from bench.plan_measure import tp_layer_saved_bytes
 
     # One process group for both measurements: FSDP2 ZeRO-3 model states, then one block under TP2 + SP.
     states = trained_state_bytes("test-tiny", shard=True)

@@ -6,19 +6,19 @@ from pathlib import Path
 
 import pytest
 
+from bench.plan_published import PUBLISHED
 from framework.base.errors import ParallelismError
 from framework.config import load_config
 from framework.plan.cli import main
 from framework.plan.hardware import get_hardware
 from framework.plan.layout import Workload
-from framework.plan.published import PUBLISHED
 from framework.plan.search import plan, plan_or_explain, smallest_cluster
 from models.config import model_config
 
 
 @pytest.mark.parametrize("run", PUBLISHED, ids=[r.name for r in PUBLISHED])
 def test_published_megatron_layouts_are_feasible_and_ranked(run: object) -> None:
-    from framework.plan.published import PublishedRun
+    from bench.plan_published import PublishedRun
 
     assert isinstance(run, PublishedRun)
     hw = get_hardware(run.gpu)

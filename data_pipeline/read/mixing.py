@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from data_pipeline.packing import PackedSource
+from data_pipeline.read.packing import PackedSource
 from framework.base.errors import DataError
 
 

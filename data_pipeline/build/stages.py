@@ -12,7 +12,7 @@ Layout under `<output_dir>/work/`:
     ingest/<source>/counts.json, filtered.jsonl,    the source's sums over its units (and its units' rejects in
         rejects.jsonl                               order); counts.json written last = source done
     tokens/<source>/shard-U-K.{bin,idx}, .stats.json  tokens of kept documents (megatron-core's builder)
-The dedup stages between them live in data_pipeline/shards.py.
+The dedup stages between them live in data_pipeline/build/shards.py.
 Every file is written under a temporary name and renamed, so a killed build leaves no half-written output.
 """
 
@@ -35,11 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.build_config import BuildConfig, SourceConfig
-from data_pipeline.cache import write_json_atomic
-from data_pipeline.filters import apply_filters, resolve_filters
-from data_pipeline.indexed import IndexedWriter
-from data_pipeline.ingest import (
+from data_pipeline.build.cache import write_json_atomic
+from data_pipeline.build.config import BuildConfig, SourceConfig
+from data_pipeline.build.filters import apply_filters, resolve_filters
+from data_pipeline.build.ingest import (
     COMPRESSED,
     Record,
     byte_spans,
@@ -54,9 +53,10 @@ from data_pipeline.ingest import (
     read_text_tree,
     resolve_format,
 )
-from data_pipeline.normalize import NormalizeConfig, doc_hash, normalize
-from data_pipeline.progress import Progress, log
-from data_pipeline.removed_tokens import RemovedSample
+from data_pipeline.build.normalize import NormalizeConfig, doc_hash, normalize
+from data_pipeline.build.progress import Progress, log
+from data_pipeline.build.removed_tokens import RemovedSample
+from data_pipeline.indexed import IndexedWriter
 from framework.base.errors import DataError, TesseraError
 
 _CHUNK = 256  # records per worker task
@@ -65,7 +65,7 @@ FILTERED_SAMPLES = 20
 UNITS = "units.json"
 """ingest/<source>/units.json: per ingest unit, the base of its line numbers (`line_base`, see _line_bases)."""
 REMOVED_SAMPLE = "removed_sample*.jsonl"
-"""ingest/<source>/: seeded samples of the removed text per rule (data_pipeline/removed_tokens.py); one file per
+"""ingest/<source>/: seeded samples of the removed text per rule (data_pipeline/build/removed_tokens.py); one file per
 ingest unit (removed_sample-unit-U.jsonl): they add up."""
 
 

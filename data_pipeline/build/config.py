@@ -6,9 +6,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from data_pipeline.dedup import DedupConfig
-from data_pipeline.filters import PROFILES, FiltersConfig, resolve_filters
-from data_pipeline.normalize import NormalizeConfig
+from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.filters import PROFILES, FiltersConfig, resolve_filters
+from data_pipeline.build.normalize import NormalizeConfig
 from framework.base.errors import ConfigError
 from framework.base.yaml_config import apply_overrides, from_dict, load_yaml, validate_tree
 
@@ -99,7 +99,7 @@ class BuildConfig:
     splits across tasks; compressed files cannot be read from an offset and are one unit each."""
     merge_bytes: int = 1 << 30
     """Merge units: runs of one source's token shards holding about this many bytes of tokens, concatenated into
-    its .bin/.idx by one task (data_pipeline/merge.py). No output byte depends on it, nor does a task's memory
+    its .bin/.idx by one task (data_pipeline/build/merge.py). No output byte depends on it, nor does a task's memory
     (one shard's index at a time); its files are laid out by it, so changing it redoes the merge."""
     rejects: bool = True
     """Write malformed records with their reason to work/<source>/rejects.jsonl."""

@@ -5,7 +5,7 @@ Stages run in order and each resumes: rerunning an interrupted build skips finis
 finished output twice. The manifest is written last; its presence marks a complete build. The sharded stages
 (SHARDED) take `task`/`tasks` so a SLURM job array splits them across nodes, each task's share running in worker
 processes; near, tokenizer and manifest run in task 0 only (the manifest stage sums what the merge units
-recorded and moves their files into place: data_pipeline/merge.py). The output never depends on the task count.
+recorded and moves their files into place: data_pipeline/build/merge.py). The output never depends on the task count.
 Before any stage, every source and the tokenizer file are checked (`check_build`), and a config edited since
 the last run redoes exactly the units of work it affects (`invalidate`).
 """
@@ -22,22 +22,22 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.build_config import BuildConfig
-from data_pipeline.cache import MANIFEST, write_json_atomic
-from data_pipeline.ingest import (
+from data_pipeline.build.cache import MANIFEST, write_json_atomic
+from data_pipeline.build.config import BuildConfig
+from data_pipeline.build.ingest import (
     hf_columns,
     input_files,
     list_text_files,
     parquet_columns,
     resolve_format,
 )
-from data_pipeline.invalidate import describe_changes, invalidate
-from data_pipeline.merge import OUTCOMES, finish_source, hash_digest, merge_stage, source_merges
-from data_pipeline.minhash import mix64
-from data_pipeline.progress import log
-from data_pipeline.removed_tokens import count_removed_tokens
-from data_pipeline.shards import CorpusIndex, exact_stage, minhash_stage, near_stage, pairs_stage, verify_stage
-from data_pipeline.stages import REMOVED_SAMPLE, ingest_stage, load_tokenizer, read_shard_texts, tokenize_shards
+from data_pipeline.build.invalidate import describe_changes, invalidate
+from data_pipeline.build.merge import OUTCOMES, finish_source, hash_digest, merge_stage, source_merges
+from data_pipeline.build.minhash import mix64
+from data_pipeline.build.progress import log
+from data_pipeline.build.removed_tokens import count_removed_tokens
+from data_pipeline.build.shards import CorpusIndex, exact_stage, minhash_stage, near_stage, pairs_stage, verify_stage
+from data_pipeline.build.stages import REMOVED_SAMPLE, ingest_stage, load_tokenizer, read_shard_texts, tokenize_shards
 from data_pipeline.tokenizer import (
     CL100K_PATTERN,
     TIKTOKEN_RANKS,

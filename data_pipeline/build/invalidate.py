@@ -25,9 +25,9 @@ import json
 import shutil
 from pathlib import Path
 
-from data_pipeline.build_config import BuildConfig
-from data_pipeline.cache import MANIFEST, config_key, write_json_atomic
-from data_pipeline.filters import resolve_filters
+from data_pipeline.build.cache import MANIFEST, config_key, write_json_atomic
+from data_pipeline.build.config import BuildConfig
+from data_pipeline.build.filters import resolve_filters
 from framework.base.yaml_config import to_dict
 
 STAMPS = "stamps.json"
@@ -35,7 +35,8 @@ INGEST_VERSION = 4
 """Bump when ingest's output for the same settings changes (a new filter rule, the per-document `where`; 3: ingest
 units and sorted hashes; 4: byte-range units of a jsonl file, row-group and row-range units)."""
 MERGE_VERSION = 1
-"""Bump when the merge stage's files under work/merge change (1: units writing in place, data_pipeline/merge.py)."""
+"""Bump when the merge stage's files under work/merge change (1: units writing in place,
+data_pipeline/build/merge.py)."""
 
 
 def file_sha256(path: str | Path) -> str:

@@ -40,12 +40,20 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.build_config import BuildConfig
-from data_pipeline.cache import write_json_atomic
-from data_pipeline.dedup import assign_removals, star_report
-from data_pipeline.minhash import band_keys, flat_keys, group_pairs, jaccard, shingle_hashes, shingle_set, signatures
-from data_pipeline.progress import log
-from data_pipeline.stages import list_shards, read_shard_texts, read_shard_where, run_pool, save_npy_atomic
+from data_pipeline.build.cache import write_json_atomic
+from data_pipeline.build.config import BuildConfig
+from data_pipeline.build.dedup import assign_removals, star_report
+from data_pipeline.build.minhash import (
+    band_keys,
+    flat_keys,
+    group_pairs,
+    jaccard,
+    shingle_hashes,
+    shingle_set,
+    signatures,
+)
+from data_pipeline.build.progress import log
+from data_pipeline.build.stages import list_shards, read_shard_texts, read_shard_where, run_pool, save_npy_atomic
 from framework.base.errors import DataError
 
 EDGE = np.dtype([("b", "<i8"), ("a", "<i8"), ("j", "<f4")])

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.cache import MANIFEST, build_once, config_key
+from data_pipeline.build.cache import MANIFEST, build_once, config_key
+from data_pipeline.build.progress import log
 from data_pipeline.config import DataConfig
 from data_pipeline.indexed import IndexedTokens
-from data_pipeline.loader import Samples, SyntheticSamples
-from data_pipeline.mixing import MixtureSamples
-from data_pipeline.packing import PackedSource
-from data_pipeline.progress import log
+from data_pipeline.read.loader import Samples, SyntheticSamples
+from data_pipeline.read.mixing import MixtureSamples
+from data_pipeline.read.packing import PackedSource
 from framework.base.errors import ConfigError, DataError
 
 _SYNTHETIC_VAL_SAMPLES = 64
@@ -166,7 +166,7 @@ def _synthetic(cfg: DataConfig) -> PreparedData:
 
 def stdlib_build_dir(cfg: DataConfig) -> Path:
     """Cache directory of the stdlib build for `cfg` (keyed by build settings and the interpreter)."""
-    from data_pipeline.stdlib_build import stdlib_build_key
+    from data_pipeline.build.stdlib import stdlib_build_key
 
     return Path(cfg.cache_dir).resolve() / f"stdlib-{config_key(stdlib_build_key(cfg))}"
 
@@ -187,7 +187,7 @@ def prepare_data(cfg: DataConfig, *, is_builder: bool = True, global_batch_size:
     if cfg.kind == "synthetic":
         return _synthetic(cfg)
     if cfg.kind == "stdlib":
-        from data_pipeline.stdlib_build import build_stdlib
+        from data_pipeline.build.stdlib import build_stdlib
 
         final = stdlib_build_dir(cfg)
         build_once(final, lambda tmp: build_stdlib(tmp, cfg), is_builder=is_builder, timeout_s=cfg.wait_timeout_s)

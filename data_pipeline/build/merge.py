@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.cache import config_key, write_json_atomic
+from data_pipeline.build.cache import config_key, write_json_atomic
+from data_pipeline.build.shards import CorpusIndex, Shard
+from data_pipeline.build.stages import run_pool
 from data_pipeline.indexed import ConcatPlan, open_sized, plan_concat, pwrite_all, write_parts
-from data_pipeline.shards import CorpusIndex, Shard
-from data_pipeline.stages import run_pool
 from framework.base.errors import DataError
 
 OUTCOMES = ("kept", "exact_duplicate", "near_duplicate")

@@ -13,9 +13,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_pipeline.filters import PROFILES, FiltersConfig, apply_filters
-from data_pipeline.filters import kept_lines as filters_kept_lines
-from data_pipeline.normalize import NormalizeConfig, normalize
+from data_pipeline.build.filters import PROFILES, FiltersConfig, apply_filters
+from data_pipeline.build.filters import kept_lines as filters_kept_lines
+from data_pipeline.build.normalize import NormalizeConfig, normalize
 
 _LABEL = re.compile(r"^(?P<id>\S+)\s+(?P<verdict>keep|drop|drop-lines\s+(?P<lines>[\d,\-]+))\s*(#.*)?$")
 

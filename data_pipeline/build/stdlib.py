@@ -15,11 +15,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.run import run_build
+from data_pipeline.build.stdlib_corpus import DOMAINS, iter_stdlib_documents, stdlib_identity
 from data_pipeline.config import DataConfig
-from data_pipeline.dedup import DedupConfig
-from data_pipeline.stdlib_corpus import DOMAINS, iter_stdlib_documents, stdlib_identity
 
 STDLIB_BUILD_VERSION = 4  # 4: the code profile drops "generated from X with Y" files (gencodec codecs), encoded data
 

@@ -1,7 +1,7 @@
 """Near-duplicate ground truth: natural and generated pairs, Jaccard computed independently of Tessera.
 
 Truth Jaccard (`true_jaccard`): 5-grams of whitespace-separated tokens, case and punctuation kept, as plain
-Python sets of tuples. Tessera's MinHash sees lower-cased alphanumeric words (`data_pipeline.minhash`), so the
+Python sets of tuples. Tessera's MinHash sees lower-cased alphanumeric words (`data_pipeline.build.minhash`), so the
 truth never shares its tokenizer: `def f(x):` is tokens `def`, `f(x):` here and words `def`, `f`, `x` there.
 
 Two corpora, each of natural documents found on this machine plus generated ones:
@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.dedup import NearDedupResult
-from data_pipeline.stdlib_corpus import list_stdlib_files
+from data_pipeline.build.dedup import NearDedupResult
+from data_pipeline.build.stdlib_corpus import list_stdlib_files
 
 _WORDS = re.compile(r"\w+")
 _GROUP_CAP = 120

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.minhash import (
+from data_pipeline.build.minhash import (
     MinHashConfig,
     band_keys,
     candidate_pairs,
