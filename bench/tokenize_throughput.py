@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from data_pipeline.build.config import BuildConfig, TokenizerConfig
     from data_pipeline.build.run import _given_tokenizer
-    from data_pipeline.build.stages import _tokenize_task, load_tokenizer
+    from data_pipeline.build.tokenize_stage import _tokenize_task, load_tokenizer
     from data_pipeline.tokenizer import (
         CL100K_PATTERN,
         Tokenizer,

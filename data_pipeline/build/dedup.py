@@ -12,15 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.build.minhash import (
-    MinHashConfig,
-    band_keys,
-    candidate_pairs,
-    jaccard,
-    shingle_set,
-    signatures,
-    sorted_distinct,
-)
+from data_pipeline.build.minhash import MinHashConfig, band_keys, candidate_pairs, jaccard, shingle_set, signatures
+from data_pipeline.build.shingles import sorted_distinct
 from framework.base.errors import ConfigError
 
 

@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.build.cache import config_key, write_json_atomic
+from data_pipeline.build.near_stage import document_status
 from data_pipeline.build.shards import CorpusIndex, Shard
-from data_pipeline.build.stages import run_pool
+from data_pipeline.build.workers import run_pool
 from data_pipeline.indexed import ConcatPlan, open_sized, plan_concat, pwrite_all, write_parts
 from framework.base.errors import DataError
 
@@ -164,7 +165,7 @@ def _write(m: SourceMerge, index: CorpusIndex, lo: int, hi: int) -> dict[str, An
         stats: dict[str, Any] = {**dict.fromkeys(OUTCOMES, 0), "chars": dict.fromkeys(OUTCOMES, 0)}
         for k in range(lo, hi):
             shard = m.shards[k]
-            st = index.status(shard)
+            st = document_status(index, shard)
             kept = np.load(shard.file("ingest", ".hash.npy"))[st == 0]
             if len(kept) != int(m.plan.documents[k]):
                 raise DataError(f"{shard.file('tokens', '.idx')} holds {int(m.plan.documents[k])} documents but "

@@ -24,6 +24,7 @@ import numpy as np
 
 from data_pipeline.build.cache import MANIFEST, write_json_atomic
 from data_pipeline.build.config import BuildConfig
+from data_pipeline.build.exact_stage import exact_stage
 from data_pipeline.build.ingest import (
     hf_columns,
     input_files,
@@ -31,13 +32,19 @@ from data_pipeline.build.ingest import (
     parquet_columns,
     resolve_format,
 )
+from data_pipeline.build.ingest_stage import REMOVED_SAMPLE, ingest_stage
 from data_pipeline.build.invalidate import describe_changes, invalidate
 from data_pipeline.build.merge import OUTCOMES, finish_source, hash_digest, merge_stage, source_merges
-from data_pipeline.build.minhash import mix64
+from data_pipeline.build.minhash_stage import minhash_stage
+from data_pipeline.build.near_stage import document_status, near_stage
+from data_pipeline.build.pairs_stage import pairs_stage
 from data_pipeline.build.progress import log
 from data_pipeline.build.removed_tokens import count_removed_tokens
-from data_pipeline.build.shards import CorpusIndex, exact_stage, minhash_stage, near_stage, pairs_stage, verify_stage
-from data_pipeline.build.stages import REMOVED_SAMPLE, ingest_stage, load_tokenizer, read_shard_texts, tokenize_shards
+from data_pipeline.build.shard_files import read_shard_texts
+from data_pipeline.build.shards import CorpusIndex
+from data_pipeline.build.shingles import mix64
+from data_pipeline.build.tokenize_stage import load_tokenizer, tokenize_shards
+from data_pipeline.build.verify_stage import verify_stage
 from data_pipeline.tokenizer import (
     CL100K_PATTERN,
     TIKTOKEN_RANKS,
@@ -111,7 +118,7 @@ def _sample_texts(cfg: BuildConfig, index: CorpusIndex) -> list[str]:
     picked: list[str] = []
     for shard in index.shards:
         hashes = np.load(shard.file("ingest", ".hash.npy"))
-        rows = np.flatnonzero((index.status(shard) == 0) & (mix64(hashes ^ salt) <= cut))
+        rows = np.flatnonzero((document_status(index, shard) == 0) & (mix64(hashes ^ salt) <= cut))
         if len(rows):  # only the picked lines decoded: a whole shard's texts would be the stage's peak
             picked.extend(read_shard_texts(shard.jsonl, rows.tolist()))
     order = np.random.default_rng(cfg.seed).permutation(len(picked))
@@ -290,7 +297,7 @@ def _run_stages(cfg: BuildConfig, out: Path, stages: Sequence[str], task: int, t
     model = _tokenizer(cfg, index, out) if "tokenizer" in stages and task == 0 else _existing_tokenizer(out)
     if "tokenize" in stages:
         tokenize_shards(cfg, model, [(s.jsonl, s.file("tokens", "")) for s in index.shards],
-                        lambda k: index.status(index.shards[k]), task, tasks)
+                        lambda k: document_status(index, index.shards[k]), task, tasks)
     if "merge" in stages:
         merge_stage(index, out, load_tokenizer(str(model)).vocab_size, task, tasks)
     if "manifest" not in stages or task != 0:

@@ -161,14 +161,14 @@ def test_build_killed_hard_then_rerun_matches_a_straight_build(built) -> None:  
         cfg_file = root / f"killed{n}.yaml"
         cfg_file.write_text(yaml.safe_dump(to_dict(cfg)))
         code = (
-            "import os, signal\nimport data_pipeline.build.stages as st\nimport data_pipeline.build.run as b\n"
+            "import os, signal\nimport data_pipeline.build.shard_files as st\nimport data_pipeline.build.run as b\n"
             "main, calls, orig = os.getpid(), [0], st.save_npy_atomic\n"
             "def killer(path, arr):\n"
             "    if os.getpid() == main:\n"
             "        calls[0] += 1\n"
             f"        if calls[0] == {n}: os.kill(main, signal.SIGKILL)\n"
             "    orig(path, arr)\n"
-            "st.save_npy_atomic = b.save_npy_atomic = killer\n"
+            "st.save_npy_atomic = killer\n"
             "from data_pipeline.build.config import load_build_config\n"
             f"b.run_build(load_build_config({str(cfg_file)!r}))\n")
         repo = Path(__file__).resolve().parents[2]

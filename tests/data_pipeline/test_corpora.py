@@ -18,7 +18,7 @@ from data_pipeline.build.filters import FiltersConfig, apply_filters, resolve_fi
 from data_pipeline.build.ingest import detect_format
 from data_pipeline.build.normalize import NormalizeConfig, normalize
 from data_pipeline.build.run import run_build
-from data_pipeline.build.stages import read_shard_texts, read_shard_where
+from data_pipeline.build.shard_files import read_shard_texts, read_shard_where
 from data_pipeline.cli import format_stats
 from framework.base.errors import ConfigError
 

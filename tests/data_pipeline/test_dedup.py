@@ -20,16 +20,8 @@ from bench.dedup_eval import (
     true_jaccard,
 )
 from data_pipeline.build.dedup import NearDedupResult, assign_removals, exact_keep, near_dedup
-from data_pipeline.build.minhash import (
-    MinHashConfig,
-    band_keys,
-    candidate_pairs,
-    flat_keys,
-    group_pairs,
-    shingle_hashes,
-    signatures,
-    word_hashes,
-)
+from data_pipeline.build.minhash import MinHashConfig, band_keys, candidate_pairs, flat_keys, group_pairs, signatures
+from data_pipeline.build.shingles import shingle_hashes, word_hashes
 
 
 def test_exact_keeps_the_higher_priority_copy() -> None:
@@ -97,7 +89,7 @@ def test_word_hashes_match_regex_words() -> None:
 
 
 def test_word_hashes_are_the_polynomial_hash_of_python_lowered_words_in_any_batch() -> None:
-    import data_pipeline.build.minhash as mh
+    import data_pipeline.build.shingles as mh
 
     # ASCII documents are lower-cased by the byte table, the others by str.lower: both must give Python's words.
     texts = ["Hello, WORLD_2 x\x00Y", "", "ΟΔΟΣ Σ ΣΑ aΣ", "İstanbul KELVIN \u212a ǅ ß ẞ", "A\ud800B café",
@@ -127,7 +119,7 @@ def test_word_hashes_are_the_polynomial_hash_of_python_lowered_words_in_any_batc
 
 
 def test_word_hashes_split_into_bounded_batches_give_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
-    import data_pipeline.build.minhash as mh
+    import data_pipeline.build.shingles as mh
 
     rng = np.random.default_rng(0)
     vocab = ["alpha", "Beta", "café", "x_1", "naïve", "über", "42", "--", "\n", "   "]

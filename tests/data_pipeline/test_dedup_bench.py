@@ -20,7 +20,7 @@ from bench.dedup_eval import (
     true_jaccard,
     truth_shingles,
 )
-from data_pipeline.build.minhash import word_hashes
+from data_pipeline.build.shingles import word_hashes
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

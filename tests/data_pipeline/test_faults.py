@@ -17,7 +17,7 @@ from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfi
 from data_pipeline.build.dedup import DedupConfig
 from data_pipeline.build.ingest import read_records
 from data_pipeline.build.run import run_build
-from data_pipeline.build.stages import read_shard_texts, read_shard_where
+from data_pipeline.build.shard_files import read_shard_texts, read_shard_where
 
 N = 3000
 

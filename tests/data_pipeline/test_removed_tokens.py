@@ -12,9 +12,9 @@ import sentencepiece as spm
 
 from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.ingest_stage import REMOVED_SAMPLE
 from data_pipeline.build.removed_tokens import RemovedSample, count_removed_tokens
 from data_pipeline.build.run import run_build
-from data_pipeline.build.stages import REMOVED_SAMPLE
 from data_pipeline.cli import format_stats
 from data_pipeline.tokenizer import Tokenizer
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 
 from bench.dedup_eval import true_jaccard
-from data_pipeline.build import minhash
-from data_pipeline.build import shards as shard_stages
+from data_pipeline.build import shingles, verify_stage
 from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.build.dedup import DedupConfig
 from data_pipeline.build.run import SHARDED, STAGES, run_build
+from data_pipeline.build.shards import SHINGLE_COUNTS
+from data_pipeline.build.verify_stage import verified_jaccard
 from framework.base.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,8 +179,8 @@ def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, tmp_path: 
     # process instead of two: the same data, the trained sentencepiece model included (its thread count is
     # `tokenizer.threads`, not `workers`); verified a few pairs at a time (4 KB of shingle sets), words hashed
     # 512 bytes at a time (the memory bounds), changing nothing.
-    monkeypatch.setattr(shard_stages, "VERIFY_SET_BYTES", 4096)
-    monkeypatch.setattr(minhash, "WORD_BATCH_BYTES", 512)
+    monkeypatch.setattr(verify_stage, "VERIFY_SET_BYTES", 4096)
+    monkeypatch.setattr(shingles, "WORD_BATCH_BYTES", 512)
     single = _config(root, "single", dedup=DedupConfig(partition_docs=10_000), workers=1, merge_bytes=1 << 30)
     run_build(single)
     assert _outputs(root / "single") == one and "tokenizer.model" in one
@@ -188,7 +189,7 @@ def test_n_tasks_and_any_partition_size_give_the_same_bytes(straight, tmp_path: 
     work1 = root / "single" / "work"
     verified = {p.name: p.read_bytes() for p in (work1 / "verify").iterdir()}
     sigs = {p: p.read_bytes() for p in (work1 / "minhash").rglob("*.sig.npy")}
-    for f in (work1 / "minhash").rglob(f"*{shard_stages.SHINGLE_COUNTS}"):
+    for f in (work1 / "minhash").rglob(f"*{SHINGLE_COUNTS}"):
         f.unlink()
     shutil.rmtree(work1 / "verify")
     with pytest.raises(DataError, match=r"shingles\.npy is missing.*--stages minhash"):
@@ -240,17 +241,17 @@ def test_verification_holds_one_chunk_of_sets_within_its_byte_budget() -> None:
         return np.array([8 * len(shingles[i]) for i in ids.tolist()])
 
     budget = 256 * 1024
-    j = shard_stages.verified_jaccard(a, b, sets_of, bytes_of, budget=budget)
+    j = verified_jaccard(a, b, sets_of, bytes_of, budget=budget)
     want = np.array([jaccard(sets[x], sets[y]) for x, y in zip(a.tolist(), b.tolist(), strict=True)],
                     dtype=np.float32)
     assert np.array_equal(j, want) and 0 < want.min() < want.max() <= 1
     assert len(held) >= 20 and max(held) <= budget and np.median(held) > budget / 2, held
     # A fixed count of pairs that fits the short documents holds several budgets' worth of the long ones.
     assert sum(sets[i].nbytes for i in np.unique(np.concatenate([a[-400:], b[-400:]]))) > 3 * budget
-    assert np.array_equal(shard_stages.verified_jaccard(a, b, lambda ids: [sets[i] for i in ids.tolist()],
+    assert np.array_equal(verified_jaccard(a, b, lambda ids: [sets[i] for i in ids.tolist()],
                                                         bytes_of, budget=1 << 40), want)
     calls = len(held)
-    one = shard_stages.verified_jaccard(a[:3], b[:3], sets_of, bytes_of, budget=1)  # a pair past the budget: alone
+    one = verified_jaccard(a[:3], b[:3], sets_of, bytes_of, budget=1)  # a pair past the budget: alone
     assert np.array_equal(one, want[:3]) and len(held) == calls + 3
 
 
@@ -260,7 +261,7 @@ def test_shard_rows_are_read_at_their_byte_offsets_and_older_shards_by_scanning(
     scanned with the same result; a row past the end is named either way."""
     import numpy as np
 
-    from data_pipeline.build.stages import LINE_OFFSETS, _ShardWriter, read_shard_texts, read_shard_where
+    from data_pipeline.build.shard_files import LINE_OFFSETS, _ShardWriter, read_shard_texts, read_shard_where
 
     texts = [f"{i} naïve café — Σίσυφος 漢字 🙂\n\"quoted\" \\ tab\t{'x' * (i * 37 % 500)}" for i in range(50)]
     writer = _ShardWriter(tmp_path / "new", "shard-00000", 20)
@@ -367,7 +368,7 @@ _STAGE_DIRS = {"ingest": "ingest", "exact": "exact", "minhash": "minhash", "band
 _KILLER = """
 import os, signal, sys
 from pathlib import Path
-import data_pipeline.build.stages as st, data_pipeline.build.shards as sh, data_pipeline.build.run as b
+import data_pipeline.build.run as b
 from tests.data_pipeline.test_sharding import patch_writes
 build = os.getpid()  # the build process: a verify unit writes from a child forked for it, which dies with it
 patch_writes(Path(sys.argv[2]), sys.argv[3], lambda: [os.kill(p, signal.SIGKILL) for p in (build, os.getpid())])
@@ -378,11 +379,8 @@ b.run_build(load_build_config(sys.argv[1]))
 
 def patch_writes(out: Path, target: str, die: object) -> list[object]:
     """Make the build call `die()` at its second atomic write in stage `target` (the first for manifest, which
-    has one); returns the originals (stages, shards, merge, build modules' save_npy_atomic and write_json_atomic)."""
-    import data_pipeline.build.merge as mg
-    import data_pipeline.build.run as b
-    import data_pipeline.build.shards as sh
-    import data_pipeline.build.stages as st
+    has one); returns the originals (the stage modules' save_npy_atomic and write_json_atomic)."""
+    import importlib
 
     seen = multiprocessing.get_context("fork").Value("i", 0)  # shared: exact/pairs/verify write from a child per unit
 
@@ -404,7 +402,9 @@ def patch_writes(out: Path, target: str, die: object) -> list[object]:
         return write
 
     originals: list[object] = []
-    for m in (st, sh, mg, b):
+    stages = ("ingest_stage", "shard_files", "tokenize_stage", "exact_stage", "minhash_stage", "pairs_stage",
+              "verify_stage", "near_stage", "merge", "run")
+    for m in (importlib.import_module(f"data_pipeline.build.{name}") for name in stages):
         for name in ("save_npy_atomic", "write_json_atomic"):
             if hasattr(m, name):
                 originals.append((m, name, getattr(m, name)))
@@ -449,7 +449,8 @@ def test_killed_in_every_stage_and_rerun_gives_the_same_bytes(straight) -> None:
 def _records_by_units(src: SourceConfig, unit_bytes: int) -> tuple[int, list[tuple[str | None, str, str | None]]]:
     """(number of units, every record as (text, where, reason)) read unit by unit, `where` rebased as the build
     does (the line bases from each range's line count)."""
-    from data_pipeline.build.stages import _line_bases, _rebase, _unit_records, source_units
+    from data_pipeline.build.ingest_stage import _line_bases, _unit_records, source_units
+    from data_pipeline.build.shard_files import _rebase
 
     units = source_units(src, 8, unit_bytes)
     per_unit, lines = [], []
@@ -599,7 +600,7 @@ def test_forked_units_run_alone_and_their_failures_reach_the_stage(tmp_path: Pat
     its peak RSS not raised by the unit before it), at most `workers` at once, every unit done once; a unit's
     DataError arrives as itself, any other exception with its text, a unit killed by a signal names it, a unit's
     StopSignal keeps its exit code."""
-    from data_pipeline.build.stages import run_forked
+    from data_pipeline.build.workers import run_forked
 
     done: list[int] = []
     run_forked(_forked_unit, [(str(tmp_path), k, "ok") for k in range(5)], 2, lambda: done.append(1))

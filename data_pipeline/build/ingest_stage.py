@@ -1,4 +1,5 @@
-"""The shardable stages of a build, each resumable: a unit of work is skipped when its output exists.
+"""The ingest stage: read each source's ingest units, normalize and filter their documents, write them as shards;
+resumable (a unit of work is skipped when its output exists).
 
 Layout under `<output_dir>/work/`:
     ingest/<source>/shard-U-K.jsonl, .hash.npy      normalized, filtered documents ("t") of ingest unit U with
@@ -11,29 +12,22 @@ Layout under `<output_dir>/work/`:
     ingest/<source>/removed_sample-unit-U.jsonl     a sample of the removed text per rule, for its tokens
     ingest/<source>/counts.json, filtered.jsonl,    the source's sums over its units (and its units' rejects in
         rejects.jsonl                               order); counts.json written last = source done
-    tokens/<source>/shard-U-K.{bin,idx}, .stats.json  tokens of kept documents (megatron-core's builder)
-The dedup stages between them live in data_pipeline/build/shards.py.
+The shard files' readers and writer: data_pipeline/build/shard_files.py; the stages after this one: the dedup
+stages (data_pipeline/build/shards.py names them), tokenize_stage.py, merge.py.
 Every file is written under a temporary name and renamed, so a killed build leaves no half-written output.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import pickle
-import signal
-import sys
-import traceback
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from data_pipeline.build.cache import write_json_atomic
 from data_pipeline.build.config import BuildConfig, SourceConfig
@@ -53,116 +47,21 @@ from data_pipeline.build.ingest import (
     read_text_tree,
     resolve_format,
 )
-from data_pipeline.build.normalize import NormalizeConfig, doc_hash, normalize
+from data_pipeline.build.normalize import NormalizeConfig, normalize
 from data_pipeline.build.progress import Progress, log
 from data_pipeline.build.removed_tokens import RemovedSample
-from data_pipeline.indexed import IndexedWriter
-from framework.base.errors import DataError, TesseraError
+from data_pipeline.build.shard_files import UNITS, _rebase, _ShardWriter
+from data_pipeline.build.workers import die_with_parent
 
 _CHUNK = 256  # records per worker task
 FILTERED_SAMPLES = 20
 """Documents kept per filter rule in ingest/<source>/filtered.jsonl, to see what a rule removes."""
-UNITS = "units.json"
-"""ingest/<source>/units.json: per ingest unit, the base of its line numbers (`line_base`, see _line_bases)."""
 REMOVED_SAMPLE = "removed_sample*.jsonl"
 """ingest/<source>/: seeded samples of the removed text per rule (data_pipeline/build/removed_tokens.py); one file per
 ingest unit (removed_sample-unit-U.jsonl): they add up."""
 
 
-def shard_name(k: int) -> str:
-    return f"shard-{k:05d}"
-
-
-def save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}.npy")
-    np.save(tmp, arr)
-    tmp.replace(path)
-
-
-LINE_OFFSETS = ".offsets.npy"
-"""Beside each ingest shard `shard-U-K.jsonl`: the byte offset of each of its lines and of its end (uint64,
-lines + 1), so a few rows are read by offset instead of by scanning the shard up to the last of them."""
-
-
-def read_shard_rows(path: Path, rows: Sequence[int] | None, read: Any) -> list[Any]:
-    """`read(json)` of every line of an ingest shard, or of the given rows only (sorted, distinct): only those
-    lines are read, at their offsets (`LINE_OFFSETS`), and decoded (a shard line holds the whole text; decoding
-    them all was most of the near stage's time). A shard written before the offsets is scanned line by line."""
-    if rows is None:
-        with open(path, encoding="utf-8") as f:
-            return [read(json.loads(line)) for line in f]
-    offsets_path = path.with_name(path.name.replace(".jsonl", LINE_OFFSETS))
-    if offsets_path.is_file():
-        offsets = np.load(offsets_path, mmap_mode="r")  # only the pages of the rows asked for are read
-        if len(rows) and rows[-1] >= len(offsets) - 1:
-            raise _past_end(path, rows[-1], len(offsets) - 1)
-        picked = np.asarray(rows, dtype=np.int64)
-        starts, ends = np.asarray(offsets[picked]).tolist(), np.asarray(offsets[picked + 1]).tolist()
-        end = offsets[-1]
-        del offsets
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            if size != int(end):
-                raise DataError(f"{path} holds {size} bytes but its {offsets_path.name} says {end}: the shard was "
-                                f"changed after ingest; delete the build's work/ folder and rebuild")
-            return [read(json.loads(os.pread(fd, e - b, b))) for b, e in zip(starts, ends, strict=True)]
-        finally:
-            os.close(fd)
-    out: list[Any] = []
-    want = iter(rows)
-    nxt, lines = next(want, None), 0
-    with open(path, "rb") as f:
-        for i, line in enumerate(f):
-            lines = i + 1
-            if i == nxt:
-                out.append(read(json.loads(line)))
-                nxt = next(want, None)
-                if nxt is None:
-                    break
-    if nxt is not None:
-        raise _past_end(path, nxt, lines)
-    return out
-
-
-def _past_end(path: Path, row: int, lines: int) -> DataError:
-    return DataError(f"{path}: row {row} is past the shard's end ({lines} lines); the ingest output is damaged: "
-                     f"delete the build's work/ folder and rebuild")
-
-
-def read_shard_texts(path: Path, rows: Sequence[int] | None = None) -> list[str]:
-    """The texts of an ingest shard (of the given sorted rows only, if given)."""
-    return read_shard_rows(path, rows, lambda d: d["t"])
-
-
-def read_shard_where(path: Path, rows: Sequence[int] | None = None) -> list[str]:
-    """Where each document of an ingest shard came from (file:line, or the file of a text tree), of the given
-    sorted rows only if given. A shard of a byte-range unit stores lines counted from the range's start; the
-    source's units.json (written once every unit is done) gives the base that makes them the file's line numbers."""
-    bases = path.with_name(UNITS)
-    base = json.loads(bases.read_text())["line_base"][int(path.name.split("-")[1])] if bases.is_file() else 0
-    return read_shard_rows(path, rows, lambda d: _rebase(d.get("w", "?"), base))
-
-
-def list_shards(work: Path, stage: str, source: str, suffix: str) -> list[Path]:
-    return sorted((work / stage / source).glob(f"shard-*{suffix}"))
-
-
-# ---- ingest: read, normalize, filter ----
-
 _W: dict[str, Any] = {}  # per-worker state set by the pool initializer (fork start: inherited cheaply)
-
-
-def die_with_parent() -> None:
-    """Pool initializer: the kernel kills this worker when the process that forked it dies (SIGKILL, OOM), so a
-    killed build leaves no orphaned workers behind (Linux prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _init_filter_worker(norm: NormalizeConfig, cfg: BuildConfig, names: tuple[str, ...]) -> None:
@@ -241,38 +140,6 @@ def _ordered(pool: ProcessPoolExecutor, chunks: Iterator[list[str]], depth: int)
         yield pending.popleft().result()
 
 
-class _ShardWriter:
-    def __init__(self, out: Path, prefix: str, shard_docs: int) -> None:
-        self.out, self.prefix, self.shard_docs, self.k = out, prefix, shard_docs, 0
-        self.texts: list[tuple[str, str]] = []
-
-    def add(self, text: str, where: str) -> None:
-        self.texts.append((text, where))
-        if len(self.texts) == self.shard_docs:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.texts:
-            return
-        name = f"{self.prefix}-{self.k:05d}"
-        tmp = self.out / f"{name}.jsonl.tmp"
-        lengths = []
-        with open(tmp, "wb") as f:  # line by line: the shard's texts are not held twice
-            for t, w in self.texts:
-                line = (json.dumps({"t": t, "w": w}, ensure_ascii=False) + "\n").encode("utf-8")
-                f.write(line)
-                lengths.append(len(line))
-        offsets = np.zeros(len(lengths) + 1, dtype=np.uint64)
-        np.cumsum(lengths, out=offsets[1:])
-        save_npy_atomic(self.out / f"{name}{LINE_OFFSETS}", offsets)
-        hashes = np.array([doc_hash(t) for t, _ in self.texts], dtype=np.uint64)
-        save_npy_atomic(self.out / f"{name}.hash.npy", hashes)
-        order = np.argsort(hashes, kind="stable")  # hash-prefix partitions of the exact stage slice this
-        save_npy_atomic(self.out / f"{name}.hsort.npy", np.stack([hashes[order], order.astype(np.uint64)]))
-        tmp.replace(self.out / f"{name}.jsonl")
-        self.k, self.texts = self.k + 1, []
-
-
 def new_counts() -> dict[str, Any]:
     return {"in": 0, "kept": 0, "filtered": Counter(), "malformed": Counter(), "notes": Counter(),
             "chars": {"in": 0, "after_filters": 0, "filtered": Counter(), "malformed": Counter(),
@@ -344,12 +211,6 @@ def _line_bases(units: list[Unit], lines: list[int]) -> list[int]:
         bases.append(before.get(f, 0))
         before[f] = before.get(f, 0) + n
     return bases
-
-
-def _rebase(where: str, base: int) -> str:
-    """`file:line` of a range unit with its line made the file's (`file`, a file with no line, unchanged)."""
-    head, _, line = where.rpartition(":")
-    return f"{head}:{int(line) + base}" if base and head and line.isdigit() else where
 
 
 def unit_name(u: int) -> str:
@@ -490,157 +351,3 @@ def _finish_source(out: Path, units: list[Unit]) -> None:
                         f.write(json.dumps({**row, "where": _rebase(row["where"], bases[u])}) + "\n")
         (out / "rejects.jsonl.tmp").replace(out / "rejects.jsonl")
     write_json_atomic(out / "counts.json", _plain(total))
-
-
-def run_pool(fn: Any, jobs: list[Any], workers: int, desc: str, unit: str = "unit", isolate: bool = False) -> None:
-    """Run a stage's units in worker processes; a worker that dies (e.g. OOM-killed) fails the stage loudly
-    (BrokenProcessPool) instead of hanging, and the rerun redoes only the unfinished units.
-
-    `isolate`: every unit in a process forked for it alone (`run_forked`), at most `workers` at a time, so a
-    unit's peak memory is its own whatever ran before it in the task."""
-    if not jobs:
-        return
-    bar = Progress(desc, unit, total=len(jobs))
-    if isolate:
-        run_forked(fn, jobs, workers, bar.update)
-    elif workers == 1 or len(jobs) == 1:
-        for job in jobs:
-            fn(job)
-            bar.update()
-    else:
-        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("fork"),
-                                 initializer=die_with_parent) as pool:
-            futures = [pool.submit(fn, job) for job in jobs]
-            for fut in as_completed(futures):
-                fut.result()
-                bar.update()
-    bar.close()
-
-
-def run_forked(fn: Any, jobs: Sequence[Any], workers: int, done: Callable[[], None] = lambda: None) -> None:
-    """`fn(job)` for each job in a child forked for that job alone, at most `workers` at once.
-
-    Why not one process for all: a numpy-heavy unit leaves the allocator's heap fragmented (glibc raises its
-    mmap threshold after the first large free, so the next unit's arrays come from a heap that is not given
-    back), and the next unit peaks higher. Measured on the pairs stage (`tessera data build --stages pairs
-    --task 0 --tasks 8`, peak RSS): at 10^6 documents, two key ranges in one process 142 MB, forked 119 MB; at
-    10^5, one range, 129 and 119 MB. An exception in a child is raised here (a `DataError` stays one); a child
-    that dies fails the stage with its signal. When this process is stopped (a signal, an error) its children
-    are killed and reaped first."""
-    pending = list(jobs)[::-1]
-    running: dict[int, tuple[Any, int]] = {}
-    try:
-        while pending or running:
-            while pending and len(running) < max(1, workers):
-                job = pending.pop()
-                r, w = os.pipe()
-                sys.stdout.flush()
-                sys.stderr.flush()  # nothing buffered here is written twice by the child
-                pid = os.fork()
-                if pid == 0:  # the child: run the unit and exit, never return into the caller's stack
-                    os.close(r)
-                    code = 0
-                    try:
-                        die_with_parent()
-                        fn(job)
-                    except BaseException as err:
-                        code = 1
-                        if not isinstance(err, TesseraError):
-                            traceback.print_exc()
-                        os.write(w, _pickled_error(err))
-                    finally:
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                        os._exit(code)
-                os.close(w)
-                running[pid] = (job, r)
-            pid, status = os.waitpid(-1, 0)
-            if pid not in running:
-                continue  # a child this function did not start
-            job, r = running.pop(pid)
-            with os.fdopen(r, "rb") as pipe:
-                sent = pipe.read()
-            code = os.waitstatus_to_exitcode(status)
-            if sent:
-                raise pickle.loads(sent)  # checked by the child to unpickle (`_pickled_error`)
-            if code:
-                raise DataError(f"unit {job!r:.80} of {getattr(fn, '__name__', fn)} died "
-                                f"({f'signal {-code}' if code < 0 else f'exit status {code}'}); rerun the stage: "
-                                "finished units are kept and only the rest are redone")
-            done()
-    finally:
-        for pid, (_, r) in running.items():
-            os.close(r)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for pid in running:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-
-
-def _pickled_error(err: BaseException) -> bytes:
-    """`err` as the parent of `run_forked` re-raises it, checked to unpickle; small enough for a pipe's buffer
-    (the child writes it before it exits, the parent reads it after). An exception that does not survive
-    pickling arrives as a DataError (a TesseraError) or RuntimeError naming its type and message."""
-    try:
-        data = pickle.dumps(err)
-        if len(data) < 32_768:
-            pickle.loads(data)
-            return data
-    except Exception:  # an exception holding something unpicklable, or whose __init__ pickle cannot call
-        pass
-    kind = DataError if isinstance(err, TesseraError) else RuntimeError
-    return pickle.dumps(kind(f"{type(err).__name__}: {str(err)[:4000]}"))
-
-
-# ---- tokenize kept documents, one shard per task ----
-
-_TOKENIZERS: dict[tuple[str, int], Any] = {}
-
-
-def load_tokenizer(model: str) -> Any:
-    """The Tokenizer of `model`, loaded once per process (keyed by path and modification time): a worker reuses
-    it across shards, and one loaded before the pool forks is inherited (a 100k-vocabulary tokenizer.json takes
-    ~0.5 s to load, as long as tokenizing a few MB)."""
-    from data_pipeline.tokenizer import Tokenizer
-
-    key = (model, os.stat(model).st_mtime_ns)
-    if key not in _TOKENIZERS:
-        _TOKENIZERS.clear()
-        _TOKENIZERS[key] = Tokenizer(model)
-    return _TOKENIZERS[key]
-
-
-def _tokenize_task(args: tuple[Path, Path, str, np.ndarray]) -> None:
-    shard, out_prefix, model, status = args  # status per doc: 0 kept, 1 exact duplicate, 2 near duplicate
-    tok = load_tokenizer(model)
-    writer = IndexedWriter(out_prefix, tok.vocab_size)
-    tokens = np.zeros(3, dtype=np.int64)
-    chars = np.zeros(3, dtype=np.int64)
-    texts = read_shard_texts(shard)
-    for start in range(0, len(texts), 512):
-        batch = texts[start:start + 512]
-        for st, ids, text in zip(status[start:start + 512], tok.encode_docs(batch), batch, strict=True):
-            tokens[st] += len(ids)
-            chars[st] += len(text)
-            if st == 0:
-                writer.add(ids)
-    writer.finalize()
-    names = ("kept", "exact_duplicate", "near_duplicate")
-    write_json_atomic(Path(str(out_prefix) + ".stats.json"), {
-        **{k: int(tokens[i]) for i, k in enumerate(names)}, "chars": {k: int(chars[i]) for i, k in enumerate(names)}})
-
-
-def tokenize_shards(cfg: BuildConfig, model: Path, shards: Sequence[tuple[Path, Path]],
-                    status_of: Callable[[int], np.ndarray], task: int = 0, tasks: int = 1) -> None:
-    """Tokens of each shard's kept documents, with EOS after each, into a partial .bin/.idx (this task's shards:
-    index k with k % tasks == task). `shards` are (ingest jsonl, tokens prefix); `status_of(k)` the documents'
-    outcomes of shard k (0 kept, 1 exact, 2 near duplicate)."""
-    jobs = []
-    for k, (jsonl, prefix) in enumerate(shards):
-        if k % tasks == task and not Path(str(prefix) + ".stats.json").is_file():
-            prefix.parent.mkdir(parents=True, exist_ok=True)
-            jobs.append((jsonl, prefix, str(model), status_of(k)))
-    if jobs:
-        load_tokenizer(str(model))  # once in the parent: forked workers inherit it instead of loading it each
-    run_pool(_tokenize_task, jobs, cfg.workers, "tokenize", "shard")
