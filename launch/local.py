@@ -82,7 +82,7 @@ def run_local(nproc: int, config: str, overrides: Sequence[str], *, command: str
 
     `output`: a file for the ranks' stdout and stderr (default: this process's).
     """
-    from framework.testing import free_port
+    from framework.base.ports import free_port
     from launch.supervise import supervise
 
     code = validate(config, overrides, nproc).checkpoint.requeue_exit_code

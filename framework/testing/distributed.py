@@ -14,7 +14,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from framework.base.ports import free_port
 
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "Connection closed", "Connection reset", "timed out", "Timeout",
                        "ProcessGroup", "c10d", "Broken pipe", "peer")
@@ -40,13 +41,6 @@ class _RankOutcome:
     value: Any = None
     error: str = ""
     collective: bool = False
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def default_backend() -> str:
