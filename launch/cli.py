@@ -2,15 +2,16 @@
 
     tessera launch slurm CONFIG --nodes N (--gpus-per-node G | --procs-per-node P) --time T
                          [--partition P] [--account A] [--mode srun|torchrun] [--dry-run] [a.b.c=value ...]
-    tessera launch local --nproc N CONFIG ...   (launch.local, when present)
+    tessera launch local --nproc N CONFIG ...   (launch.local)
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
+
+from launch import local
 
 
 class _OverridesParser(argparse.ArgumentParser):
@@ -106,26 +107,8 @@ def _register_slurm(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `launch` with its launchers: `slurm` here, `local` from launch.local when that module exists."""
+    """Add `launch` with its launchers: `slurm` here, `local` from launch.local."""
     launch = subparsers.add_parser("launch", help="launch training on one node (local) or a SLURM cluster (slurm)")
     sub = launch.add_subparsers(dest="launcher", required=True, metavar="LAUNCHER", parser_class=_OverridesParser)
     _register_slurm(sub)
-    try:
-        local = importlib.import_module("launch.local")
-    except ModuleNotFoundError as err:
-        if err.name != "launch.local":
-            raise
-        return
-    if hasattr(local, "register"):
-        local.register(sub)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m launch.cli slurm ...` (the same as `tessera launch slurm ...`)."""
-    from framework.cli import main as tessera_main
-
-    return tessera_main(["launch", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    local.register(sub)
