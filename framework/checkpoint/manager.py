@@ -23,7 +23,7 @@ from framework.checkpoint import dcp as ckpt
 from framework.checkpoint.async_save import AsyncSaver, new_checkpoint_group
 from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.manifest import VerifyMode, verify_manifest
-from framework.checkpoint.resume_rules import check_resume
+from framework.checkpoint.resume_rules import LrAt, check_resume
 
 log = get_logger("checkpoint")
 
@@ -86,9 +86,11 @@ def check_compatible(meta: dict[str, Any], config: dict[str, Any], fingerprint: 
 class CheckpointManager:
     """Saves, verifies, selects and loads the checkpoints of one run directory on every rank."""
 
-    def __init__(self, cfg: CheckpointConfig, root: Path) -> None:
+    def __init__(self, cfg: CheckpointConfig, root: Path, lr_at: LrAt | None = None) -> None:
         self.cfg = cfg
         self.root = root
+        self.lr_at = lr_at
+        """States the LR jump when a resume reshapes the schedule (`check_resume`)."""
         self.rank, self.world = ckpt.rank_world()
         self.saver = AsyncSaver(new_checkpoint_group()) if cfg.async_save else None
         self.last_saved_step: int | None = None
@@ -133,7 +135,8 @@ class CheckpointManager:
         """Check the resume rules, then load model/optimizer/RNG state from `path` in place; return its meta."""
         self.wait()
         meta = ckpt.read_meta(path)
-        for note in check_resume(meta, config, fingerprint, self.cfg, data_build=data_build, path=path):
+        for note in check_resume(meta, config, fingerprint, self.cfg, data_build=data_build, path=path,
+                                 lr_at=self.lr_at):
             log.warning("resuming across a change (overridden): %s", note)
         if meta.get("model_only"):  # an imported model (tessera ckpt import-hf): fresh optimizer and RNG
             log.info("%s holds model weights only: starting with a fresh optimizer", path)

@@ -15,11 +15,16 @@ Refused: a different model shape, different data already seen (build, seed, sequ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from framework.base.errors import CheckpointError
 from framework.checkpoint.config import CheckpointConfig
+
+LrAt = Callable[[dict[str, Any], int], float]
+"""The LR at a step of a `train` config section given as a dict (`framework/train/lr_schedule.py::section_lr_at`,
+handed down by the trainer: the loop sits above checkpointing)."""
 
 # Model fields that do not change what a checkpoint holds (naming, initialization).
 SHAPE_NEUTRAL = {"preset", "init_std", "depth_scaled_init"}
@@ -48,10 +53,7 @@ def _future_phases_only(saved: dict[str, Any], now: dict[str, Any], step: int) -
 
 
 def _check_steps(saved: dict[str, Any], now: dict[str, Any], step: int, cfg: CheckpointConfig,
-                 where: str) -> list[str]:
-    from framework.train.config import TrainConfig
-    from framework.train.lr_schedule import lr_at
-
+                 where: str, lr_at: LrAt | None) -> list[str]:
     old_steps, new_steps = saved.get("steps"), now.get("steps")
     if old_steps is None or old_steps == new_steps or now.get("schedule") == "constant":
         return []
@@ -61,19 +63,18 @@ def _check_steps(saved: dict[str, Any], now: dict[str, Any], step: int, cfg: Che
             f"schedule depends on the total, so resuming would change the LR from this step on. Set "
             f"checkpoint.steps_change=reshape to recompute the schedule for {new_steps} steps (the LR jump is "
             f"logged), or restore train.steps={old_steps}")
-    known = set(TrainConfig.__dataclass_fields__)
-    old_cfg = TrainConfig(**{k: v for k, v in {**now, "steps": old_steps}.items() if k in known})
-    new_cfg = TrainConfig(**{k: v for k, v in now.items() if k in known})
-    return [f"train.steps: {old_steps} -> {new_steps} (checkpoint.steps_change=reshape): LR at step {step} "
-            f"{lr_at(old_cfg, step):.3e} -> {lr_at(new_cfg, step):.3e}"]
+    note = f"train.steps: {old_steps} -> {new_steps} (checkpoint.steps_change=reshape): LR at step {step} "
+    if lr_at is None:
+        return [note + "recomputed for the new total"]
+    return [note + f"{lr_at({**now, 'steps': old_steps}, step):.3e} -> {lr_at(now, step):.3e}"]
 
 
 def check_resume(meta: dict[str, Any], config: dict[str, Any], fingerprint: str | None, cfg: CheckpointConfig, *,
-                 data_build: str | None = None, path: Path | None = None) -> list[str]:
+                 data_build: str | None = None, path: Path | None = None, lr_at: LrAt | None = None) -> list[str]:
     """Apply every resume rule to the checkpoint's `meta` and this run's resolved `config`.
 
     `data_build`: the fingerprint of the data build this run reads (None for synthetic data), so that a changed
-    future phase is told apart from changed data.
+    future phase is told apart from changed data. `lr_at`: states the LR jump of a reshaped schedule in its note.
 
     Returns:
         The logged notes of the changes that were allowed.
@@ -97,7 +98,7 @@ def check_resume(meta: dict[str, Any], config: dict[str, Any], fingerprint: str 
     old_train, new_train = saved.get("train") or {}, config.get("train") or {}
     batch_changed = False
     if old_train and not meta.get("model_only"):
-        notes += _check_steps(old_train, new_train, step, cfg, where)
+        notes += _check_steps(old_train, new_train, step, cfg, where, lr_at)
         old_gbs, new_gbs = old_train.get("global_batch_size"), new_train.get("global_batch_size")
         if old_gbs is not None and old_gbs != new_gbs:
             if not cfg.allow_batch_size_change:

@@ -23,6 +23,7 @@ from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.dcp import rank_world
 from framework.checkpoint.guard import LossGuard
 from framework.checkpoint.manager import CheckpointManager
+from framework.checkpoint.resume_rules import LrAt
 from framework.checkpoint.signals import StopSignals
 from framework.checkpoint.watchdog import Watchdog
 
@@ -30,11 +31,12 @@ from framework.checkpoint.watchdog import Watchdog
 class FaultTolerance:
     """Checkpoint manager, loss guard, stop signals and hang watchdog of one run, on every rank."""
 
-    def __init__(self, cfg: CheckpointConfig, run_path: Path, device: torch.device) -> None:
+    def __init__(self, cfg: CheckpointConfig, run_path: Path, device: torch.device, lr_at: LrAt | None = None
+                 ) -> None:
         self.cfg = cfg
         self.device = device
         self.rank, self.world = rank_world()
-        self.manager = CheckpointManager(cfg, run_path / "checkpoints")
+        self.manager = CheckpointManager(cfg, run_path / "checkpoints", lr_at)
         self.guard = LossGuard(cfg.guard)
         self.stacks_dir = run_path / "stacks"
         self.signals: StopSignals | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from framework.train.config import TrainConfig
 
@@ -34,3 +35,9 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     if cfg.schedule == "linear":
         return peak + (floor - peak) * frac
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * frac))
+
+
+def section_lr_at(train: dict[str, Any], step: int) -> float:
+    """`lr_at` of a `train` config section given as a dict (a checkpoint's saved config; unknown keys ignored)."""
+    known = set(TrainConfig.__dataclass_fields__)
+    return lr_at(TrainConfig(**{k: v for k, v in train.items() if k in known}), step)

@@ -32,7 +32,7 @@ from framework.engine import Engine, resolve_device
 from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
 from framework.train.local_engine import LocalEngine
-from framework.train.lr_schedule import lr_at
+from framework.train.lr_schedule import lr_at, section_lr_at
 from framework.train.parallel_engine import build_parallel_engine
 from models.documents import DocumentMasking
 
@@ -137,7 +137,7 @@ class Trainer:
         self.sinks: list[MetricSink] = [JsonlSink(self.run_dir), *self.observer.sinks] if self.rank == 0 else []
         self.step = 0
         self._memory_due = False  # write the engine's memory report during this step (`train`)
-        self.ft = FaultTolerance(cfg.checkpoint, self.run_dir.path, self.device)
+        self.ft = FaultTolerance(cfg.checkpoint, self.run_dir.path, self.device, section_lr_at)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         from framework.infer.downstream import DownstreamEval
 

@@ -16,7 +16,7 @@ from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.resume_rules import check_resume
 from framework.config import load_config, to_dict
 from framework.testing.tiny import TINY
-from framework.train.lr_schedule import lr_at
+from framework.train.lr_schedule import lr_at, section_lr_at
 from framework.train.trainer import Trainer
 
 STEP = 10
@@ -30,7 +30,7 @@ def _meta() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _check(config: dict[str, Any], fp: str = "fp-old", build: str = "b1", **flags: Any) -> list[str]:
     meta, _ = _meta()
-    return check_resume(meta, config, fp, CheckpointConfig(**flags), data_build=build)
+    return check_resume(meta, config, fp, CheckpointConfig(**flags), data_build=build, lr_at=section_lr_at)
 
 
 def test_allowed_silently_eval_logging_and_checkpoint_settings() -> None:
