@@ -171,6 +171,19 @@ def stdlib_build_dir(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir).resolve() / f"stdlib-{config_key(stdlib_build_key(cfg))}"
 
 
+def tokenizer_path(cfg: DataConfig) -> Path | None:
+    """The tokenizer file of the build `cfg` reads (None for synthetic data), from the build's manifest alone:
+    nothing is built, opened or waited for.
+
+    Raises:
+        DataError: the build (for kind=stdlib: its cache entry) has no manifest.
+    """
+    if cfg.kind == "synthetic":
+        return None
+    build_dir = stdlib_build_dir(cfg) if cfg.kind == "stdlib" else Path(str(cfg.build_dir))
+    return build_dir / Path(read_manifest(build_dir)["tokenizer"]["path"]).name
+
+
 def prepare_data(cfg: DataConfig, *, is_builder: bool = True, global_batch_size: int | None = None,
                  batch_history: BatchHistory | None = None) -> PreparedData:
     """Build (or reuse, or wait for) the data `cfg` describes and return the trainer's samples.

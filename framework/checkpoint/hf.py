@@ -24,11 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.base.errors import CheckpointError
+from framework.base.errors import CheckpointError, TesseraError
+from framework.base.logs import get_logger
 from framework.base.yaml_config import from_dict, to_dict
 from framework.checkpoint import dcp as ckpt
 from models.config import ModelConfig
 from models.decoder import build_model
+
+log = get_logger("checkpoint")
 
 SAFETENSORS = "model.safetensors"
 
@@ -369,19 +372,21 @@ def export_tokenizer(model_file: Path, out: Path) -> None:
     shutil.copy(model_file, out / "tokenizer.model")
 
 
-def _find_tokenizer(meta: dict[str, Any]) -> Path | None:
-    """The sentencepiece model of the checkpoint's data build, when the run used one and it still exists."""
+def find_tokenizer(meta: dict[str, Any]) -> Path | None:
+    """The tokenizer file of the checkpoint's data build (`meta`'s config), found from the build's manifest without
+    opening the data; None, with a warning that says why, when the run trained on synthetic data or the build is
+    gone."""
     data = (meta.get("config") or {}).get("data") or {}
     if data.get("kind") == "synthetic":
         return None
     from data_pipeline.config import DataConfig
-    from data_pipeline.read.prepare import prepare_data
+    from data_pipeline.read.prepare import tokenizer_path
 
     try:
-        prepared = prepare_data(from_dict(DataConfig, data, "data"), is_builder=False)
-    except Exception:
+        return tokenizer_path(from_dict(DataConfig, data, "data"))
+    except TesseraError as err:
+        log.warning("no tokenizer for this checkpoint (pass one explicitly): %s", err)
         return None
-    return Path(prepared.tokenizer_path) if prepared.tokenizer_path else None
 
 
 def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | None = None) -> Path:
@@ -396,7 +401,7 @@ def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | N
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SAFETENSORS), metadata={"format": "pt", "tessera_checkpoint": str(path),
                                                           "tessera_step": str(meta.get("step"))})
-    tok = tokenizer or _find_tokenizer(meta)
+    tok = tokenizer or find_tokenizer(meta)
     eos = None
     if tok is not None:
         export_tokenizer(tok, out)

@@ -70,7 +70,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from framework.base.errors import ConfigError
-    from framework.infer.generate import SamplingConfig, find_tokenizer, generate, load_generator
+    from framework.checkpoint.hf import find_tokenizer
+    from framework.infer.generate import SamplingConfig, generate, load_generator
 
     prompts = read_prompts(args)
     model, meta = load_generator(args.checkpoint, args.step, args.device, getattr(torch, _DTYPES[args.dtype]))

@@ -171,8 +171,3 @@ def load_generator(path: Path, step: int | None = None, device: str = "cpu",
     return model.eval(), meta
 
 
-def find_tokenizer(meta: dict[str, Any]) -> Path | None:
-    """The tokenizer file the checkpoint's run trained with (from its data build), or None."""
-    from framework.checkpoint.hf import _find_tokenizer
-
-    return _find_tokenizer(meta)

@@ -17,11 +17,23 @@ from data_pipeline.build.cache import build_once
 from data_pipeline.config import DataConfig, MixturePhase
 from data_pipeline.indexed import IndexedTokens
 from data_pipeline.read.packing import PackedSource
-from data_pipeline.read.prepare import prepare_data
+from data_pipeline.read.prepare import prepare_data, tokenizer_path
 from data_pipeline.tokenizer import Tokenizer
 from framework.base.errors import ConfigError, DataError
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def test_tokenizer_path_reads_only_the_manifest(stdlib_build, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The tokenizer a checkpoint's export finds is the one prepare_data hands the trainer, for a stdlib cache
+    entry and for the same build named by build_dir; a build without a manifest is refused, never built."""
+    want = Path(str(prepare_data(stdlib_build.cfg).tokenizer_path))
+    assert want.is_file() and tokenizer_path(stdlib_build.cfg) == want
+    assert tokenizer_path(DataConfig(kind="build", build_dir=str(stdlib_build.build_dir))) == want
+    assert tokenizer_path(DataConfig(kind="synthetic")) is None
+    with pytest.raises(DataError, match="not a finished data build"):
+        tokenizer_path(replace(stdlib_build.cfg, cache_dir=str(tmp_path / "empty")))
+    assert not (tmp_path / "empty").exists()
 
 
 def test_stdlib_build_contents_and_accounting(stdlib_build) -> None:  # type: ignore[no-untyped-def]
