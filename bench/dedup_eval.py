@@ -1,7 +1,7 @@
 """Near-duplicate ground truth: natural and generated pairs, Jaccard computed independently of Tessera.
 
 Truth Jaccard (`true_jaccard`): 5-grams of whitespace-separated tokens, case and punctuation kept, as plain
-Python sets of tuples. Tessera's MinHash sees lower-cased alphanumeric words (`data_pipeline.build.minhash`), so the
+Python sets of tuples. Tessera's MinHash sees lower-cased alphanumeric words (`data_pipeline.build.shingles`), so the
 truth never shares its tokenizer: `def f(x):` is tokens `def`, `f(x):` here and words `def`, `f`, `x` there.
 
 Two corpora, each of natural documents found on this machine plus generated ones:

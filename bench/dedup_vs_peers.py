@@ -1,7 +1,7 @@
 """Near dedup, same work for every tool: Tessera's numpy MinHash LSH vs datasketch vs datatrove.
 
 Same shingles: every tool hashes the same word 5-grams — lower-cased text, words = maximal runs of ASCII
-letters, digits, '_' and non-ASCII UTF-8 bytes (Tessera's rule, `data_pipeline.build.minhash`), joined by a space.
+letters, digits, '_' and non-ASCII UTF-8 bytes (Tessera's rule, `data_pipeline.build.shingles`), joined by a space.
 datasketch gets them as bytes; datatrove gets the same splitter as its `WordTokenizer` and a `TextNormConfig`
 with every normalisation off (so its own number/punctuation folding does not change the shingle sets). Same
 banding for every tool in a row: 14 bands x 8 rows (FineWeb's, datatrove's default) for the plain rows, 20 x 5

@@ -1,8 +1,8 @@
 """Tokenize-stage throughput, tokens per CPU-second (= per core), for each tokenizer type a build accepts.
 
-The timed code is the build's own tokenize task (`data_pipeline.build.stages._tokenize_task`: load the tokenizer,
-encode a shard in batches of 512 with EOS appended, write the partial .bin/.idx and its stats) on one shard of
-real text: the standard library's .py files (code) and the machine's licence/README/METADATA files (prose).
+The timed code is the build's own tokenize task (`data_pipeline.build.tokenize_stage._tokenize_task`: load the
+tokenizer, encode a shard in batches of 512 with EOS appended, write the partial .bin/.idx and its stats) on one
+shard of real text: the standard library's .py files (code) and the machine's licence/README/METADATA files (prose).
 Tokenizers, all trained here on a sample of the same text (no download):
   sentencepiece : `tokenizer.type=sentencepiece` (BPE, byte fallback), a `.model`;
   hf_bpe        : `tokenizer.type=hf_bpe`, GPT-2-style byte-level BPE trained with HF tokenizers — also what a
