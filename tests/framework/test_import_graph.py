@@ -15,6 +15,7 @@ at module level or inside a function alike, and so does a module named by a stri
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -199,29 +200,36 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+@functools.cache
+def repo_edges() -> dict[str, set[str]]:
+    """This repository's import graph, read once for all the tests below."""
+    return import_edges(modules(REPO))
+
+
 def test_layers_import_one_way() -> None:
-    edges = import_edges(modules(REPO))
+    edges = repo_edges()
     assert len(edges) > 100, "the scan found too few modules: wrong repository root?"
     assert not violations(edges), "\n".join(violations(edges))
 
 
 def test_floors_point_down() -> None:
-    edges = import_edges(modules(REPO))
+    edges = repo_edges()
     assert not floor_violations(edges), "\n".join(floor_violations(edges))
 
 
 def test_no_product_file_over_450_lines() -> None:
-    assert not long_files(modules(REPO)), "\n".join(long_files(modules(REPO)))
+    found = long_files(modules(REPO))
+    assert not found, "\n".join(found)
 
 
 def test_every_product_module_is_reached_from_an_entry_point() -> None:
     """A product module only tests or bench import belongs to tests/ or bench/."""
-    found = unreachable(import_edges(modules(REPO)))
+    found = unreachable(repo_edges())
     assert not found, "product modules no entry point imports:\n" + "\n".join(found)
 
 
 def test_no_import_cycle() -> None:
-    found = cycles(import_edges(modules(REPO)))
+    found = cycles(repo_edges())
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
