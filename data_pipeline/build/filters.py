@@ -15,9 +15,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from data_pipeline import text_units
+from data_pipeline.text_units import UnitsConfig, mean_word_length
 from framework.base.errors import ConfigError
 
-_WORD = re.compile(r"\S+")
 _STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
 _BULLETS = ("-", "*", "•", "‣", "◦", "●")
 _TERMINAL = (".", "!", "?", '"', "'", "”", "’")
@@ -150,6 +151,9 @@ class FiltersConfig:
     code: CodeFilter = field(default_factory=CodeFilter)
     docs: DocsFilter = field(default_factory=DocsFilter)
     language: LanguageFilter = field(default_factory=LanguageFilter)
+    units: UnitsConfig = field(default_factory=UnitsConfig)
+    """What every rule counts as a word (data_pipeline/text_units.py): whitespace tokens, and runs of scripts
+    written without spaces (Chinese, Japanese, Thai, Lao, Khmer, Myanmar) per character or by a named segmenter."""
 
 
 PROFILES: dict[str, tuple[str, ...]] = {
@@ -170,12 +174,12 @@ def length_filter(text: str, c: LengthFilter) -> Verdict:
 
 
 def gopher_quality(text: str, c: GopherQualityFilter) -> Verdict:
-    words = _WORD.findall(text)
+    words = text_units.words(text, _UNITS[0])
     n = len(words)
     if not c.min_words <= n <= c.max_words:
         return None, "gopher_quality.word_count"
-    mean_len = sum(map(len, words)) / n
-    if not c.min_mean_word_len <= mean_len <= c.max_mean_word_len:
+    mean_len = mean_word_length(words)
+    if mean_len is not None and not c.min_mean_word_len <= mean_len <= c.max_mean_word_len:
         return None, "gopher_quality.mean_word_length"
     if (text.count("#") + text.count("...") + text.count("…")) / n > c.max_symbol_word_ratio:
         return None, "gopher_quality.symbol_word_ratio"
@@ -212,7 +216,7 @@ def gopher_repetition(text: str, c: GopherRepetitionFilter) -> Verdict:
         frac, char_frac = _dup_fracs(items)
         if frac > max_frac or char_frac > max_chars:
             return None, f"gopher_repetition.dup_{kind}s"
-    words = _WORD.findall(text.lower())
+    words = text_units.words(text.lower(), _UNITS[0])
     total = sum(map(len, words)) or 1
     for n, limit in sorted((int(k), v) for k, v in c.top_ngram_max_char_frac.items()):
         grams = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
@@ -242,9 +246,10 @@ def c4_filter(text: str, c: C4Filter) -> Verdict:
     kept = []
     for line in text.split("\n"):
         stripped, low = line.strip(), line.lower()
-        if not stripped.endswith(_TERMINAL) or len(stripped.split()) < c.min_words_per_line:
+        ws = text_units.words(stripped, _UNITS[0]) if text_units.has_unspaced(stripped) else stripped.split()
+        if not stripped.endswith(_TERMINAL) or len(ws) < c.min_words_per_line:
             continue
-        if any(len(w) > c.max_word_len for w in stripped.split()):
+        if any(len(w) > c.max_word_len for w in ws):
             continue
         if c.drop_javascript_lines and "javascript" in low:
             continue
@@ -268,7 +273,7 @@ def fineweb_filter(text: str, c: FineWebFilter) -> Verdict:
     _, dup_chars = _dup_fracs(lines)
     if dup_chars > c.max_dup_line_char_ratio:
         return None, "fineweb.dup_line_chars"
-    if text.count("\n") / max(1, len(_WORD.findall(text))) > c.max_newline_word_ratio:
+    if text.count("\n") / max(1, len(text_units.words(text, _UNITS[0]))) > c.max_newline_word_ratio:
         return None, "fineweb.newline_word_ratio"
     return text, None
 
@@ -289,12 +294,12 @@ def code_filter(text: str, c: CodeFilter) -> Verdict:
 
 
 def docs_filter(text: str, c: DocsFilter) -> Verdict:
-    words = _WORD.findall(text)
+    words = text_units.words(text, _UNITS[0])
     n = len(words)
     if not c.min_words <= n <= c.max_words:
         return None, "docs.word_count"
-    mean_len = sum(map(len, words)) / n
-    if not c.min_mean_word_len <= mean_len <= c.max_mean_word_len:
+    mean_len = mean_word_length(words)
+    if mean_len is not None and not c.min_mean_word_len <= mean_len <= c.max_mean_word_len:
         return None, "docs.mean_word_length"
     if sum(any(ch.isalpha() for ch in w) for w in words) < c.min_alpha_words_ratio * n:
         return None, "docs.alpha_words"
@@ -308,6 +313,8 @@ def docs_filter(text: str, c: DocsFilter) -> Verdict:
     return text, None
 
 
+_UNITS: list[UnitsConfig | None] = [None]
+"""The units of the build whose filters run (set by `apply_filters`, which every rule runs under)."""
 _LANGID: list[object] = []
 
 
@@ -378,6 +385,7 @@ def apply_filters(text: str, names: tuple[str, ...], cfg: FiltersConfig, trimmed
         removed: When given, the lines each line rule removed, joined, under the same "<filter>.lines" key (so
             their tokens can be counted once the tokenizer exists).
     """
+    _UNITS[0] = cfg.units
     for name in names:
         result, reason = _FUNCS[name](text, getattr(cfg, name))
         if result is None:

@@ -3,7 +3,7 @@ on, stored in `work/stamps.json`; a rerun with an edited config deletes (and so 
 changed, and says which. The dependency table (docs/DATA.md):
 
     ingest/<s>    source s's own settings (path, format, fields, split, glob, its filters and their
-                  parameters, its effective normalization), shard_docs and unit_bytes
+                  parameters, filters.units, its effective normalization), shard_docs and unit_bytes
     exact         every ingest key, every priority, dedup.exact and dedup.partition_docs
     minhash/<s>   ingest/<s> and the signature settings (ngram, bands, rows, seed, scheme)
     bands/<s>     minhash/<s>, exact (exact duplicates get no band keys) and probe
@@ -31,9 +31,10 @@ from data_pipeline.build.filters import resolve_filters
 from framework.base.yaml_config import to_dict
 
 STAMPS = "stamps.json"
-INGEST_VERSION = 4
+INGEST_VERSION = 5
 """Bump when ingest's output for the same settings changes (a new filter rule, the per-document `where`; 3: ingest
-units and sorted hashes; 4: byte-range units of a jsonl file, row-group and row-range units)."""
+units and sorted hashes; 4: byte-range units of a jsonl file, row-group and row-range units; 5: words of scripts
+without spaces counted per character, data_pipeline/text_units.py)."""
 MERGE_VERSION = 1
 """Bump when the merge stage's files under work/merge change (1: units writing in place,
 data_pipeline/build/merge.py)."""
@@ -57,7 +58,7 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
         keys[f"ingest/{src.name}"] = config_key({
             "v": INGEST_VERSION, "source": own, "filters": names, "shard_docs": cfg.shard_docs,
             "unit_bytes": cfg.unit_bytes, "params": {n: to_dict(getattr(cfg.filters, n)) for n in names},
-            "normalize": to_dict(cfg.source_normalize(src))})
+            "normalize": to_dict(cfg.source_normalize(src)), "units": to_dict(cfg.filters.units)})
     ingest = [[s.name, s.priority, keys[f"ingest/{s.name}"]] for s in cfg.sources]
     keys["exact"] = config_key([ingest, cfg.dedup.exact, cfg.dedup.partition_docs])
     for src in cfg.sources:

@@ -1,7 +1,8 @@
 """Near-duplicate detection: word n-gram MinHash signatures and LSH banding, vectorized in numpy.
 
-Shingles are word 5-grams (lower-cased words: runs of letters, digits and '_') hashed to 64 bits, with the
-words found and hashed over the bytes of a whole batch at once. Signature values (default scheme "oph"): one
+Shingles are word 5-grams (lower-cased words: runs of letters, digits and '_'; in scripts written without spaces,
+each character: data_pipeline/build/shingles.py) hashed to 64 bits, with the words found and hashed over the bytes
+of a whole batch at once. Signature values (default scheme "oph"): one
 permutation hashing with optimal densification (Li, Owen & Zhang 2012; Shrivastava 2017) — each shingle hashed
 once, its hash picking one of bands x rows bins and the bin keeping the least value; empty bins borrow from
 filled ones in a fixed random order. Two documents agree on a value with probability their Jaccard J, as with

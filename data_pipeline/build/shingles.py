@@ -1,5 +1,6 @@
 """Word shingles for near-duplicate detection: lower-cased words (runs of letters, digits and '_', and every byte
-of a multi-byte UTF-8 character) hashed over the bytes of a whole batch at once, combined into word n-grams
+of a multi-byte UTF-8 character; in scripts written without spaces, each character: `text_units.shingle_text`)
+hashed over the bytes of a whole batch at once, combined into word n-grams
 hashed to 64 bits (data_pipeline/build/minhash.py turns them into signatures).
 """
 
@@ -9,6 +10,8 @@ import functools
 from collections.abc import Sequence
 
 import numpy as np
+
+from data_pipeline.text_units import shingle_text
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _SHINGLE_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio) for combining word hashes
@@ -75,7 +78,7 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     batch's buffer, hashed as mix64(sum(c_j P^j) + length) mod 2^64. A word of at most 8 bytes (most words) is
     one gather and a mask, and its hash is injective. Batches hold at most `WORD_BATCH_BYTES`.
     """
-    encoded = _lower_encoded(texts)
+    encoded = _lower_encoded([shingle_text(t) for t in texts])
     groups, start, size = [], 0, 0
     for i, e in enumerate(encoded):
         if size + len(e) + 1 > WORD_BATCH_BYTES and i > start:

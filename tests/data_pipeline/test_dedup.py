@@ -22,6 +22,7 @@ from bench.dedup_eval import (
 from data_pipeline.build.dedup import NearDedupResult, assign_removals, exact_keep, near_dedup
 from data_pipeline.build.minhash import MinHashConfig, band_keys, candidate_pairs, flat_keys, group_pairs, signatures
 from data_pipeline.build.shingles import shingle_hashes, word_hashes
+from data_pipeline.text_units import shingle_text
 
 
 def test_exact_keeps_the_higher_priority_copy() -> None:
@@ -103,8 +104,8 @@ def test_word_hashes_are_the_polynomial_hash_of_python_lowered_words_in_any_batc
     rng = np.random.default_rng(3)
     texts += ["".join(rng.choice(pool, size=int(rng.integers(1, 30)))) for _ in range(300)]
 
-    def reference(text: str) -> list[int]:
-        data = text.lower().encode("utf-8", "surrogatepass")
+    def reference(text: str) -> list[int]:  # each character of an unspaced script a word (test_text_units)
+        data = shingle_text(text).lower().encode("utf-8", "surrogatepass")
         words = re.findall(rb"[0-9a-z_\x80-\xff]+", data)
         chunks = [[int.from_bytes(w[i:i + 8], "little") for i in range(0, len(w), 8)] for w in words]
         raw = [(sum(c * pow(mh._P, j, 1 << 64) for j, c in enumerate(cs)) + len(w)) % (1 << 64)
