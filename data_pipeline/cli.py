@@ -89,6 +89,11 @@ def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
             lines += ["", *_table(rows, left=2)]
     tok = manifest["tokenizer"]
     lines.append(f"tokenizer: vocab {tok['vocab_size']}, eos {tok['eos_id']}, sha256 {tok['sha256'][:16]}")
+    if tok.get("languages"):  # measured on a sample of kept text; language told by script (script_stats)
+        rows = [("language (by script)", "sample docs", "characters", "tokens", "tokens/char")]
+        rows += [(lang, str(v["documents"]), f"{v['characters']:,}", f"{v['tokens']:,}",
+                  f"{v['tokens'] / max(1, v['characters']):.3f}") for lang, v in tok["languages"].items()]
+        lines += ["", *_table(rows)]
     return "\n".join(lines)
 
 
@@ -151,7 +156,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
         out = train_hf_bpe(lines, args.out, vocab_size=args.vocab_size)
     else:
         out = train_sentencepiece(lines, args.out, vocab_size=args.vocab_size, model_type=args.type,
-                                  threads=args.threads)
+                                  threads=args.threads, character_coverage=args.character_coverage)
     info = Tokenizer(out).info()
     print(f"tokenizer {out}: vocab {info.vocab_size}, eos {info.eos_id}, bos {info.bos_id}, unk {info.unk_id}, "
           f"user symbols {list(info.user_symbols)!r}, trained on {sum(map(len, lines)):,} characters")
@@ -198,6 +203,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--glob", default="*", help="text trees: which files are documents")
     p.add_argument("--sample-chars", type=int, default=10_000_000)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--character-coverage", type=float, default=None,
+                   help="sentencepiece: share of characters given pieces (default: 0.9995 for Chinese, Japanese or "
+                        "Korean text, else 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_tokenizer_train)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from data_pipeline.build.progress import log
+from data_pipeline.script_stats import choose_character_coverage
 from framework.base.errors import ConfigError, DataError
 
 USER_SYMBOLS = ("\n", "\t")
@@ -67,7 +70,7 @@ def sample_lines(texts: Iterable[str], max_chars: int, seed: int = 0, keep: floa
 
 
 def train_sentencepiece(lines: Sequence[str], out_path: str | Path, *, vocab_size: int,
-                        model_type: str = "bpe", threads: int = 2) -> Path:
+                        model_type: str = "bpe", threads: int = 2, character_coverage: float | None = None) -> Path:
     """Train a sentencepiece model on `lines` and write it to `out_path` (a `.model` file), atomically.
 
     Args:
@@ -76,6 +79,8 @@ def train_sentencepiece(lines: Sequence[str], out_path: str | Path, *, vocab_siz
         vocab_size: Vocabulary size including the 256 byte-fallback pieces and specials.
         model_type: "bpe" or "unigram".
         threads: Trainer threads.
+        character_coverage: Share of the sample's characters that get pieces of their own (the rest fall back to
+            bytes); None: chosen by the sample's scripts (`script_stats.choose_character_coverage`).
     """
     import io
 
@@ -85,22 +90,45 @@ def train_sentencepiece(lines: Sequence[str], out_path: str | Path, *, vocab_siz
         raise ConfigError(f"vocab_size={vocab_size} must be >= 300 (256 byte pieces plus specials); e.g. 4096")
     if not lines:
         raise DataError("no text to train the tokenizer on; every source is empty after filtering")
+    if character_coverage is None:
+        character_coverage, why = choose_character_coverage(lines, vocab_size)
+        log(f"tokenizer: character_coverage {character_coverage} ({why}); set tokenizer.character_coverage to "
+            f"choose")
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
             byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
             allow_whitespace_only_pieces=True, split_digits=True, user_defined_symbols=list(USER_SYMBOLS),
-            num_threads=threads, minloglevel=2, max_sentence_length=16384, hard_vocab_limit=False,
+            num_threads=threads, minloglevel=2, character_coverage=character_coverage, max_sentence_length=16384,
+            hard_vocab_limit=False,
             unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
     except RuntimeError as err:
-        raise DataError(f"sentencepiece training failed ({err}); with a small sample, lower vocab_size") from err
+        raise _training_error(err, vocab_size, character_coverage) from err
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(model.getvalue())
     tmp.replace(out)
     return out
+
+
+def _training_error(err: RuntimeError, vocab_size: int, coverage: float) -> DataError:
+    """Sentencepiece's failure as what to change: its "required_chars" check names the pieces the sample's
+    characters need (those covering `coverage` of it, plus the byte and special pieces)."""
+    need = re.search(r"required_chars\. (\d+) vs (\d+)", str(err))
+    if need:
+        required = int(need.group(2))
+        return DataError(f"tokenizer.vocab_size {vocab_size} is smaller than the {required} pieces sentencepiece "
+                         f"needs for the characters that make up {coverage:.2%} of the sample (character_coverage "
+                         f"{coverage}) plus its byte and special pieces: raise tokenizer.vocab_size to at "
+                         f"least {required}, or lower tokenizer.character_coverage (0.9995 is sentencepiece's advice "
+                         f"for Chinese and Japanese; lower leaves more rare characters to byte fallback)")
+    if "Vocabulary size too high" in str(err):
+        return DataError(f"sentencepiece training failed ({err}): the sample is too small for vocab_size "
+                         f"{vocab_size}; lower tokenizer.vocab_size or raise tokenizer.sample_chars")
+    return DataError(f"sentencepiece training failed ({err}) at vocab_size {vocab_size}, character_coverage "
+                     f"{coverage}")
 
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")

@@ -70,8 +70,15 @@ class TokenizerConfig:
     """Sentencepiece training threads. Its trained model depends on the thread count (1, 2 and 4 threads give three
     different models, each repeatable), so this is a tokenizer setting — part of the tokenizer's stamp, changing it
     retrains — and never the build's `workers`: the same config trains the same bytes whatever the parallelism."""
+    character_coverage: float | None = None
+    """Sentencepiece: share of the sample's characters given pieces of their own, the rest byte fallback. None:
+    0.9995 when the sample is at least 1% Chinese, Japanese or Korean (or its distinct characters would take over a
+    quarter of the vocabulary), else 1.0 (data_pipeline/script_stats.py)."""
 
     def validate(self) -> None:
+        if self.character_coverage is not None and not 0.9 <= self.character_coverage <= 1.0:
+            raise ConfigError(f"tokenizer.character_coverage={self.character_coverage} must be in [0.9, 1] (0.9995 "
+                              f"for Chinese or Japanese, 1.0 for alphabetic scripts) or null to choose by the sample")
         if self.threads < 1:
             raise ConfigError(f"tokenizer.threads={self.threads} must be >= 1 (sentencepiece training threads)")
         for name in (self.eos_token, self.bos_token):

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from data_pipeline.build.shards import CorpusIndex
 from data_pipeline.build.shingles import mix64
 from data_pipeline.build.tokenize_stage import load_tokenizer, tokenize_shards
 from data_pipeline.build.verify_stage import verify_stage
+from data_pipeline.script_stats import tokens_by_language
 from data_pipeline.tokenizer import (
     CL100K_PATTERN,
     TIKTOKEN_RANKS,
@@ -89,7 +91,8 @@ def _tokenizer(cfg: BuildConfig, index: CorpusIndex, out: Path) -> Path:
                 _name_specials(tmp, tc)
             else:
                 made = train_sentencepiece(lines, tmp / "tokenizer.model", vocab_size=tc.vocab_size,
-                                           model_type=tc.type, threads=tc.threads)
+                                           model_type=tc.type, threads=tc.threads,
+                                           character_coverage=tc.character_coverage)
         Tokenizer(made)
         for f in sorted(tmp.iterdir(), key=lambda p: p.name in TOKENIZER_FILES):  # the tokenizer file last
             f.replace(out / f.name)
@@ -126,6 +129,9 @@ def _sample_texts(cfg: BuildConfig, index: CorpusIndex) -> list[str]:
 
 
 _U64_MAX = (1 << 64) - 1
+LANGUAGE_SAMPLE_CHARS = 100_000
+"""About half the characters of kept text (a uniform sample) that the manifest's tokens per character by language
+are measured on."""
 
 
 def _name_specials(folder: Path, tc: Any) -> None:
@@ -212,8 +218,11 @@ def _finish(cfg: BuildConfig, out: Path, index: CorpusIndex, all_counts: dict[st
         sources[m.name] = _source_entry(all_counts[m.name], outcomes, [r["stats"] for r in records], removed)
         digest.update(f"{m.name}:{sources[m.name]['tokens']['kept']}:".encode())
         hash_digest(m.final(".hash.npy"), digest)
+    sample = _sample_texts(replace(cfg, tokenizer=replace(cfg.tokenizer, sample_chars=LANGUAGE_SAMPLE_CHARS)), index)
+    languages = tokens_by_language(sample, lambda texts: [ids[:-1] for ids in tok.encode_docs(texts)])
     manifest = {"version": 1, "kind": "build", "config": to_dict(cfg), "sources": sources,
-                "tokenizer": {**info.__dict__, "path": model.name, "kind": tok.kind}, "fingerprint": digest.hexdigest()}
+                "tokenizer": {**info.__dict__, "path": model.name, "kind": tok.kind, "languages": languages},
+                "fingerprint": digest.hexdigest()}
     write_json_atomic(out / MANIFEST, manifest)
     return dict(json.loads((out / MANIFEST).read_text()))
 
