@@ -39,7 +39,7 @@ def test_coverage_is_chosen_by_the_scripts_and_holds_in_the_trained_model(tmp_pa
     assert choose_character_coverage(RUSSIAN, 4096)[0] == 1.0
     chinese = [r["text"] for r in ROWS if r["lang"] == "zh"]
     assert choose_character_coverage(RUSSIAN + chinese[:1], 4096)[0] == 0.9995  # 2.9% Chinese
-    assert choose_character_coverage(RUSSIAN + [chinese[0][:30]], 4096)[0] == 1.0  # 0.2%: a stray quotation
+    assert choose_character_coverage([*RUSSIAN, chinese[0][:30]], 4096)[0] == 1.0  # 0.2%: a stray quotation
     # 114 distinct characters: 1.0 while they take at most a quarter of the pieces beside the 261 byte and special
     assert choose_character_coverage(RUSSIAN, 261 + 4 * 114)[0] == 1.0
     assert choose_character_coverage(RUSSIAN, 260 + 4 * 114)[0] == 0.9995
