@@ -21,6 +21,8 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from framework.base.errors import ConfigError
 
 # Blocks of the scripts written without spaces, by the group a segmenter is named for ("cjk": Han and kana, which
@@ -174,6 +176,20 @@ def shingle_text(text: str) -> str:
     if not has_unspaced(text):
         return text
     return _SHINGLE_SPLIT.sub(r" \1 ", text)
+
+
+UNSPACED_TABLE_SIZE = 0x31351
+"""Code points `unspaced_table` covers: past the last ideograph block, whose last entry (no character) is False."""
+
+
+@functools.lru_cache(maxsize=1)
+def unspaced_table() -> np.ndarray:
+    """For every code point below `UNSPACED_TABLE_SIZE`, whether it makes `has_unspaced` true (a base character of
+    an unspaced script or East Asian punctuation): a look-up for code points decoded in numpy (`minhash`)."""
+    table = np.zeros(UNSPACED_TABLE_SIZE, dtype=bool)
+    for lo, hi in [b for blocks in UNSPACED.values() for b in blocks] + list(_PUNCT_BLOCKS):
+        table[lo:hi + 1] = [_HAS.match(chr(cp)) is not None for cp in range(lo, hi + 1)]
+    return table
 
 
 def mean_word_length(ws: list[str], min_share: float = 0.5) -> float | None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from data_pipeline.text_units import shingle_text
+from data_pipeline.text_units import shingle_text, unspaced_table
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _SHINGLE_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio) for combining word hashes
@@ -78,7 +78,7 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     batch's buffer, hashed as mix64(sum(c_j P^j) + length) mod 2^64. A word of at most 8 bytes (most words) is
     one gather and a mask, and its hash is injective. Batches hold at most `WORD_BATCH_BYTES`.
     """
-    encoded = _lower_encoded([shingle_text(t) for t in texts])
+    encoded = _lower_encoded(texts)
     groups, start, size = [], 0, 0
     for i, e in enumerate(encoded):
         if size + len(e) + 1 > WORD_BATCH_BYTES and i > start:
@@ -117,7 +117,9 @@ def _lower_encoded(texts: Sequence[str]) -> list[bytes]:
     texts are encoded as they are; their characters are decoded in numpy from the lead bytes and looked up in
     `_lower_changes`; only a text holding one (an upper-case 'É', 'Σ' whose lower case depends on its context,
     the Kelvin sign that lowers to ASCII 'k') is lowered by `str.lower` first. For every other text `lower` changes
-    ASCII letters only, so the result is the same bytes."""
+    ASCII letters only, so the result is the same bytes. The same look-up (`text_units.unspaced_table`) finds the
+    texts holding a character of a script written without spaces: only those are rewritten with each such
+    character a word of its own (`text_units.shingle_text`)."""
     encoded = [t.encode("ascii") if t.isascii() else t.encode("utf-8", "surrogatepass") for t in texts]
     wide = [k for k, t in enumerate(texts) if not t.isascii()]
     if not wide:
@@ -132,11 +134,16 @@ def _lower_encoded(texts: Sequence[str]) -> list[bytes]:
                            ((b0 & 0x07) << 18) | (b1 << 12) | (b2 << 6) | b3))
     changes = _lower_changes()
     cased = lead[(cp >= _CASE_TABLE_SIZE) | changes[np.minimum(cp, _CASE_TABLE_SIZE - 1)]]
-    if len(cased):
+    unspaced = unspaced_table()
+    split = lead[unspaced[np.minimum(cp, len(unspaced) - 1)]]
+    if len(cased) or len(split):
         ends = np.cumsum([len(encoded[k]) for k in wide])
-        for d in sorted_distinct(np.searchsorted(ends, cased, side="right")).tolist():
+        lowered = set(np.searchsorted(ends, cased, side="right").tolist())
+        spaced = set(np.searchsorted(ends, split, side="right").tolist())
+        for d in sorted(lowered | spaced):
             k = wide[d]
-            encoded[k] = texts[k].lower().encode("utf-8", "surrogatepass")
+            text = shingle_text(texts[k]) if d in spaced else texts[k]
+            encoded[k] = (text.lower() if d in lowered else text).encode("utf-8", "surrogatepass")
     return encoded
 
 
