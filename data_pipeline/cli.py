@@ -79,6 +79,8 @@ def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
             parts += [(f"trim {r}", 0, v, t.get("trimmed", {}).get(r)) for r, v in c.get("trimmed", {}).items()]
             parts += [(f"malformed {r}", n, c.get("malformed", {}).get(r, 0), None) for r, n in d["malformed"].items()]
             parts += [(k, d[k], c.get(k, 0), t[k]) for k in ("exact_duplicate", "near_duplicate") if d[k]]
+            parts += [(f"decontaminated {b}", n, c.get("decontaminated", {}).get(b, 0), None)
+                      for b, n in d.get("decontaminated", {}).items()]
             for what, n, chars, tokens in sorted(parts, key=lambda p: -p[2]):
                 # "~": estimated from a sample of the removed text; "-": never tokenized (malformed records and
                 # what normalization trims)
@@ -118,11 +120,18 @@ def cmd_sample(args: argparse.Namespace) -> int:
     manifest = read_manifest(build)
     if args.source not in manifest["sources"]:
         raise ConfigError(f"--source {args.source!r} is not in {build} (sources: {sorted(manifest['sources'])})")
-    if args.filtered:
+    if args.filtered or args.decontaminated:
         path = build / "work" / "ingest" / args.source / "filtered.jsonl"
         if not path.is_file():
             raise ConfigError(f"{path} is gone (work/ was deleted); rebuild to see what the filters removed")
         rows = [json.loads(x) for x in path.read_text().splitlines()]
+        if args.decontaminated:  # per benchmark: the documents removed, the characters masked, then examples
+            src = manifest["sources"][args.source]
+            for b, n in src["documents"].get("decontaminated", {}).items():
+                masked = src["chars"]["trimmed"].get(f"decontaminate.{b}", 0)
+                print(f"{b}: {n} documents removed ({src['chars']['decontaminated'][b]:,} characters), "
+                      f"{masked:,} characters of lines masked")
+            rows = [r for r in rows if r["reason"].startswith("decontaminate.")]
         for r in rows if args.reason is None else [r for r in rows if r["reason"] == args.reason]:
             print(f"{r['reason']}: {r['where']} ({r['chars']:,} characters)")
         return 0
@@ -187,6 +196,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--filtered", action="store_true", help="list the documents each filter rule removed (where "
                                                             "they came from), kept in work/ingest/SOURCE")
     p.add_argument("--reason", help="with --filtered: only this rule, e.g. c4.too_few_sentences")
+    p.add_argument("--decontaminated", action="store_true", help="per benchmark, the documents removed and the "
+                                                                  "characters masked, and where they came from")
     p.set_defaults(func=cmd_sample)
 
     tok = subparsers.add_parser("tokenizer", help="tokenizer tools")

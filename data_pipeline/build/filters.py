@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from data_pipeline import text_units
+from data_pipeline.build.decontam import DecontaminateFilter, decontaminate
 from data_pipeline.text_units import UnitsConfig, mean_word_length
 from framework.base.errors import ConfigError
 
@@ -151,6 +152,9 @@ class FiltersConfig:
     code: CodeFilter = field(default_factory=CodeFilter)
     docs: DocsFilter = field(default_factory=DocsFilter)
     language: LanguageFilter = field(default_factory=LanguageFilter)
+    decontaminate: DecontaminateFilter = field(default_factory=DecontaminateFilter)
+    """Evaluation sets whose n-grams no kept document may share (data_pipeline/decontam.py); runs after every
+    source's filters when `benchmarks` is given."""
     units: UnitsConfig = field(default_factory=UnitsConfig)
     """What every rule counts as a word (data_pipeline/text_units.py): whitespace tokens, and runs of scripts
     written without spaces (Chinese, Japanese, Thai, Lao, Khmer, Myanmar) per character or by a named segmenter."""
@@ -375,6 +379,10 @@ def kept_lines(text: str, out: str) -> list[bool]:
     return kept
 
 
+def _bound(fn: Callable[[str, object], Verdict], c: object) -> Callable[[str], Verdict]:
+    return lambda text: fn(text, c)
+
+
 def apply_filters(text: str, names: tuple[str, ...], cfg: FiltersConfig, trimmed: dict[str, int] | None = None,
                   removed: dict[str, str] | None = None) -> Verdict:
     """Run `names` in order; the first failing rule drops the document (and is the one accounted).
@@ -386,12 +394,16 @@ def apply_filters(text: str, names: tuple[str, ...], cfg: FiltersConfig, trimmed
             their tokens can be counted once the tokenizer exists).
     """
     _UNITS[0] = cfg.units
-    for name in names:
-        result, reason = _FUNCS[name](text, getattr(cfg, name))
+    steps: list[tuple[str, Callable[[str], Verdict]]] = [
+        (f"{name}.lines", _bound(_FUNCS[name], getattr(cfg, name))) for name in names]
+    if cfg.decontaminate.benchmarks:  # last: only what the filters keep is checked
+        steps.append(("", _bound(decontaminate, cfg.decontaminate)))  # type: ignore[arg-type]
+    for key, run in steps:
+        result, reason = run(text)
         if result is None:
             return None, reason
         if len(result) != len(text):
-            key = f"{name}.lines"
+            key = key or str(reason)  # decontaminate's mask: the lines cut, under the benchmark's reason
             if trimmed is not None:
                 trimmed[key] = trimmed.get(key, 0) + len(text) - len(result)
             if removed is not None:

@@ -3,7 +3,8 @@ on, stored in `work/stamps.json`; a rerun with an edited config deletes (and so 
 changed, and says which. The dependency table (docs/DATA.md):
 
     ingest/<s>    source s's own settings (path, format, fields, split, glob, its filters and their
-                  parameters, filters.units, its effective normalization), shard_docs and unit_bytes
+                  parameters, filters.units, filters.decontaminate and its files' bytes, its effective
+                  normalization), shard_docs and unit_bytes
     exact         every ingest key, every priority, dedup.exact and dedup.partition_docs
     minhash/<s>   ingest/<s> and the signature settings (ngram, bands, rows, seed, scheme)
     bands/<s>     minhash/<s>, exact (exact duplicates get no band keys) and probe
@@ -52,13 +53,16 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
     """The key of every unit of work of a build (see the module docstring)."""
     keys: dict[str, str] = {}
     mh = to_dict(cfg.dedup.minhash)
+    dc = cfg.filters.decontaminate
+    decontam = {**to_dict(dc), "files": [file_sha256(b) for b in dc.benchmarks]} if dc.benchmarks else None
     for src in cfg.sources:
         names = resolve_filters(src.filters, src.profile)
         own = {k: v for k, v in to_dict(src).items() if k not in ("priority", "normalize")}
         keys[f"ingest/{src.name}"] = config_key({
             "v": INGEST_VERSION, "source": own, "filters": names, "shard_docs": cfg.shard_docs,
             "unit_bytes": cfg.unit_bytes, "params": {n: to_dict(getattr(cfg.filters, n)) for n in names},
-            "normalize": to_dict(cfg.source_normalize(src)), "units": to_dict(cfg.filters.units)})
+            "normalize": to_dict(cfg.source_normalize(src)), "units": to_dict(cfg.filters.units),
+            **({"decontaminate": decontam} if decontam else {})})
     ingest = [[s.name, s.priority, keys[f"ingest/{s.name}"]] for s in cfg.sources]
     keys["exact"] = config_key([ingest, cfg.dedup.exact, cfg.dedup.partition_docs])
     for src in cfg.sources:

@@ -25,6 +25,7 @@ import numpy as np
 
 from data_pipeline.build.cache import MANIFEST, write_json_atomic
 from data_pipeline.build.config import BuildConfig
+from data_pipeline.build.decontam import split_counts
 from data_pipeline.build.exact_stage import exact_stage
 from data_pipeline.build.ingest import (
     hf_columns,
@@ -181,22 +182,27 @@ def check_tokenizer(cfg: BuildConfig) -> None:
 def _source_entry(counts: dict[str, Any], outcomes: dict[str, int], stats: list[dict[str, Any]],
                   removed: dict[str, Any]) -> dict[str, Any]:
     """A source's accounting: documents and characters each by outcome (the invariant in = kept + filtered +
-    duplicates + malformed, plus for characters what normalization and line rules trimmed, is checked), tokens
+    duplicates + malformed + decontaminated (per benchmark, when any), plus for characters what normalization,
+    line rules and decontamination's mask trimmed, is checked), tokens
     of the tokenized outcomes and of what each filter removed (`removed`, from removed_tokens), and notes
     (documents kept with a caveat, e.g. an encoding fallback). `outcomes`: documents kept, exact and near
     duplicates; `stats`: tokens and characters by outcome, in parts that add up (the merge units')."""
-    docs = {"in": counts["in"], "kept": outcomes["kept"], "filtered": counts["filtered"],
+    filtered, decontaminated = split_counts(counts["filtered"])
+    docs = {"in": counts["in"], "kept": outcomes["kept"], "filtered": filtered,
             "exact_duplicate": outcomes["exact_duplicate"], "near_duplicate": outcomes["near_duplicate"],
-            "malformed": counts["malformed"]}
+            "malformed": counts["malformed"], **({"decontaminated": decontaminated} if decontaminated else {})}
     c = counts["chars"]
-    chars = {"in": c["in"], **{k: sum(s["chars"][k] for s in stats) for k in OUTCOMES}, "filtered": c["filtered"],
-             "malformed": c["malformed"], "trimmed": c["trimmed"]}
+    c_filtered, c_decontaminated = split_counts(c["filtered"])
+    chars = {"in": c["in"], **{k: sum(s["chars"][k] for s in stats) for k in OUTCOMES}, "filtered": c_filtered,
+             "malformed": c["malformed"], "trimmed": c["trimmed"],
+             **({"decontaminated": c_decontaminated} if c_decontaminated else {})}
     for what, d, extra in (("documents", docs, 0), ("characters", chars, sum(chars["trimmed"].values()))):
         total = d["kept"] + sum(d["filtered"].values()) + d["exact_duplicate"] + d["near_duplicate"] + \
-            sum(d["malformed"].values()) + extra
+            sum(d["malformed"].values()) + sum(d.get("decontaminated", {}).values()) + extra
         if total != d["in"]:
             raise DataError(f"accounting broken ({what}): in={d['in']} but kept + filtered + duplicate + malformed"
-                            f"{' + trimmed' if extra else ''} = {total} ({d}); this is a bug in the build — report "
+                            f" + decontaminated{' + trimmed' if extra else ''} = {total} ({d}); this is a bug in the "
+                            f"build — report "
                             f"it with the config")
     tokens = {k: sum(s[k] for s in stats) for k in OUTCOMES} | removed
     return {"documents": docs, "tokens": tokens, "chars": chars, "notes": counts.get("notes", {})}
