@@ -172,6 +172,26 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_quality(args: argparse.Namespace) -> int:
+    """Train a fastText quality classifier from positive and negative example sources (build/quality.py)."""
+    import itertools
+
+    from data_pipeline.build.ingest import read_records
+    from data_pipeline.build.quality import load_classifier, score, train_quality
+
+    def texts(paths: list[str]) -> list[str]:
+        docs = (r.text for p in paths for r in read_records(p, args.format, args.text_field, args.glob))
+        return list(itertools.islice((t for t in docs if t and t.strip()), args.max_docs))
+
+    pos, neg = texts(args.positive), texts(args.negative)
+    out = train_quality(pos, neg, args.out, epoch=args.epoch, lr=args.lr, seed=args.seed)
+    model = load_classifier(str(out))
+    mean = [sum(score(t, model) for t in xs) / len(xs) for xs in (pos, neg)]
+    print(f"quality classifier {out}: {len(pos):,} positive and {len(neg):,} negative documents; mean score "
+          f"{mean[0]:.3f} on the positives, {mean[1]:.3f} on the negatives (training data)")
+    return 0
+
+
 def register(subparsers: Any) -> None:
     """Add the `data` and `tokenizer` subcommands to the tessera CLI."""
     data = subparsers.add_parser("data", help="build and inspect tokenized datasets")
@@ -199,6 +219,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--decontaminated", action="store_true", help="per benchmark, the documents removed and the "
                                                                   "characters masked, and where they came from")
     p.set_defaults(func=cmd_sample)
+
+    p = dsub.add_parser("train-quality", help="train a fastText quality classifier (for filters.quality.model) "
+                                              "from positive and negative example sources")
+    p.add_argument("--positive", nargs="+", required=True, help="sources of text to keep (files or directories)")
+    p.add_argument("--negative", nargs="+", required=True, help="sources of text to drop")
+    p.add_argument("--out", required=True, help="the .bin to write")
+    p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet", "hf", "text"))
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--glob", default="*", help="text trees: which files are documents")
+    p.add_argument("--max-docs", type=int, default=500_000, help="documents read per class")
+    p.add_argument("--epoch", type=int, default=5)
+    p.add_argument("--lr", type=float, default=0.1, help="fastText's learning rate (raise it for a few hundred "
+                                                         "examples)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train_quality)
 
     tok = subparsers.add_parser("tokenizer", help="tokenizer tools")
     tsub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from data_pipeline import text_units
 from data_pipeline.build.decontam import DecontaminateFilter, decontaminate
+from data_pipeline.build.quality import QualityFilter, quality_filter
 from data_pipeline.text_units import UnitsConfig, mean_word_length
 from framework.base.errors import ConfigError
 
@@ -152,8 +153,10 @@ class FiltersConfig:
     code: CodeFilter = field(default_factory=CodeFilter)
     docs: DocsFilter = field(default_factory=DocsFilter)
     language: LanguageFilter = field(default_factory=LanguageFilter)
+    quality: QualityFilter = field(default_factory=QualityFilter)
+    """A fastText classifier's score (data_pipeline/build/quality.py), for sources listing `quality`."""
     decontaminate: DecontaminateFilter = field(default_factory=DecontaminateFilter)
-    """Evaluation sets whose n-grams no kept document may share (data_pipeline/decontam.py); runs after every
+    """Evaluation sets whose n-grams no kept document may share (data_pipeline/build/decontam.py); runs after every
     source's filters when `benchmarks` is given."""
     units: UnitsConfig = field(default_factory=UnitsConfig)
     """What every rule counts as a word (data_pipeline/text_units.py): whitespace tokens, and runs of scripts
@@ -345,7 +348,7 @@ def language_filter(text: str, c: LanguageFilter) -> Verdict:
 _FUNCS: dict[str, Callable[[str, object], Verdict]] = {
     "length": length_filter, "gopher_quality": gopher_quality, "gopher_repetition": gopher_repetition,  # type: ignore[dict-item]
     "c4": c4_filter, "fineweb": fineweb_filter, "code": code_filter, "docs": docs_filter,  # type: ignore[dict-item]
-    "language": language_filter,  # type: ignore[dict-item]
+    "language": language_filter, "quality": quality_filter,  # type: ignore[dict-item]
 }
 
 

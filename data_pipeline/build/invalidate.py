@@ -62,7 +62,9 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
             "v": INGEST_VERSION, "source": own, "filters": names, "shard_docs": cfg.shard_docs,
             "unit_bytes": cfg.unit_bytes, "params": {n: to_dict(getattr(cfg.filters, n)) for n in names},
             "normalize": to_dict(cfg.source_normalize(src)), "units": to_dict(cfg.filters.units),
-            **({"decontaminate": decontam} if decontam else {})})
+            **({"decontaminate": decontam} if decontam else {}),
+            **({"quality_model": file_sha256(cfg.filters.quality.model)}
+               if "quality" in names and cfg.filters.quality.model else {})})
     ingest = [[s.name, s.priority, keys[f"ingest/{s.name}"]] for s in cfg.sources]
     keys["exact"] = config_key([ingest, cfg.dedup.exact, cfg.dedup.partition_docs])
     for src in cfg.sources:

@@ -1,0 +1,86 @@
+"""Model-based quality scoring on real text (tests/fixtures/labelled: documentation prose and source files nobody on
+the project wrote): a fastText classifier trained on two sources scores a third and the filter keeps what scores
+high; a DCLM-format .bin made with fastText itself loads and scores as fastText scores it; scores, and the build,
+are the same as 1 and 3 ingest tasks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.filters import FiltersConfig, apply_filters
+from data_pipeline.build.quality import NEGATIVE, POSITIVE, QualityFilter, load_classifier, score
+from data_pipeline.build.run import run_build
+from framework.base.errors import ConfigError
+from framework.cli import main
+
+fasttext = pytest.importorskip("fasttext", reason="the quality extra (fasttext-wheel) is not installed")
+
+ROWS = [json.loads(x) for x in (Path(__file__).parents[1] / "fixtures" / "labelled" / "texts.jsonl").read_text()
+        .splitlines()]
+PROSE = [r["text"] for r in ROWS if r["profile"] == "docs"]
+CODE = [r["text"] for r in ROWS if r["profile"] == "code"]
+
+
+def _jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_train_on_two_sources_score_a_third(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Prose against code: half of each trains the classifier (through the CLI), the other halves are the third
+    source the filter sees."""
+    pos, neg = _jsonl(tmp_path / "prose.jsonl", PROSE[::2]), _jsonl(tmp_path / "code.jsonl", CODE[::2])
+    model = tmp_path / "quality.bin"
+    assert main(["data", "train-quality", "--positive", str(pos), "--negative", str(neg), "--out", str(model),
+                 "--epoch", "25", "--lr", "1.0"]) == 0
+    assert "positive" in capsys.readouterr().out
+    cfg = FiltersConfig(quality=QualityFilter(model=str(model), threshold=0.5))
+    kept_prose = sum(apply_filters(t, ("quality",), cfg)[0] is not None for t in PROSE[1::2])
+    kept_code = sum(apply_filters(t, ("quality",), cfg)[0] is not None for t in CODE[1::2])
+    assert kept_prose >= 0.9 * len(PROSE[1::2]), (kept_prose, len(PROSE[1::2]))  # 28 held-out documents
+    assert kept_code <= 0.25 * len(CODE[1::2]), (kept_code, len(CODE[1::2]))  # 26
+    assert apply_filters(CODE[1], ("quality",), FiltersConfig(quality=QualityFilter(model=str(model),
+                                                                                    threshold=1.0)))[1] == \
+        "quality.low_score"
+
+
+def test_a_dclm_format_model_loads_and_scores_as_fasttext_does(tmp_path: Path) -> None:
+    data = tmp_path / "train.txt"
+    data.write_text("".join(f"{POSITIVE} {' '.join(t.split())}\n" for t in PROSE[:20]) +
+                    "".join(f"{NEGATIVE} {' '.join(t.split())}\n" for t in CODE[:20]))
+    path = tmp_path / "fasttext_oh_eli5.bin"
+    fasttext.train_supervised(str(data), epoch=3, thread=1, seed=1, verbose=0).save_model(str(path))
+    model = load_classifier(str(path))
+    own = fasttext.load_model(str(path))
+    for text in PROSE[20:25] + CODE[20:25]:
+        line = " ".join(text.split())
+        probs = dict((lab, p) for p, lab in own.f.predict(line, 2, 0.0, "strict"))
+        assert score(text, model) == pytest.approx(probs[POSITIVE], abs=1e-6)
+    with pytest.raises(ConfigError, match="not a file"):
+        QualityFilter(model=str(tmp_path / "nope.bin")).validate()
+
+
+def test_scores_and_build_are_the_same_as_one_and_three_ingest_tasks(tmp_path: Path) -> None:
+    model = tmp_path / "q.bin"
+    from data_pipeline.build.quality import train_quality
+
+    train_quality(PROSE[::2], CODE[::2], model, epoch=25, lr=1.0)
+    corpus = _jsonl(tmp_path / "mixed.jsonl", [t for pair in zip(PROSE, CODE, strict=False) for t in pair])
+
+    def build(out: str, tasks: int) -> dict:
+        cfg = BuildConfig(output_dir=str(tmp_path / out), unit_bytes=16_384, workers=1, shard_docs=8,
+                          sources=[SourceConfig(name="mix", path=str(corpus), filters=["length", "quality"])],
+                          filters=FiltersConfig(quality=QualityFilter(model=str(model), threshold=0.5)),
+                          tokenizer=TokenizerConfig(vocab_size=400, sample_chars=50_000))
+        for k in range(tasks):
+            run_build(cfg, stages=("ingest",), task=k, tasks=tasks)
+        return run_build(cfg)
+
+    one, three = build("one", 1), build("three", 3)
+    assert one["fingerprint"] == three["fingerprint"]
+    assert one["sources"]["mix"]["documents"] == three["sources"]["mix"]["documents"]
+    assert 0 < one["sources"]["mix"]["documents"]["filtered"]["quality.low_score"] < len(CODE)
