@@ -202,6 +202,20 @@ def mutate(text: str, target: float, rng: random.Random,
     return min(cand, key=lambda c: (abs(set_jaccard(base, shingle(c)) - target), c == text))
 
 
+def replace_letters(text: str, rng: random.Random, frac: float = 0.02) -> str:
+    """A near copy of text in any script: `frac` of its non-ASCII letters replaced by other letters of the same
+    text (in Chinese, Japanese or Thai a share of the words; in spaced scripts about 5x that share of words)."""
+    chars = list(text)
+    idx = [i for i, c in enumerate(chars) if c.isalpha() and not c.isascii()]
+    pool = [chars[i] for i in idx]
+    for i in rng.sample(idx, max(1, round(frac * len(idx)))):
+        c = chars[i]
+        while c == chars[i] and len(set(pool)) > 1:
+            c = rng.choice(pool)
+        chars[i] = c
+    return "".join(chars)
+
+
 def filler(pool: list[str], rng: random.Random) -> str:
     """A document of 150-400 words made of lines drawn at random from `pool` (far from every other)."""
     lines: list[str] = []

@@ -1,13 +1,15 @@
 """The `docs` profile on real translated text from the machine, per language: characters kept with the
 language-aware units (data_pipeline/text_units.py) against whitespace words (the rule before, measured in the same
-run by swapping the units for `str.split`).
+run by swapping the units for `str.split`). With `--dedup`, near-copy recall per language: each document and a copy
+with 2% of its non-ASCII letters replaced by other letters of the document (3 seeds), through near dedup's default
+(20 x 5 bands, verification at 0.75), with per-character shingles and with the words before (no document rewritten).
 
 Text: the gettext catalogues under /usr/share/locale (consecutive translated messages of one catalogue joined
 into documents of about 500 characters, as tests/fixtures/multilingual/make_sample.py makes them, without format
 strings) and the translated man pages under /usr/share/man/<lang> (each page rendered by `man -l`, one document).
 Nothing is written by the project.
 
-    PYTHONPATH=. python bench/multilingual_filters.py [--man] [--json out.json]
+    PYTHONPATH=. python bench/multilingual_filters.py [--man] [--dedup] [--json out.json]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import gettext
 import json
 import os
+import random
 import subprocess
 import sys
 from collections import Counter
@@ -23,8 +26,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py`: bench.* from the root
+
+from bench.dedup_eval import replace_letters
 from data_pipeline import text_units
-from data_pipeline.build import filters
+from data_pipeline.build import filters, minhash, shingles
+from data_pipeline.build.dedup import near_dedup
 from data_pipeline.build.filters import FiltersConfig, apply_filters, resolve_filters
 from data_pipeline.build.normalize import NormalizeConfig, normalize
 
@@ -111,11 +120,52 @@ def whitespace_words(run: Callable[[], Any]) -> Any:
         text_units.words, filters.mean_word_length = words, mean
 
 
+def near_copies(docs: list[str], seeds: int = 3) -> tuple[int, int, int]:
+    """(pairs, pairs found — the copy or the original removed for the other —, documents removed for another)."""
+    n, found, wrong = len(docs), 0, 0
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        res = near_dedup(docs + [replace_letters(t, rng) for t in docs], minhash.MinHashConfig())
+        removed = np.flatnonzero(~res.keep)
+        found += sum(int(res.cluster[i] % n == i % n) for i in removed)
+        wrong += sum(int(res.cluster[i] % n != i % n) for i in removed)
+    return seeds * n, found, wrong
+
+
+def words_before(run: Callable[[], Any]) -> Any:
+    """`run()` with near dedup's words as before text_units (no text rewritten per character)."""
+    table = shingles.unspaced_table
+    shingles.unspaced_table = lambda: np.zeros(1, dtype=bool)  # type: ignore[assignment]
+    try:
+        return run()
+    finally:
+        shingles.unspaced_table = table
+
+
+def dedup_rows() -> None:
+    print("| language | text | documents | recall (characters) | removed wrongly | recall (words before) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for locale in LOCALES:
+        msgs = catalogue_messages(locale)
+        for kind, lo, hi in (("prose", 0.0, 0.1), ("mixed", 0.15, 0.5)):
+            docs = [d for _, d in catalogue_documents(msgs, lo, hi)][:200]
+            if len(docs) < 10:
+                continue
+            pairs, found, wrong = near_copies(docs)
+            _, found_ws, _ = words_before(lambda docs=docs: near_copies(docs))
+            print(f"| {locale} | {kind} | {len(docs)} | {found / pairs:.3f} | {wrong} | {found_ws / pairs:.3f} |")
+            sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--man", action="store_true", help="also the translated man pages (~1 s a page)")
+    parser.add_argument("--dedup", action="store_true", help="near-copy recall per language instead")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.dedup:
+        dedup_rows()
+        return
     rows = []
     corpora: list[tuple[str, str, list[str]]] = []
     for locale in LOCALES:

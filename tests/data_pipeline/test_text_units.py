@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.dedup_eval import replace_letters
 from data_pipeline import text_units
 from data_pipeline.build.config import BuildConfig, SourceConfig
 from data_pipeline.build.dedup import near_dedup
 from data_pipeline.build.filters import FiltersConfig, apply_filters, resolve_filters
 from data_pipeline.build.invalidate import stage_keys
-from data_pipeline.build.minhash import MinHashConfig
-from data_pipeline.build.shingles import shingle_hashes
+from data_pipeline.build.minhash import MinHashConfig, shingle_hashes
 from data_pipeline.text_units import UnitsConfig, words
 from framework.base.errors import ConfigError
 
@@ -79,19 +79,6 @@ def test_docs_rules_still_drop_blobs_in_chinese_text() -> None:
     assert apply_filters(text, ("docs",), FiltersConfig())[1] == "docs.mean_word_length"
 
 
-def _edit(text: str, rng: random.Random, frac: float = 0.02) -> str:
-    """`text` with `frac` of its non-ASCII letters replaced by other letters of the same document."""
-    chars = list(text)
-    idx = [i for i, c in enumerate(chars) if c.isalpha() and not c.isascii()]
-    pool = [chars[i] for i in idx]
-    for i in rng.sample(idx, max(1, round(frac * len(idx)))):
-        c = chars[i]
-        while c == chars[i]:
-            c = rng.choice(pool)
-        chars[i] = c
-    return "".join(chars)
-
-
 @pytest.mark.parametrize("lang,kind", [("zh", "prose"), ("zh", "mixed"), ("ja", "prose"), ("ja", "mixed"),
                                        ("th", "prose")])
 def test_near_copies_with_two_percent_of_characters_replaced_are_found(lang: str, kind: str) -> None:
@@ -99,7 +86,7 @@ def test_near_copies_with_two_percent_of_characters_replaced_are_found(lang: str
     n, found, wrong = len(docs), 0, 0
     for seed in range(3):
         rng = random.Random(seed)
-        res = near_dedup(docs + [_edit(t, rng) for t in docs], MinHashConfig())
+        res = near_dedup(docs + [replace_letters(t, rng) for t in docs], MinHashConfig())
         removed = np.flatnonzero(~res.keep)
         found += sum(int(res.cluster[i] % n == i % n) for i in removed)
         wrong += sum(int(res.cluster[i] % n != i % n) for i in removed)
