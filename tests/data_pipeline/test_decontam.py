@@ -17,7 +17,7 @@ from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfi
 from data_pipeline.build.decontam import DecontaminateFilter, decontaminate
 from data_pipeline.build.filters import FiltersConfig
 from data_pipeline.build.run import run_build
-from data_pipeline.cli import cmd_sample
+from data_pipeline.cli import cmd_sample, format_stats
 from framework.base.errors import ConfigError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -92,6 +92,7 @@ def test_planted_passages_are_found_and_a_clean_corpus_loses_nothing(
     outcomes = docs["kept"] + sum(docs["filtered"].values()) + docs["exact_duplicate"] + docs["near_duplicate"] + \
         sum(docs["malformed"].values()) + sum(docs["decontaminated"].values())
     assert outcomes == docs["in"] == len(clean) + len(planted)
+    assert re.search(r"docs +decontaminated docs_mc +3 ", format_stats(m)), format_stats(m)
     cmd_sample(argparse.Namespace(build=str(tmp_path / "removed"), source="docs", filtered=False, reason=None,
                                   decontaminated=True, n=3, chars=200, seed=0))
     shown = capsys.readouterr().out
