@@ -29,6 +29,7 @@ from pathlib import Path
 from data_pipeline.build.cache import MANIFEST, config_key, write_json_atomic
 from data_pipeline.build.config import BuildConfig
 from data_pipeline.build.filters import resolve_filters
+from data_pipeline.build.quality import model_files
 from framework.base.yaml_config import to_dict
 
 STAMPS = "stamps.json"
@@ -63,7 +64,7 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
             "unit_bytes": cfg.unit_bytes, "params": {n: to_dict(getattr(cfg.filters, n)) for n in names},
             "normalize": to_dict(cfg.source_normalize(src)), "units": to_dict(cfg.filters.units),
             **({"decontaminate": decontam} if decontam else {}),
-            **({"quality_model": file_sha256(cfg.filters.quality.model)}
+            **({"quality_model": [file_sha256(f) for f in model_files(cfg.filters.quality.model)]}
                if "quality" in names and cfg.filters.quality.model else {})})
     ingest = [[s.name, s.priority, keys[f"ingest/{s.name}"]] for s in cfg.sources]
     keys["exact"] = config_key([ingest, cfg.dedup.exact, cfg.dedup.partition_docs])

@@ -1,7 +1,9 @@
 """Model-based quality scoring: a fastText classifier (DCLM's `fasttext_oh_eli5.bin` format: labels `__label__hq`
-/ `__label__cc`) scores each document with the probability of its positive label; the `quality` filter keeps the
-documents at or above a threshold. `train_quality` makes such a classifier from positive and negative example
-texts, as DCLM and FineWeb-Edu made theirs (`tessera data train-quality`).
+/ `__label__cc`) scores each document with the probability of its positive label, or a Hugging Face
+sequence-classification model run on CPU with the probability of one label (a regression head, as FineWeb-Edu's
+classifier, gives its output); the `quality` filter keeps the documents at or above a threshold. `train_quality`
+makes a fastText classifier from positive and negative example texts, as DCLM made its own (`tessera data
+train-quality`).
 
 A document is given to the classifier as one line (newlines to spaces, as DCLM does) of at most `max_chars`
 characters. Scores depend only on the text and the model file, so they are the same whatever the ingest tasks;
@@ -18,7 +20,7 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from framework.base.errors import ConfigError, DataError
 
@@ -29,9 +31,12 @@ POSITIVE, NEGATIVE = "__label__hq", "__label__cc"
 @dataclass(kw_only=True, frozen=True)
 class QualityFilter:
     model: str | None = None
-    """A fastText .bin classifier; required when a source lists the `quality` filter."""
+    """A fastText .bin classifier, or (kind hf) a local Hugging Face model folder; required when a source lists
+    the `quality` filter."""
+    kind: Literal["fasttext", "hf"] = "fasttext"
     label: str = POSITIVE
-    """The label whose probability is the score."""
+    """The label whose probability is the score (hf: a name of the model's `id2label`; ignored for a regression
+    head of one output, whose output is the score)."""
     threshold: float = 0.5
     """Documents scoring below are dropped (`quality.low_score`)."""
     max_chars: int = 10_000
@@ -40,9 +45,15 @@ class QualityFilter:
     def validate(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"filters.quality.threshold={self.threshold} must be a probability in [0, 1]")
-        if self.model is not None and not Path(self.model).is_file():
-            raise ConfigError(f"filters.quality.model={self.model!r} is not a file; give a fastText .bin "
-                              f"(`tessera data train-quality` makes one)")
+        if self.model is not None and not Path(self.model).exists():
+            raise ConfigError(f"filters.quality.model={self.model!r} does not exist; give a fastText .bin "
+                              f"(`tessera data train-quality` makes one) or, with kind: hf, a model folder")
+
+
+def model_files(path: str) -> list[Path]:
+    """The files a quality model is made of (a .bin; or a Hugging Face folder's files), for the ingest stamp."""
+    p = Path(path)
+    return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
 
 
 def _fasttext() -> Any:
@@ -76,9 +87,36 @@ def quality_filter(text: str, c: QualityFilter) -> tuple[str | None, str | None]
     if c.model is None:
         raise ConfigError("a source runs the quality filter but filters.quality.model is not set; give a fastText "
                           ".bin (`tessera data train-quality` makes one)")
-    if score(text, load_classifier(c.model), c.label, c.max_chars) < c.threshold:
+    value = (hf_score(text, c.model, c.label, c.max_chars) if c.kind == "hf"
+             else score(text, load_classifier(c.model), c.label, c.max_chars))
+    if value < c.threshold:
         return None, "quality.low_score"
     return text, None
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_classifier(path: str) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.set_num_threads(1)  # one per ingest worker: the workers are the parallelism
+    return AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
+
+
+def hf_score(text: str, path: str, label: str, max_chars: int = 10_000) -> float:
+    """A Hugging Face sequence classifier's probability of `label` for `text` (its first 512 tokens), or the output
+    of a one-output regression head."""
+    import torch
+
+    tok, model = _hf_classifier(path)
+    with torch.inference_mode():
+        logits = model(**tok(text[:max_chars], truncation=True, max_length=512, return_tensors="pt")).logits[0]
+    if logits.numel() == 1:
+        return float(logits[0])
+    ids = {name: int(i) for i, name in model.config.id2label.items()}
+    if label not in ids:
+        raise ConfigError(f"filters.quality.label={label!r} is not a label of {path} (labels: {sorted(ids)})")
+    return float(torch.softmax(logits.float(), dim=-1)[ids[label]])
 
 
 def train_quality(positive: Iterable[str], negative: Iterable[str], out: str | Path, *, epoch: int = 5,

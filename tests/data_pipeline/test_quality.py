@@ -60,7 +60,7 @@ def test_a_dclm_format_model_loads_and_scores_as_fasttext_does(tmp_path: Path) -
         line = " ".join(text.split())
         probs = dict((lab, p) for p, lab in own.f.predict(line, 2, 0.0, "strict"))
         assert score(text, model) == pytest.approx(probs[POSITIVE], abs=1e-6)
-    with pytest.raises(ConfigError, match="not a file"):
+    with pytest.raises(ConfigError, match="does not exist"):
         QualityFilter(model=str(tmp_path / "nope.bin")).validate()
 
 
@@ -84,3 +84,36 @@ def test_scores_and_build_are_the_same_as_one_and_three_ingest_tasks(tmp_path: P
     assert one["fingerprint"] == three["fingerprint"]
     assert one["sources"]["mix"]["documents"] == three["sources"]["mix"]["documents"]
     assert 0 < one["sources"]["mix"]["documents"]["filtered"]["quality.low_score"] < len(CODE)
+
+
+def test_a_hugging_face_classifier_scores_as_its_pipeline_does(tmp_path: Path) -> None:
+    """A tiny BERT sequence classifier (random weights, a word-level tokenizer over the fixture's words) saved as a
+    model folder: the filter's score is what transformers' text-classification pipeline gives the label."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({w for t in PROSE[:10] for w in t.lower().split()})
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *words])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
+                                               cls_token="[CLS]", sep_token="[SEP]", model_max_length=512)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, num_labels=2, id2label={0: "low", 1: "high"},
+                                  label2id={"low": 0, "high": 1})
+    folder = tmp_path / "classifier"
+    transformers.BertForSequenceClassification(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    pipe = transformers.pipeline("text-classification", model=str(folder), top_k=None, device="cpu")
+    quality = QualityFilter(model=str(folder), kind="hf", label="high", threshold=0.5)
+    from data_pipeline.build.quality import hf_score
+
+    for text in PROSE[10:14]:
+        want = {r["label"]: r["score"] for r in pipe([text], truncation=True)[0]}["high"]
+        assert hf_score(text, str(folder), "high") == pytest.approx(want, abs=1e-5)
+        kept = apply_filters(text, ("quality",), FiltersConfig(quality=quality))[0] is not None
+        assert kept == (want >= 0.5)
+    with pytest.raises(ConfigError, match="labels"):
+        hf_score(PROSE[0], str(folder), "__label__hq")
