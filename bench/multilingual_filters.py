@@ -87,7 +87,11 @@ def man_pages(locale: str, root: Path = Path("/usr/share/man")) -> Iterator[str]
     for page in sorted((root / locale).glob("man*/*")):
         if page.is_symlink():
             continue
-        out = subprocess.run(["man", "-l", str(page)], capture_output=True, env=env, check=False).stdout
+        try:  # no terminal, no pager; a page that hangs its formatter is skipped
+            out = subprocess.run(["man", "-P", "cat", "-l", str(page)], capture_output=True, env=env, check=False,
+                                 stdin=subprocess.DEVNULL, timeout=20).stdout
+        except subprocess.TimeoutExpired:
+            continue
         text = subprocess.run(["col", "-b"], input=out, capture_output=True, check=False).stdout.decode("utf-8",
                                                                                                        "replace")
         if text.strip():
@@ -167,16 +171,18 @@ def main() -> None:
         dedup_rows()
         return
     rows = []
-    corpora: list[tuple[str, str, list[str]]] = []
-    for locale in LOCALES:
-        msgs = catalogue_messages(locale)
-        corpora.append((locale, "catalogue prose", [d for _, d in catalogue_documents(msgs, 0.0, 0.1)]))
-        corpora.append((locale, "catalogue, any", [d for _, d in catalogue_documents(msgs)]))
-        if args.man and (Path("/usr/share/man") / locale).is_dir():
-            corpora.append((locale, "man pages", list(man_pages(locale))))
+
+    def corpora() -> Iterator[tuple[str, str, list[str]]]:
+        for locale in LOCALES:
+            msgs = catalogue_messages(locale)
+            yield locale, "catalogue prose", [d for _, d in catalogue_documents(msgs, 0.0, 0.1)]
+            yield locale, "catalogue, any", [d for _, d in catalogue_documents(msgs)]
+            if args.man and (Path("/usr/share/man") / locale).is_dir():
+                yield locale, "man pages", list(man_pages(locale))
+
     print("| language | text | documents | characters | kept (units) | kept (whitespace words) | dropped by (units) |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
-    for locale, kind, docs in corpora:
+    for locale, kind, docs in corpora():
         if not docs:
             continue
         total, out, reasons = kept(docs)
