@@ -15,6 +15,7 @@ Nothing is written by the project.
 from __future__ import annotations
 
 import argparse
+import functools
 import gettext
 import json
 import os
@@ -68,7 +69,9 @@ def catalogue_documents(msgs: list[tuple[str, str]], lo: float = 0.0, hi: float 
                         chars: int = CHARS) -> list[tuple[str, str]]:
     """(catalogue, document): consecutive messages of one catalogue whose ASCII share of letters is in [lo, hi],
     without format strings, joined by newlines into documents of about `chars` characters."""
-    docs, cur, cat = [], [], ""
+    docs: list[tuple[str, str]] = []
+    cur: list[str] = []
+    cat = ""
     for pkg, text in msgs:
         if not lo <= ascii_share(text) <= hi or "%" in text or "{" in text:
             continue
@@ -156,7 +159,7 @@ def dedup_rows() -> None:
             if len(docs) < 10:
                 continue
             pairs, found, wrong = near_copies(docs)
-            _, found_ws, _ = words_before(lambda docs=docs: near_copies(docs))
+            _, found_ws, _ = words_before(functools.partial(near_copies, docs))
             print(f"| {locale} | {kind} | {len(docs)} | {found / pairs:.3f} | {wrong} | {found_ws / pairs:.3f} |")
             sys.stdout.flush()
 
@@ -186,7 +189,7 @@ def main() -> None:
         if not docs:
             continue
         total, out, reasons = kept(docs)
-        _, out_ws, reasons_ws = whitespace_words(lambda docs=docs: kept(docs))
+        _, out_ws, reasons_ws = whitespace_words(functools.partial(kept, docs))
         rows.append({"locale": locale, "text": kind, "documents": len(docs), "characters": total, "kept": out,
                      "kept_whitespace": out_ws, "reasons": dict(reasons), "reasons_whitespace": dict(reasons_ws)})
         why = ", ".join(f"{r} {n}" for r, n in reasons.most_common()) or "-"
