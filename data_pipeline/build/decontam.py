@@ -93,9 +93,9 @@ def decontaminate(text: str, c: DecontaminateFilter) -> tuple[str | None, str | 
     """(text to keep or None, the reason `decontaminate.<benchmark>` or None when no n-gram is shared). Under
     `mask` a kept text with lines cut comes with its reason too (the trim is accounted under it)."""
     table, owner, _ = ngram_table(tuple(c.benchmarks), c.ngram)
-    wh, _ = word_hashes([text])
-    if len(wh) < c.ngram or not len(table):
+    if not len(table):
         return text, None
+    # A text of fewer words than the n-gram has one clipped shingle, which no full n-gram of the table equals.
     h, _ = shingle_hashes([text], c.ngram)
     pos = np.minimum(np.searchsorted(table, h), len(table) - 1)
     hit = np.flatnonzero(table[pos] == h)
@@ -106,7 +106,7 @@ def decontaminate(text: str, c: DecontaminateFilter) -> tuple[str | None, str | 
         return None, PREFIX + bench
     lines = text.split("\n")
     _, first = word_hashes(lines)  # the words of the text are its lines' words, in order
-    covered = np.zeros(len(wh), dtype=bool)
+    covered = np.zeros(int(first[-1]), dtype=bool)
     for i in hit.tolist():
         covered[i:i + c.ngram] = True
     drop = set((np.searchsorted(first, np.flatnonzero(covered), side="right") - 1).tolist())
