@@ -127,10 +127,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
         rows = [json.loads(x) for x in path.read_text().splitlines()]
         if args.decontaminated:  # per benchmark: the documents removed, the characters masked, then examples
             src = manifest["sources"][args.source]
-            for b, n in src["documents"].get("decontaminated", {}).items():
-                masked = src["chars"]["trimmed"].get(f"decontaminate.{b}", 0)
-                print(f"{b}: {n} documents removed ({src['chars']['decontaminated'][b]:,} characters), "
-                      f"{masked:,} characters of lines masked")
+            removed, chars = src["documents"].get("decontaminated", {}), src["chars"].get("decontaminated", {})
+            masked = {k.split(".", 1)[1]: v for k, v in src["chars"]["trimmed"].items()
+                      if k.startswith("decontaminate.")}
+            for b in sorted(set(removed) | set(masked)):
+                print(f"{b}: {removed.get(b, 0)} documents removed ({chars.get(b, 0):,} characters), "
+                      f"{masked.get(b, 0):,} characters of lines masked")
             rows = [r for r in rows if r["reason"].startswith("decontaminate.")]
         for r in rows if args.reason is None else [r for r in rows if r["reason"] == args.reason]:
             print(f"{r['reason']}: {r['where']} ({r['chars']:,} characters)")

@@ -105,6 +105,11 @@ def test_planted_passages_are_found_and_a_clean_corpus_loses_nothing(
     assert docs.get("decontaminated") == {"docs_mc": 1}  # the re-wrapped passage alone has none
     assert chars["trimmed"]["decontaminate.docs_mc"] >= len(english[0])
     assert chars["trimmed"]["decontaminate.zh_cloze"] >= len(chinese[0].replace("\n", "").replace(" ", ""))
+    cmd_sample(argparse.Namespace(build=str(tmp_path / "masked"), source="docs", filtered=False, reason=None,
+                                  decontaminated=True, n=3, chars=200, seed=0))
+    shown = capsys.readouterr().out
+    assert "docs_mc: 1 documents removed" in shown and "zh_cloze: 0 documents removed" in shown
+    assert f"{chars['trimmed']['decontaminate.zh_cloze']:,} characters of lines masked" in shown
     mask = DecontaminateFilter(benchmarks=benches, policy="mask")
     for plant, before, after in ((planted[0], DOCS[7][:300], DOCS[8][:300]), (planted[3], "前言。", "后记。")):
         kept, reason = decontaminate(plant, mask)
