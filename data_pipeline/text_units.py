@@ -9,7 +9,7 @@ into words by a segmenter the user names (`UnitsConfig.segmenters`, e.g. jieba f
 the rest of the text is split at whitespace as before, span by span, so a mixed-script page is handled in one pass.
 
 Text holding none of those scripts gives exactly the units it gave before (whitespace tokens for the filters,
-the word bytes of `minhash` for the shingles): English outputs are byte for byte unchanged.
+the word bytes of `build/shingles.py` for the shingles): English outputs are byte for byte unchanged.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ UNSPACED_TABLE_SIZE = 0x31351
 @functools.lru_cache(maxsize=1)
 def unspaced_table() -> np.ndarray:
     """For every code point below `UNSPACED_TABLE_SIZE`, whether it makes `has_unspaced` true (a base character of
-    an unspaced script or East Asian punctuation): a look-up for code points decoded in numpy (`minhash`)."""
+    an unspaced script or East Asian punctuation): a look-up for code points decoded in numpy (`build/shingles.py`)."""
     table = np.zeros(UNSPACED_TABLE_SIZE, dtype=bool)
     for lo, hi in [b for blocks in UNSPACED.values() for b in blocks] + list(_PUNCT_BLOCKS):
         table[lo:hi + 1] = [_HAS.match(chr(cp)) is not None for cp in range(lo, hi + 1)]

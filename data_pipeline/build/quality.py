@@ -7,7 +7,7 @@ train-quality`).
 
 A document is given to the classifier as one line (newlines to spaces, as DCLM does) of at most `max_chars`
 characters. Scores depend only on the text and the model file, so they are the same whatever the ingest tasks;
-the model's bytes are part of the ingest stamp (data_pipeline/invalidate.py). The bindings are optional:
+the model's bytes are part of the ingest stamp (data_pipeline/build/invalidate.py). The bindings are optional:
 `pip install 'tessera[quality]'` (fasttext-wheel, whose wheels need no compiler); their `predict` wrapper breaks
 under numpy 2, so the C++ method it wraps is called directly.
 """
