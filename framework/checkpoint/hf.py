@@ -354,7 +354,9 @@ def export_tokenizer(model_file: Path, out: Path) -> None:
     if model_file.name.endswith(".json"):  # a build's HF tokenizer (given, trained or converted from tiktoken)
         side = model_file.with_name("tokenizer_config.json")
         conf = json.loads(side.read_text()) if side.is_file() else {}
-        names = {k: conf[k] for k in ("eos_token", "bos_token", "pad_token", "unk_token") if conf.get(k)}
+        # a special token is a string or an AddedToken dict ({"content": ...}, older files); both name the token
+        names = {k: v.get("content") if isinstance(v, dict) else v
+                 for k in ("eos_token", "bos_token", "pad_token", "unk_token") if (v := conf.get(k))}
         PreTrainedTokenizerFast(tokenizer_file=str(model_file), **names).save_pretrained(str(out))
         return
     with tempfile.TemporaryDirectory() as tmp:
