@@ -1,0 +1,48 @@
+"""The planner's ZeRO-3 gather buffers: the unit being computed plus `prefetch` units gathered ahead, each the size
+of the largest layer in the compute dtype, beside that layer's unsharded gradient in the reduce dtype; ZeRO 0-2
+hold no gathered copy. Checked against the largest FSDP unit counted by hand from the model's dimensions: a
+decoder layer (llama2-7b) or the vocabulary-sized embedding (llama-1b, 128k vocabulary)."""
+
+from __future__ import annotations
+
+import pytest
+
+from framework.plan.layout import Layout, Precision, Workload
+from framework.plan.memory import peak_memory, rank_memory
+from models.config import model_config
+
+
+# preset: (hidden, heads x head_dim, KV heads x head_dim, SwiGLU ffn, vocabulary)
+DIMS = {"llama-1b": (2048, 32 * 64, 8 * 64, 8192, 128256), "llama2-7b": (4096, 32 * 128, 32 * 128, 11008, 32000)}
+
+
+def _largest_unit_by_hand(preset: str, tp: int) -> int:
+    d, q, kv, ffn, vocab = DIMS[preset]
+    layer = (2 * q * d + 2 * kv * d) // tp + 3 * d * ffn // tp + 2 * d  # two RMSNorm weights, replicated over tp
+    return max(layer, vocab // tp * d)
+
+
+@pytest.mark.parametrize("preset", list(DIMS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero3_buffers_grow_by_one_unit_per_prefetched_unit(preset: str, tp: int) -> None:
+    work = Workload(model_config(preset), 2048, 64)
+    prec = work.precision
+    assert (prec.param, prec.grad) == (2, 4)
+    layer = _largest_unit_by_hand(preset, tp)
+    for z in (0, 1, 2, 3):
+        for prefetch in (0, 1, 2):
+            lay = Layout(tp=tp, dp=8, zero_stage=z, prefetch=prefetch)
+            got = rank_memory(work, lay, 0)["comm_buffers"]
+            want = layer * (prec.grad + ((1 + prefetch) * prec.param if z == 3 else 0))
+            assert got == want, (z, prefetch, got, want)
+    # the peak sees it too: each prefetched unit adds exactly one bf16 layer to the ZeRO-3 peak
+    peaks = [peak_memory(work, Layout(tp=tp, dp=8, zero_stage=3, prefetch=p))[0] for p in (0, 1, 2)]
+    assert peaks[1] - peaks[0] == pytest.approx(2 * layer) and peaks[2] - peaks[1] == pytest.approx(2 * layer)
+    assert peak_memory(work, Layout(tp=tp, dp=8, zero_stage=2, prefetch=2))[0] == \
+        peak_memory(work, Layout(tp=tp, dp=8, zero_stage=2, prefetch=0))[0]
+
+
+def test_fp32_training_gathers_fp32_units() -> None:
+    work = Workload(model_config("llama2-7b"), 2048, 64, Precision.named("fp32"))
+    got = rank_memory(work, Layout(dp=8, zero_stage=3, prefetch=1), 0)["comm_buffers"]
+    assert got == _largest_unit_by_hand("llama2-7b", 1) * (4 + 2 * 4)
