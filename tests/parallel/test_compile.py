@@ -136,8 +136,19 @@ def test_refused_combinations_raise_with_the_reason(overrides: tuple[str, ...], 
 
 
 def test_allowed_combinations_load(tmp_path: Path) -> None:
+    """Every layout the parity test compiles loads as written: compile still on with its backend, each parallel
+    field as given (a refusal turned into a silent fallback would load too, and then test eager against eager)."""
+    from framework.parallel.compile import refusal
+
     for layout in [*LAYOUTS, _nvme_layout(tmp_path)]:
-        make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
+        cfg = make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
+        for key, value in layout.items():
+            node: Any = cfg
+            for part in (key if "." in key else f"parallel.{key}").split("."):
+                node = getattr(node, part)
+            assert node == value, (layout, key, node)
+        assert cfg.train.compile is True and cfg.train.compile_backend == layout["train.compile_backend"]
+        assert refusal(cfg.train.compile_backend, cfg.parallel, cfg.model) is None
 
 
 def test_a_changed_shape_compiles_once_and_is_logged(capfd: pytest.CaptureFixture[str]) -> None:
