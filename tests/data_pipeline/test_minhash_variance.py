@@ -29,7 +29,7 @@ import pytest
 from data_pipeline.minhash import MinHashConfig, shingle_hashes, signatures
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _occupancy(n: int, k: int) -> tuple[float, ...]:
     """P(f bins non-empty), f = 0..k, after n uniform balls into k bins."""
     p = np.zeros(k + 1)

@@ -25,7 +25,8 @@ PROMPTS = [[5, 17, 9, 300, 41, 7], [88], [3, 3, 3, 120]]
 LOGIT_TOL = 2e-5
 
 
-def _recorded_logits(model: torch.nn.Module, cfg: SamplingConfig, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+def _recorded_logits(model: torch.nn.Module, cfg: SamplingConfig,
+                     monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     real = gen_mod.next_tokens
 

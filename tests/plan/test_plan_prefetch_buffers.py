@@ -11,7 +11,6 @@ from framework.plan.layout import Layout, Precision, Workload
 from framework.plan.memory import peak_memory, rank_memory
 from models.config import model_config
 
-
 # preset: (hidden, heads x head_dim, KV heads x head_dim, SwiGLU ffn, vocabulary)
 DIMS = {"llama-1b": (2048, 32 * 64, 8 * 64, 8192, 128256), "llama2-7b": (4096, 32 * 128, 32 * 128, 11008, 32000)}
 
