@@ -1,0 +1,277 @@
+"""Mutation testing of the modules that decide correctness: put one plausible bug in, run the tests that cover the
+module, see whether they fail ("killed") or pass ("survived": a blind spot, or an equivalent mutant).
+
+    /work/bin/heavy python bench/mutation.py --modules framework/checkpoint/guard.py --per-module 12
+    python bench/mutation.py --list framework/locks.py          # the mutants a module has, without running them
+
+Mutants are made on the AST and written back as a source edit of the one node (the rest of the file keeps its
+text, so the survivors list shows real lines). Operators, each a kind of bug the project has met:
+  compare   a comparison flipped (< / >=, <= / >, == / !=, in / not in, is / is not)
+  offbyone  an integer constant n -> n + 1 (0 -> 1, 1 -> 2, 127 -> 128)
+  negate    an `if` / `while` / `assert`-free condition negated; True <-> False
+  boolop    `and` <-> `or`
+  return    a function returns at once (its first statement becomes `return`, or `return None` where it returns
+            values) — "a state not restored", "an early return"
+  kwarg     one keyword argument dropped from a call, so the callee's default applies — "a default dropped"
+  group     a mesh axis / process-group name swapped for another ("tp" -> "dp_shard", ...) — "a wrong group"
+  arith     + <-> -, * <-> // on one binary operation
+Each mutant runs in a temporary copy of the tree (never the working tree), with bytecode caching off (a stale
+.pyc of the same size and second would hide the mutant), under a time limit; a timeout counts as killed.
+A module's mutants are a fixed sample (seeded by the module's path) of all its sites, `--per-module` of them.
+The module -> tests map is bench/mutation_map.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.mutation_map import MODULE_TESTS  # noqa: E402
+
+AXES = ("tp", "pp", "dp_shard", "dp_replicate", "cp", "ep", "edp", "dp")
+_FLIP = {ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
+         ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+_ARITH = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str
+    op: str
+    line: int
+    before: str
+    after: str
+    """The edited source segment, before and after."""
+    span: tuple[int, int, int, int]
+    """(line, col, end_line, end_col) of the segment, 1-based lines, 0-based columns (ast's)."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.line}:{self.op}:{self.after}"
+
+
+def _segment(src: str, node: ast.AST) -> str:
+    return ast.get_source_segment(src, node) or ""
+
+
+def _docstring_end(body: list[ast.stmt]) -> int:
+    first = body[0]
+    is_doc = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+              and isinstance(first.value.value, str))
+    return 1 if is_doc and len(body) > 1 else 0
+
+
+def _returns_value(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(fn))
+
+
+def _sites(src: str, module: str) -> Iterator[Mutant]:
+    tree = ast.parse(src)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)  # type: ignore[attr-defined]
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    annotations: set[int] = set()  # type hints are not behaviour
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for a in ast.walk(n.returns) if n.returns else ():
+                annotations.add(id(a))
+        if isinstance(n, ast.arg) and n.annotation is not None:
+            annotations.update(id(a) for a in ast.walk(n.annotation))
+        if isinstance(n, ast.AnnAssign):
+            annotations.update(id(a) for a in ast.walk(n.annotation))
+
+    def mutant(op: str, node: ast.AST, new: ast.AST | str) -> Mutant | None:
+        before = _segment(src, node)
+        after = new if isinstance(new, str) else ast.unparse(new)
+        if not before or before == after or getattr(node, "end_lineno", None) is None:
+            return None
+        span = (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)  # type: ignore[attr-defined]
+        return Mutant(module, op, node.lineno, before, after, span)  # type: ignore[attr-defined]
+
+    out: list[Mutant | None] = []
+    for node in ast.walk(tree):
+        if id(node) in annotations or id(node) in docstrings:
+            continue
+        if isinstance(node, ast.Compare):
+            for i, cmp in enumerate(node.ops):
+                if type(cmp) in _FLIP:
+                    new = ast.Compare(node.left, [*node.ops[:i], _FLIP[type(cmp)](), *node.ops[i + 1:]],
+                                      node.comparators)
+                    out.append(mutant("compare", node, new))
+        elif isinstance(node, ast.Constant) and type(node.value) is int:
+            out.append(mutant("offbyone", node, repr(node.value + 1)))
+        elif isinstance(node, ast.Constant) and type(node.value) is bool:
+            out.append(mutant("negate", node, repr(not node.value)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in AXES:
+            other = AXES[(AXES.index(node.value) + 1) % len(AXES)]
+            out.append(mutant("group", node, repr(other)))
+        elif isinstance(node, (ast.If, ast.While)):
+            out.append(mutant("negate", node.test, ast.UnaryOp(ast.Not(), node.test)))
+        elif isinstance(node, ast.BoolOp):
+            out.append(mutant("boolop", node, ast.BoolOp(ast.Or() if isinstance(node.op, ast.And) else ast.And(),
+                                                         node.values)))
+        elif isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+            out.append(mutant("arith", node, ast.BinOp(node.left, _ARITH[type(node.op)](), node.right)))
+        elif isinstance(node, ast.Call) and node.keywords:
+            for i, kw in enumerate(node.keywords):
+                if kw.arg is not None:
+                    out.append(mutant("kwarg", node, ast.Call(node.func, node.args,
+                                                              [*node.keywords[:i], *node.keywords[i + 1:]])))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[_docstring_end(node.body)]
+            if isinstance(first, ast.Return) or (node.name.startswith("__") and node.name != "__init__"):
+                continue
+            ret = "return None" if _returns_value(node) else "return"
+            stmt = _segment(src, first)
+            if stmt and first.lineno == first.end_lineno:  # a one-line statement becomes `return; <it>`
+                out.append(Mutant(module, "return", first.lineno, stmt, f"{ret}; {stmt}",
+                                  (first.lineno, first.col_offset, first.end_lineno,
+                                   first.end_col_offset)))  # type: ignore[arg-type]
+    return iter([m for m in out if m is not None])
+
+
+def apply(src: str, m: Mutant) -> str:
+    lines = src.splitlines(keepends=True)
+    l0, c0, l1, c1 = m.span
+    # ast columns are UTF-8 byte offsets
+    head = lines[l0 - 1].encode()[:c0].decode()
+    tail = lines[l1 - 1].encode()[c1:].decode()
+    return "".join([*lines[:l0 - 1], head + m.after + tail, *lines[l1:]])
+
+
+def mutants(module: str, per_module: int) -> list[Mutant]:
+    """A fixed sample of the module's mutants that still compile (seeded by the module path)."""
+    src = (REPO / module).read_text()
+    every = []
+    seen = set()
+    for m in _sites(src, module):
+        if m.key in seen:
+            continue
+        seen.add(m.key)
+        try:
+            compile(apply(src, m), module, "exec")
+        except SyntaxError:
+            continue
+        every.append(m)
+    every.sort(key=lambda m: (m.line, m.op, m.after))
+    random.Random(module).shuffle(every)
+    return every[:per_module] if per_module > 0 else every
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree's product and test files (not .git, virtualenvs, caches, build outputs)."""
+    dest.mkdir(parents=True)
+    skip = {".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", "runs", "node_modules"}
+    for top in REPO.iterdir():
+        if top.name in skip:
+            continue
+        if top.is_dir():
+            shutil.copytree(top, dest / top.name, ignore=shutil.ignore_patterns(*skip))
+        else:
+            shutil.copy2(top, dest / top.name)
+
+
+def run_tests(tree: Path, tests: list[str], timeout_s: float) -> tuple[str, float]:
+    """'passed', 'failed', 'timeout' or 'error' (nothing collected, usage, internal) for `tests` in `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    # 1: a test failed; 2: collection failed (the mutant broke an import): both kill the mutant
+    return {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, "error"), took
+
+
+def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: Path | None) -> dict[str, object]:
+    tests = MODULE_TESTS[module]
+    target = tree / module
+    original = target.read_text()
+    base, base_s = run_tests(tree, tests, timeout_s * 4)
+    result: dict[str, object] = {"module": module, "tests": tests, "baseline": base, "baseline_s": round(base_s, 1),
+                                 "mutants": []}
+    if base != "passed":
+        return result
+    limit = max(timeout_s, 3 * base_s)
+    for m in mutants(module, per_module):
+        target.write_text(apply(original, m))
+        try:
+            outcome, took = run_tests(tree, tests, limit)
+        finally:
+            target.write_text(original)
+        row = {**asdict(m), "outcome": outcome, "seconds": round(took, 1)}
+        result["mutants"].append(row)  # type: ignore[union-attr]
+        if log is not None:
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        print(f"{outcome:8s} {took:6.1f}s {module}:{m.line} {m.op}: {m.before!r} -> {m.after!r}", flush=True)
+    return result
+
+
+def summary(results: list[dict[str, object]]) -> str:
+    rows = ["| module | mutants | killed | survived | kill rate | tests' time |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    total_k = total_n = 0
+    for r in results:
+        ms = r["mutants"]
+        assert isinstance(ms, list)
+        if r["baseline"] != "passed":
+            rows.append(f"| {r['module']} | - | - | - | baseline {r['baseline']} | {r['baseline_s']} s |")
+            continue
+        killed = sum(m["outcome"] in ("failed", "timeout") for m in ms)
+        errors = sum(m["outcome"] == "error" for m in ms)
+        n = len(ms) - errors
+        total_k, total_n = total_k + killed, total_n + n
+        rows.append(f"| {r['module']} | {n} | {killed} | {n - killed} | {100 * killed / max(1, n):.0f}% | "
+                    f"{r['baseline_s']} s |")
+    rows.append(f"| all | {total_n} | {total_k} | {total_n - total_k} | {100 * total_k / max(1, total_n):.0f}% | |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modules", nargs="*", default=None, help="modules to mutate (default: every one in the map)")
+    ap.add_argument("--per-module", type=int, default=12, help="mutants sampled per module (0: all)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's test run (at least 3x baseline)")
+    ap.add_argument("--out", type=Path, default=None, help="append one JSON line per mutant here")
+    ap.add_argument("--list", metavar="MODULE", help="print the module's sampled mutants and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m in mutants(args.list, args.per_module):
+            print(f"{m.module}:{m.line} {m.op}: {m.before!r} -> {m.after!r}")
+        return 0
+    modules = args.modules or list(MODULE_TESTS)
+    unknown = [m for m in modules if m not in MODULE_TESTS]
+    if unknown:
+        raise SystemExit(f"no tests mapped for {unknown}; add them to bench/mutation_map.py")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="tessera-mutation-") as tmp:
+        tree = Path(tmp) / "tree"
+        copy_tree(tree)
+        for module in modules:
+            results.append(run_module(tree, module, args.per_module, args.timeout, args.out))
+    print(summary(results))
+    survivors = [m for r in results for m in r["mutants"] if m["outcome"] == "passed"]  # type: ignore[union-attr]
+    for m in survivors:
+        print(f"SURVIVED {m['module']}:{m['line']} {m['op']}: {m['before']!r} -> {m['after']!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""Which tests cover each module bench/mutation.py mutates: the module's own unit tests plus the tests written
+against an independent reference for it. Keep this current when a test moves or a module gains one: a mutant of
+a module is judged only by the tests listed here. Fast tests first (pytest runs with -x: the first failure kills).
+The multi-rank parity tests (minutes each) cover parallelize.py and parallel_engine.py; they are listed, and
+run with few mutants (bench/mutation.py --per-module)."""
+
+from __future__ import annotations
+
+CK = "tests/checkpoint"
+DP = "tests/data_pipeline"
+
+MODULE_TESTS: dict[str, list[str]] = {
+    # checkpoint verify / prune / resume rules, the loss guard
+    "framework/checkpoint/guard.py": [
+        f"{CK}/test_ckpt_units.py::test_guard_skips_nonfinite_and_spikes_then_asks_for_rollback",
+        f"{CK}/test_ckpt_safety.py::test_rollback_refusals_and_suspect_checkpoints",
+        f"{CK}/test_suspect_checkpoints.py",
+        f"{CK}/test_ckpt_trainer.py::test_nan_steps_are_skipped_then_rolled_back",
+    ],
+    "framework/checkpoint/manifest.py": [
+        f"{CK}/test_manifest_growth.py",
+        f"{CK}/test_ckpt_units.py::test_manifest_detects_truncation_and_corruption",
+        f"{CK}/test_ckpt_units.py::test_fallback_to_previous_valid_checkpoint",
+        f"{CK}/test_ckpt_safety.py::test_without_xxhash_verification_falls_back_to_sizes",
+    ],
+    "framework/checkpoint/resume_rules.py": [
+        f"{CK}/test_resume_rules.py::test_allowed_silently_eval_logging_and_checkpoint_settings",
+        f"{CK}/test_resume_rules.py::test_train_steps_needs_the_flag_that_says_how_the_lr_continues",
+        f"{CK}/test_resume_rules.py::test_global_batch_size_needs_a_flag",
+        f"{CK}/test_resume_rules.py::test_new_future_schedule_phase_is_allowed_but_not_a_seen_one",
+        f"{CK}/test_resume_rules.py::test_data_seen_and_model_shape_are_refused",
+        f"{CK}/test_resume_rules.py::test_batch_size_change_with_data_schedule_needs_only_its_own_flag",
+        f"{CK}/test_resume_fewer_steps.py::test_fewer_steps_needs_the_flag_on_crafted_metadata",
+        f"{CK}/test_ckpt_units.py::test_compatibility_names_the_field",
+    ],
+    "framework/checkpoint/manager.py": [
+        f"{CK}/test_ckpt_units.py::test_fallback_to_previous_valid_checkpoint",
+        f"{CK}/test_ckpt_units.py::test_compatibility_names_the_field",
+        f"{CK}/test_suspect_checkpoints.py",
+        f"{CK}/test_ckpt_safety.py::test_unverifiable_checkpoints_refuse_then_move_aside",
+    ],
+    # locks and signals
+    "framework/locks.py": ["tests/framework/test_lockset_failure.py", "tests/framework/test_locks.py"],
+    "framework/checkpoint/signals.py": [
+        f"{CK}/test_ckpt_units.py::test_stop_signals_set_the_flag_and_restore_handlers",
+        "tests/launch/test_launch_signals.py",
+    ],
+    # precision, MoE routing, RoPE
+    "framework/parallel/precision.py": ["tests/framework/test_mixed_precision.py"],
+    "models/moe/router.py": ["tests/moe/test_moe_routing.py"],
+    "models/rope.py": [f"{CK}/test_rope_hf_reference.py", f"{CK}/test_rope_scaling.py"],
+    # tokenizers, dedup
+    "data_pipeline/tokenizer.py": [
+        f"{DP}/test_tokenizer_special_dicts.py",
+        f"{DP}/test_tokenizers.py::test_native_tiktoken_encodes_as_the_converted_tokenizer_json",
+    ],
+    "data_pipeline/minhash.py": [f"{DP}/test_dedup.py", f"{DP}/test_minhash_variance.py"],
+    # the planner
+    "framework/plan/memory.py": ["tests/plan/test_plan_prefetch_buffers.py", "tests/plan/test_plan_memory_comm.py",
+                                 "tests/plan/test_plan_activations.py"],
+    "framework/plan/comm.py": ["tests/plan/test_plan_memory_comm.py", "tests/plan/test_plan_zero_overlap.py"],
+    # the parallel recipe's rank arithmetic and schedule table, then the engine and recipe themselves
+    "framework/parallel/mesh.py": ["tests/parallel/test_mesh.py"],
+    "framework/parallel/pipeline_schedules.py": ["tests/parallel/test_pipeline_schedules.py"],
+    "framework/parallel/parallelize.py": ["tests/parallel/test_parity.py"],
+    "framework/train/parallel_engine.py": ["tests/parallel/test_parity.py"],
+}
