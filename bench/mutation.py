@@ -206,6 +206,9 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
     base, base_s = run_tests(tree, tests, timeout_s * 4)
     result: dict[str, object] = {"module": module, "tests": tests, "baseline": base, "baseline_s": round(base_s, 1),
                                  "mutants": []}
+    if log is not None:
+        with log.open("a") as f:
+            f.write(json.dumps({"module": module, "baseline": base, "baseline_s": round(base_s, 1)}) + "\n")
     if base != "passed":
         return result
     limit = max(timeout_s, 3 * base_s)
@@ -244,6 +247,31 @@ def summary(results: list[dict[str, object]]) -> str:
     return "\n".join(rows)
 
 
+def from_logs(paths: list[Path]) -> list[dict[str, object]]:
+    """Per-module results from the JSON lines of one or more runs (the bench runs in pieces)."""
+    by: dict[str, dict[str, object]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            r = by.setdefault(row["module"], {"module": row["module"], "mutants": [], "baseline": "passed",
+                                              "baseline_s": 0.0})
+            if "outcome" in row:
+                r["mutants"].append(row)  # type: ignore[union-attr]
+            else:
+                r.update(baseline=row["baseline"], baseline_s=row["baseline_s"])
+    return list(by.values())
+
+
+def survivors_md(results: list[dict[str, object]]) -> str:
+    rows = ["| module:line | operator | before | after |", "| --- | --- | --- | --- |"]
+    for r in results:
+        for m in r["mutants"]:  # type: ignore[attr-defined]
+            if m["outcome"] == "passed":
+                cell = [str(m[k]).replace("|", "\\|").replace("\n", " ") for k in ("before", "after")]
+                rows.append(f"| {m['module']}:{m['line']} | {m['op']} | `{cell[0]}` | `{cell[1]}` |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modules", nargs="*", default=None, help="modules to mutate (default: every one in the map)")
@@ -251,7 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's test run (at least 3x baseline)")
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per mutant here")
     ap.add_argument("--list", metavar="MODULE", help="print the module's sampled mutants and exit")
+    ap.add_argument("--report", nargs="+", type=Path, help="print the table and survivors of earlier --out files")
     args = ap.parse_args(argv)
+    if args.report:
+        results = from_logs(args.report)
+        print(summary(results) + "\n\nSurvivors:\n\n" + survivors_md(results))
+        return 0
     if args.list:
         for m in mutants(args.list, args.per_module):
             print(f"{m.module}:{m.line} {m.op}: {m.before!r} -> {m.after!r}")
