@@ -55,6 +55,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         f"{DP}/test_tokenizers.py::test_native_tiktoken_encodes_as_the_converted_tokenizer_json",
     ],
     "data_pipeline/minhash.py": [f"{DP}/test_dedup.py", f"{DP}/test_minhash_variance.py"],
+    "data_pipeline/dedup.py": [f"{DP}/test_dedup.py"],
     # the planner
     "framework/plan/memory.py": ["tests/plan/test_plan_prefetch_buffers.py", "tests/plan/test_plan_memory_comm.py",
                                  "tests/plan/test_plan_activations.py"],
