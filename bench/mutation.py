@@ -199,7 +199,8 @@ def run_tests(tree: Path, tests: list[str], timeout_s: float) -> tuple[str, floa
     return {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, "error"), took
 
 
-def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: Path | None) -> dict[str, object]:
+def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: Path | None,
+               only: list[Mutant] | None = None) -> dict[str, object]:
     tests = MODULE_TESTS[module]
     target = tree / module
     original = target.read_text()
@@ -212,14 +213,14 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
     if base != "passed":
         return result
     limit = max(timeout_s, 3 * base_s)
-    for m in mutants(module, per_module):
+    for m in only if only is not None else mutants(module, per_module):
         target.write_text(apply(original, m))
         try:
             outcome, took = run_tests(tree, tests, limit)
         finally:
             target.write_text(original)
         row = {**asdict(m), "outcome": outcome, "seconds": round(took, 1)}
-        result["mutants"].append(row)  # type: ignore[union-attr]
+        result["mutants"].append(row)  # type: ignore[attr-defined]
         if log is not None:
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -256,7 +257,7 @@ def from_logs(paths: list[Path]) -> list[dict[str, object]]:
             r = by.setdefault(row["module"], {"module": row["module"], "mutants": [], "baseline": "passed",
                                               "baseline_s": 0.0})
             if "outcome" in row:
-                r["mutants"].append(row)  # type: ignore[union-attr]
+                r["mutants"].append(row)  # type: ignore[attr-defined]
             else:
                 r.update(baseline=row["baseline"], baseline_s=row["baseline_s"])
     return list(by.values())
@@ -280,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per mutant here")
     ap.add_argument("--list", metavar="MODULE", help="print the module's sampled mutants and exit")
     ap.add_argument("--report", nargs="+", type=Path, help="print the table and survivors of earlier --out files")
+    ap.add_argument("--survivors-of", nargs="+", type=Path, metavar="LOG",
+                    help="rerun only the mutants that survived in these --out files (after adding tests)")
     args = ap.parse_args(argv)
     if args.report:
         results = from_logs(args.report)
@@ -289,7 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         for m in mutants(args.list, args.per_module):
             print(f"{m.module}:{m.line} {m.op}: {m.before!r} -> {m.after!r}")
         return 0
-    modules = args.modules or list(MODULE_TESTS)
+    rerun: dict[str, list[Mutant]] | None = None
+    if args.survivors_of:
+        rerun = {}
+        for r in from_logs(args.survivors_of):
+            for m in r["mutants"]:  # type: ignore[attr-defined]
+                if m["outcome"] == "passed":
+                    fields = {k: m[k] for k in ("module", "op", "line", "before", "after")}
+                    rerun.setdefault(m["module"], []).append(Mutant(**fields, span=tuple(m["span"])))
+    modules = args.modules or (list(rerun) if rerun is not None else list(MODULE_TESTS))
     unknown = [m for m in modules if m not in MODULE_TESTS]
     if unknown:
         raise SystemExit(f"no tests mapped for {unknown}; add them to bench/mutation_map.py")
@@ -298,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         tree = Path(tmp) / "tree"
         copy_tree(tree)
         for module in modules:
-            results.append(run_module(tree, module, args.per_module, args.timeout, args.out))
+            only = rerun.get(module, []) if rerun is not None else None
+            results.append(run_module(tree, module, args.per_module, args.timeout, args.out, only))
     print(summary(results))
-    survivors = [m for r in results for m in r["mutants"] if m["outcome"] == "passed"]  # type: ignore[union-attr]
+    survivors = [m for r in results for m in r["mutants"] if m["outcome"] == "passed"]  # type: ignore[attr-defined]
     for m in survivors:
         print(f"SURVIVED {m['module']}:{m['line']} {m['op']}: {m['before']!r} -> {m['after']!r}")
     return 0

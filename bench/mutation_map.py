@@ -12,6 +12,7 @@ DP = "tests/data_pipeline"
 MODULE_TESTS: dict[str, list[str]] = {
     # checkpoint verify / prune / resume rules, the loss guard
     "framework/checkpoint/guard.py": [
+        f"{CK}/test_guard_state.py",
         f"{CK}/test_ckpt_units.py::test_guard_skips_nonfinite_and_spikes_then_asks_for_rollback",
         f"{CK}/test_ckpt_safety.py::test_rollback_refusals_and_suspect_checkpoints",
         f"{CK}/test_suspect_checkpoints.py",
@@ -40,7 +41,8 @@ MODULE_TESTS: dict[str, list[str]] = {
         f"{CK}/test_ckpt_safety.py::test_unverifiable_checkpoints_refuse_then_move_aside",
     ],
     # locks and signals
-    "framework/locks.py": ["tests/framework/test_lockset_failure.py", "tests/framework/test_locks.py"],
+    "framework/locks.py": ["tests/framework/test_lockset_failure.py", "tests/framework/test_locks_without_flock.py",
+                           "tests/framework/test_locks.py"],
     "framework/checkpoint/signals.py": [
         f"{CK}/test_ckpt_units.py::test_stop_signals_set_the_flag_and_restore_handlers",
         "tests/launch/test_launch_signals.py",

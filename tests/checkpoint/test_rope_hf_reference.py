@@ -83,3 +83,10 @@ def test_import_without_original_max_position_embeddings_follows_transformers(
     # negative control: a different fallback (4096, the usual pretraining length) gives other frequencies
     other = _tiny(type=kind, original_max_seq_len=4096, **params).rope_scaling
     assert not torch.allclose(inv_freq(imported.head_dim, THETA, other).float(), ours, rtol=1e-3)
+
+
+def test_frequencies_are_made_on_the_requested_device() -> None:
+    # the meta device stands for an accelerator here: a table built on the CPU and moved later would not be
+    for scaling in (None, _tiny(type="yarn", factor=4.0, original_max_seq_len=64).rope_scaling,
+                    _tiny(type="llama3", factor=8.0, original_max_seq_len=64).rope_scaling):
+        assert inv_freq(16, THETA, scaling, torch.device("meta")).device.type == "meta"
