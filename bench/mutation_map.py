@@ -49,7 +49,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     ],
     # precision, MoE routing, RoPE
     "framework/parallel/precision.py": ["tests/framework/test_mixed_precision.py"],
-    "models/moe/router.py": ["tests/moe/test_moe_routing.py"],
+    "models/moe/router.py": ["tests/moe/test_capacity_ties.py", "tests/moe/test_moe_routing.py"],
     "models/rope.py": [f"{CK}/test_rope_hf_reference.py", f"{CK}/test_rope_scaling.py"],
     # tokenizers, dedup
     "data_pipeline/tokenizer.py": [
