@@ -25,3 +25,18 @@ def test_capacity_keeps_the_heaviest_then_the_earliest_under_ties() -> None:
     w = torch.randint(1, 4, (n, k), generator=gen).float() / 4  # three weight values: ties everywhere
     for capacity in (1, 200, 700, 800):
         assert torch.equal(capacity_mask(idx, w, experts, capacity), _brute_force(idx, w, experts, capacity))
+
+
+def test_the_routing_bias_travels_in_the_state_dict() -> None:
+    """Aux-loss-free balancing's expert_bias is training state: a checkpoint must hold it, or a resume routes
+    differently from the run it continues."""
+    from models.config import MoEConfig
+    from models.moe import Router
+
+    r = Router(16, MoEConfig(n_experts=4, top_k=2))
+    r.expert_bias.copy_(torch.tensor([0.5, -0.25, 0.0, 1.0]))
+    state = r.state_dict()
+    assert torch.equal(state["expert_bias"], r.expert_bias)
+    fresh = Router(16, MoEConfig(n_experts=4, top_k=2))
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.expert_bias, r.expert_bias)

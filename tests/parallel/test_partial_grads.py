@@ -1,0 +1,35 @@
+"""`resolve_partial_grads` turns pending-sum (Partial) DTensor gradients into replicas and leaves every other
+gradient alone (plain tensors, sharded DTensors, missing gradients). One gloo rank is enough to see the
+placements change."""
+
+from __future__ import annotations
+
+import torch
+
+from framework.testing import run_distributed
+
+
+def _body(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from framework.parallel.precision import resolve_partial_grads
+
+    mesh = init_device_mesh("cpu", (1,))
+    plain = torch.nn.Parameter(torch.ones(4))
+    plain.grad = torch.full((4,), 2.0)
+    none = torch.nn.Parameter(torch.ones(4))
+    shard = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Shard(0)]))
+    shard.grad = DTensor.from_local(torch.full((4,), 3.0), mesh, [Shard(0)])
+    part = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()]))
+    part.grad = DTensor.from_local(torch.full((4,), 5.0), mesh, [Partial()])
+    before_plain, before_shard = plain.grad, shard.grad
+    resolve_partial_grads([plain, none, shard, part])
+    assert plain.grad is before_plain and none.grad is None and shard.grad is before_shard
+    assert isinstance(part.grad, DTensor) and torch.equal(part.grad.to_local(), torch.full((4,), 5.0))
+    return [type(pl).__name__ for pl in part.grad.placements]
+
+
+def test_partial_gradients_become_replicas_and_others_stay() -> None:
+    (placements,) = run_distributed(_body, 1, timeout_s=60)
+    assert placements == ["Replicate"]
