@@ -33,3 +33,20 @@ def _body(rank: int, world: int) -> list[str]:
 def test_partial_gradients_become_replicas_and_others_stay() -> None:
     (placements,) = run_distributed(_body, 1, timeout_s=60)
     assert placements == ["Replicate"]
+
+
+def test_loss_scaler_defaults_and_growth_follow_torch_grad_scaler() -> None:
+    """The parallel engine's scaler must grow and back off as the 1-process engine's torch GradScaler does."""
+    from framework.parallel.precision import LossScaler
+
+    ref = torch.amp.GradScaler("cpu")
+    ours = LossScaler(True)
+    assert (ours.scale, ours.growth_factor, ours.backoff_factor, ours.growth_interval) == (
+        ref.get_scale(), ref.get_growth_factor(), ref.get_backoff_factor(), ref.get_growth_interval())
+    for _ in range(ref.get_growth_interval() - 1):
+        ours.update(False)
+    assert ours.scale == 2.0**16
+    ours.update(False)  # the growth_interval-th good step doubles it
+    assert ours.scale == 2.0**17 and ours.good_steps == 0
+    ours.update(True)
+    assert ours.scale == 2.0**16
