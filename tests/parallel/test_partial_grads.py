@@ -50,3 +50,15 @@ def test_loss_scaler_defaults_and_growth_follow_torch_grad_scaler() -> None:
     assert ours.scale == 2.0**17 and ours.good_steps == 0
     ours.update(True)
     assert ours.scale == 2.0**16
+
+
+def test_scale_grads_scales_every_gradient_and_factor_one_touches_nothing() -> None:
+    """Unscaling (1 / loss scale) and clipping (max_norm / norm) go through scale_grads."""
+    from framework.parallel.precision import scale_grads
+
+    ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    ps[0].grad, ps[1].grad = torch.tensor([1.0, -2.0, 4.0]), None
+    scale_grads(ps, 0.25)
+    assert torch.equal(ps[0].grad, torch.tensor([0.25, -0.5, 1.0])) and ps[1].grad is None
+    scale_grads(ps, 1.0)
+    assert torch.equal(ps[0].grad, torch.tensor([0.25, -0.5, 1.0]))
