@@ -48,8 +48,10 @@ def test_loss_scaler_defaults_and_growth_follow_torch_grad_scaler() -> None:
     assert ours.scale == 2.0**16
     ours.update(False)  # the growth_interval-th good step doubles it
     assert ours.scale == 2.0**17 and ours.good_steps == 0
-    ours.update(True)
-    assert ours.scale == 2.0**16
+    for _ in range(5):
+        ours.update(False)
+    ours.update(True)  # an overflow backs off and restarts the count of good steps, as GradScaler does
+    assert ours.scale == 2.0**16 and ours.good_steps == 0
 
 
 def test_scale_grads_scales_every_gradient_and_factor_one_touches_nothing() -> None:
