@@ -68,6 +68,10 @@ def test_without_flock_the_holder_file_decides(tmp_path: Path, caplog: pytest.Lo
         DirLock(lock_path, what="data build", error=DataError).acquire().release()
     assert "stale" not in caplog.text
 
+    lock_path.write_text(json.dumps({"host": socket.gethostname()}))  # this host, pid unreadable: not provably dead
+    with pytest.raises(DataError, match=r"busy"):
+        DirLock(lock_path, what="data build", error=DataError).acquire()
+
     _holder_file(lock_path, "another-node-17", 4242)
     with pytest.raises(DataError, match=rf"host another-node-17 pid 4242 .*no flock.*rm {lock_path}"):
         DirLock(lock_path, what="data build", error=DataError).acquire()
