@@ -56,3 +56,23 @@ def test_special_tokens_in_either_spelling(tmp_path: Path, form: str) -> None:
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id, hf.unk_token_id) == (
         want["eos_token"], want["bos_token"], want["pad_token"], want["unk_token"])
+
+
+def test_a_post_processor_adding_bos_is_not_applied(tmp_path: Path) -> None:
+    """Llama 3's tokenizer.json prepends BOS in a post-processor; documents are encoded without it (the build
+    separates documents with EOS only), by `encode` and `encode_docs` alike."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    path = _tokenizer_json(tmp_path / "tok")
+    hf = HFTokenizer.from_file(str(path))
+    bos = hf.token_to_id(SPECIALS["bos_token"])
+    hf.post_processor = TemplateProcessing(single=f"{SPECIALS['bos_token']} $A", special_tokens=[
+        (SPECIALS["bos_token"], bos)])
+    hf.save(str(path))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(SPECIALS))
+    assert hf.encode("the fox").ids[0] == bos  # the file does add it when asked
+    tok = Tokenizer(path)
+    plain = hf.encode("the fox", add_special_tokens=False).ids
+    assert tok.encode("the fox") == plain
+    assert tok.encode_docs(["the fox"])[0].tolist() == [*plain, tok.eos_id]
