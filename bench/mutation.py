@@ -233,8 +233,8 @@ def _key(m: dict[str, object]) -> tuple[object, ...]:
 
 
 def _equivalent(m: dict[str, object]) -> str | None:
-    """Why the mutant is equivalent (bench/mutation_map.py, keyed without the line), or None."""
-    return EQUIVALENT.get((str(m["module"]), str(m["op"]), str(m["before"]), str(m["after"])))
+    """Why the mutant is equivalent (bench/mutation_map.py), or None."""
+    return EQUIVALENT.get((f"{m['module']}:{m['line']}", str(m["op"]), str(m["before"]), str(m["after"])))
 
 
 def _killed(m: dict[str, object]) -> bool:

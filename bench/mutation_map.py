@@ -73,24 +73,25 @@ MODULE_TESTS: dict[str, list[str]] = {
 }
 
 
-# Mutants that change no behaviour a caller can observe, with the reason (module, operator, before, after).
+# Mutants that change no behaviour a caller can observe, with the reason: (module:line, operator, before, after)
+# of the run whose log the report reads (lines move when the module is edited: update them with the next run).
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
-    ("framework/checkpoint/manifest.py", "offbyone", "22", "23"):
+    ("framework/checkpoint/manifest.py:27", "offbyone", "22", "23"):
         "the read chunk size (4 -> 8 MiB): a streamed checksum does not depend on how the stream is cut",
-    ("framework/checkpoint/manifest.py", "offbyone", "1", "2"):
-        "line 27: 1 << 22 -> 2 << 22, the read chunk size again; line 61: manifest.json's JSON indent",
-    ("framework/locks.py", "offbyone", "0o644", "421"):
+    ("framework/checkpoint/manifest.py:27", "offbyone", "1", "2"): "1 << 22 -> 2 << 22, the read chunk size again",
+    ("framework/checkpoint/manifest.py:61", "offbyone", "1", "2"): "manifest.json's JSON indent",
+    ("framework/locks.py:69", "offbyone", "0o644", "421"):
         "the lock file's mode (0o644 -> 0o645): flock and the holder file do not depend on permission bits",
-    ("models/moe/router.py", "kwarg", "torch.bincount(flat_e, minlength=n_experts)", "torch.bincount(flat_e)"):
+    ("models/moe/router.py:115", "kwarg", "torch.bincount(flat_e, minlength=n_experts)", "torch.bincount(flat_e)"):
         "counts are only indexed by experts that occur, which the shorter bincount still covers",
-    ("framework/parallel/precision.py", "kwarg", "torch.zeros((), dtype=torch.float64, device=comm_device)",
+    ("framework/parallel/precision.py:85", "kwarg", "torch.zeros((), dtype=torch.float64, device=comm_device)",
      "torch.zeros((), dtype=torch.float64)"):
         "the CPU is the communication device under gloo; under NCCL a CPU zero fails all_reduce loudly, not "
         "silently (a stage with no gradients; GPU-only)",
-    ("data_pipeline/minhash.py", "arith", "guess[i] + batch_shingles", "guess[i] - batch_shingles"):
+    ("data_pipeline/minhash.py:377", "arith", "guess[i] + batch_shingles", "guess[i] - batch_shingles"):
         "batches of one document instead of ~batch_shingles shingles: the same signatures, more Python calls",
-    ("data_pipeline/minhash.py", "offbyone", "24", "25"):
+    ("data_pipeline/minhash.py:93", "offbyone", "24", "25"):
         "WORD_BATCH_BYTES 16 -> 32 MiB: word hashes do not depend on how the input is split (tested)",
-    ("data_pipeline/tokenizer.py", "negate", "False", "True"):
-        "line 304: json.dumps(ensure_ascii=True) writes the same JSON content with escaped non-ASCII",
+    ("data_pipeline/tokenizer.py:304", "negate", "False", "True"):
+        "json.dumps(ensure_ascii=True) writes the same JSON content with escaped non-ASCII",
 }

@@ -45,3 +45,18 @@ def test_fp32_training_gathers_fp32_units() -> None:
     work = Workload(model_config("llama2-7b"), 2048, 64, Precision.named("fp32"))
     got = rank_memory(work, Layout(dp=8, zero_stage=3, prefetch=1), 0)["comm_buffers"]
     assert got == _largest_unit_by_hand("llama2-7b", 1) * (4 + 2 * 4)
+
+
+def test_logits_and_cp_mask_bytes_by_hand() -> None:
+    """The last stage's logits are vocab/tp wide (bf16 activations plus the fp32 loss copy); a cp rank holds one
+    (b, 1, s/cp, s) additive mask per in-flight micro-batch."""
+    from framework.plan.memory import cp_mask_bytes
+
+    work = Workload(model_config("llama2-7b"), 4096, 64)
+    for tp in (1, 2, 8):
+        got = rank_memory(work, Layout(tp=tp, dp=8 // tp, micro_batch=2), 0)["logits"]
+        assert got == 4096 * 2 * (32000 // tp) * (2 + 4)
+    assert cp_mask_bytes(4096, 2, 1, 2) == 0
+    assert cp_mask_bytes(4096, 2, 2, 2) == 2 * 2 * 2048 * 4096
+    parts = rank_memory(work, Layout(cp=2, dp=4, micro_batch=2), 0)
+    assert parts["cp_mask"] == 2 * 2 * 2048 * 4096  # one micro-batch in flight without pipelining
