@@ -66,7 +66,7 @@ MODULE_TESTS: dict[str, list[str]] = {
                                  "tests/plan/test_plan_activations.py"],
     "framework/plan/comm.py": ["tests/plan/test_plan_memory_comm.py", "tests/plan/test_plan_zero_overlap.py"],
     # the parallel recipe's rank arithmetic and schedule table, then the engine and recipe themselves
-    "framework/parallel/mesh.py": ["tests/parallel/test_mesh.py"],
+    "framework/parallel/mesh.py": ["tests/parallel/test_mesh_edges.py", "tests/parallel/test_mesh.py"],
     "framework/parallel/pipeline_schedules.py": ["tests/parallel/test_pipeline_schedules.py"],
     "framework/parallel/parallelize.py": ["tests/parallel/test_parity.py"],
     "framework/train/parallel_engine.py": ["tests/parallel/test_parity.py"],

@@ -60,3 +60,18 @@ def test_logits_and_cp_mask_bytes_by_hand() -> None:
     assert cp_mask_bytes(4096, 2, 2, 2) == 2 * 2 * 2048 * 4096
     parts = rank_memory(work, Layout(cp=2, dp=4, micro_batch=2), 0)
     assert parts["cp_mask"] == 2 * 2 * 2048 * 4096  # one micro-batch in flight without pipelining
+
+
+def test_korthikanti_activations_follow_the_attention_kernel() -> None:
+    """Megatron's per-layer count with flash attention drops the s^2 softmax and dropout terms."""
+    from framework.plan.activations import korthikanti_layer_bytes
+    from framework.plan.memory import layer_bytes
+
+    cfg = model_config("llama2-7b")
+    lay = Layout(tp=2, dp=4, micro_batch=1)
+    for kernel in ("flash", "math"):
+        work = Workload(cfg, 4096, 64, kernel=kernel, activations="korthikanti")  # type: ignore[arg-type]
+        want = korthikanti_layer_bytes(4096, 1, cfg.hidden, cfg.n_heads, tp=2, sp=True, flash=kernel == "flash")
+        assert layer_bytes(work, lay, "none") == want
+    assert korthikanti_layer_bytes(4096, 1, 4096, 32, tp=2, sp=True, flash=True) < \
+        korthikanti_layer_bytes(4096, 1, 4096, 32, tp=2, sp=True, flash=False)
