@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from framework.base.errors import CheckpointError
 from framework.checkpoint.manifest import verify_manifest, write_manifest
-from framework.errors import CheckpointError
 
 
 def _ckpt(root: Path) -> Path:

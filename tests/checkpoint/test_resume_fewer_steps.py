@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from framework.base.errors import CheckpointError
 from framework.checkpoint.config import CheckpointConfig
 from framework.checkpoint.resume_rules import check_resume
 from framework.config import load_config, to_dict
-from framework.errors import CheckpointError
 from framework.testing.tiny import TINY
-from framework.train.lr_schedule import lr_at
+from framework.train.lr_schedule import lr_at, section_lr_at
 from framework.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,7 +26,7 @@ def test_fewer_steps_needs_the_flag_on_crafted_metadata() -> None:
         config = to_dict(load_config(TINY, [f"train.steps={new_steps}", "train.schedule=cosine"]))
         with pytest.raises(CheckpointError, match=rf"train.steps is {new_steps} .* but 100 "):
             check_resume(meta, config, None, CheckpointConfig())
-        (note,) = check_resume(meta, config, None, CheckpointConfig(steps_change="reshape"))
+        (note,) = check_resume(meta, config, None, CheckpointConfig(steps_change="reshape"), lr_at=section_lr_at)
         old = lr_at(load_config(TINY, ["train.steps=100", "train.schedule=cosine"]).train, 10)
         new = lr_at(load_config(TINY, [f"train.steps={new_steps}", "train.schedule=cosine"]).train, 10)
         assert f"100 -> {new_steps}" in note and f"{old:.3e} -> {new:.3e}" in note

@@ -9,8 +9,8 @@ import json
 import random
 from pathlib import Path
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.run import run_build
 
 
 def _sources(root: Path) -> list[SourceConfig]:

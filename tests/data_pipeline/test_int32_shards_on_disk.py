@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.build import run_build
-from data_pipeline.build_config import BuildConfig, SourceConfig, TokenizerConfig
-from data_pipeline.dedup import DedupConfig
+from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
+from data_pipeline.build.dedup import DedupConfig
+from data_pipeline.build.run import run_build
 from data_pipeline.tokenizer import CL100K_PATTERN
 
 

@@ -10,7 +10,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from data_pipeline.minhash import MinHashConfig, shingle_hashes, signatures
+from data_pipeline.build.minhash import MinHashConfig, shingle_hashes, signatures
 
 TEXTS = ["The quick brown fox jumps over the lazy dog, again and again.", "def add(a, b):\n    return a + b  # café",
          "", "x y"]

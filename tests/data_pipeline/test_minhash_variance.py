@@ -26,7 +26,7 @@ import functools
 import numpy as np
 import pytest
 
-from data_pipeline.minhash import MinHashConfig, shingle_hashes, signatures
+from data_pipeline.build.minhash import MinHashConfig, shingle_hashes, signatures
 
 
 @functools.cache

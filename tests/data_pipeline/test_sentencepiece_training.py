@@ -30,10 +30,10 @@ def test_hf_bpe_smallest_vocabulary_is_bytes_specials_and_one_merge(tmp_path: Pa
     import pytest
 
     from data_pipeline.tokenizer import train_hf_bpe
-    from framework.errors import ConfigError
+    from framework.base.errors import ConfigError
 
     lines = ["abc abd abe"] * 20
     with pytest.raises(ConfigError, match="vocab_size=257 must be > 256 bytes"):
         train_hf_bpe(lines, tmp_path / "a" / "tokenizer.json", vocab_size=257)
-    out = train_hf_bpe(lines, tmp_path / "b" / "tokenizer.json", vocab_size=258)
+    out = train_hf_bpe(lines, tmp_path / "b" / "c" / "tokenizer.json", vocab_size=258)  # folders made
     assert Tokenizer(out).decode(Tokenizer(out).encode("abc abd")) == "abc abd"

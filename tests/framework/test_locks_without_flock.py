@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.errors import DataError
-from framework.locks import DirLock
+from framework.base.errors import DataError
+from framework.base.locks import DirLock
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.errors import DataError
-from framework.locks import DirLock, LockSet
+from framework.base.errors import DataError
+from framework.base.locks import DirLock, LockSet
 
 
 def test_a_failed_lock_set_releases_what_it_took_while_referenced(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from framework.base.errors import ParallelismError
 from framework.config import load_config
-from framework.errors import ParallelismError
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import ParallelDims, zeropp_compile_problem
 from framework.testing.tiny import TINY
