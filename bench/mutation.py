@@ -145,11 +145,17 @@ def _sites(src: str, module: str) -> Iterator[Mutant]:
 
 
 def apply(src: str, m: Mutant) -> str:
+    """`src` with the mutant's segment replaced; ValueError when the segment is not there (the module changed
+    since the mutant was made, e.g. a rerun of an old log's survivors)."""
     lines = src.splitlines(keepends=True)
     l0, c0, l1, c1 = m.span
     # ast columns are UTF-8 byte offsets
     head = lines[l0 - 1].encode()[:c0].decode()
     tail = lines[l1 - 1].encode()[c1:].decode()
+    seg = "".join(lines[l0 - 1:l1]).encode()
+    seg = seg[c0:len(seg) - len(lines[l1 - 1].encode()) + c1]
+    if seg.decode() != m.before:
+        raise ValueError(f"{m.module}:{m.line}: {m.before!r} is not at its place any more; make the mutant again")
     return "".join([*lines[:l0 - 1], head + m.after + tail, *lines[l1:]])
 
 
@@ -214,7 +220,11 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
         return result
     limit = max(timeout_s, 3 * base_s)
     for m in only if only is not None else mutants(module, per_module):
-        target.write_text(apply(original, m))
+        try:
+            target.write_text(apply(original, m))
+        except ValueError as err:
+            print(f"stale    {err}", flush=True)
+            continue
         try:
             outcome, took = run_tests(tree, tests, limit)
         finally:
