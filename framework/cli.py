@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = [
     "framework.checkpoint.cli",
     "framework.infer.cli",
     "framework.drivers.cli",
+    "framework.dryrun.cli",
     "framework.observe.doctor",
     "framework.plan.cli",
     "launch.cli",

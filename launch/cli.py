@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from launch import local
 
@@ -66,6 +67,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     if gpus and procs % degrees["tp"]:
         print(f"tessera: warning: parallel.tp={degrees['tp']} does not divide {procs} ranks per node, so tensor-"
               f"parallel groups span nodes and every layer's collectives cross the network", file=sys.stderr)
+    if gpus and not args.no_dryrun:
+        _dry_run_first(cfg, args.nodes * procs, args.dryrun_gpu)
     program = None
     if args.stop_at is not None:
         program = ["-m", "framework.cli", "train", args.config, *args.overrides, "--stop-at", str(args.stop_at)]
@@ -79,6 +82,23 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     print(job_id)
     print(f"submitted job {job_id}; log: {cfg.run.path}/slurm-{job_id}.out", file=sys.stderr)
     return 0
+
+
+def _dry_run_first(cfg: Any, world_size: int, gpu: str) -> None:
+    """Rehearse every rank class on this machine (framework/dryrun) and refuse a layout that does not fit,
+    before any allocation is requested."""
+    from framework.dryrun.cli import dry_run
+    from framework.dryrun.report import format_table
+    from launch.env import LaunchError
+
+    print(f"tessera: dry run of {world_size} ranks on {gpu} first (skip with --no-dryrun) ...", file=sys.stderr)
+    verdicts = dry_run(cfg, world_size, gpu=gpu)
+    if not all(v.fits for v in verdicts):
+        print(format_table(verdicts, world_size, cfg.run.name), file=sys.stderr)
+        raise LaunchError(f"the layout does not fit {gpu} memory on every rank (table above); change the layout "
+                          f"or pass --no-dryrun to submit anyway")
+    worst = min(v.headroom for v in verdicts)
+    print(f"tessera: dry run: every rank class fits, {worst / 2**30:.1f} GiB spare on the fullest", file=sys.stderr)
 
 
 def _register_slurm(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -103,6 +123,9 @@ def _register_slurm(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="extra #SBATCH option, verbatim (repeatable), e.g. --sbatch-arg=--qos=high")
     p.add_argument("--stop-at", type=int, default=None, help="the job stops (and checkpoints) after this step")
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    p.add_argument("--no-dryrun", action="store_true",
+                   help="skip the rehearsal on this machine (`tessera dryrun`) that GPU jobs get first")
+    p.add_argument("--dryrun-gpu", default="h100-80g", help="the GPU the rehearsal checks memory against")
     p.set_defaults(func=cmd_slurm)
 
 

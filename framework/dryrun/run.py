@@ -61,8 +61,13 @@ def rank_classes(cfg: Config, world_size: int) -> list[RankClass]:
 
 def stage_input(cfg: Config, dims: ParallelDims) -> StageInput:
     """What one pipeline stage receives from the previous one (framework/dryrun/fake.py point 3)."""
+    from framework.parallel.zero import fsdp_mp_policy
+
     sp = dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else 1
-    return StageInput(cfg.train.micro_batch_size, cfg.data.seq_len // dims.cp // sp, cfg.model.hidden)
+    # FSDP's mixed precision runs each stage in its parameter dtype, so the residual stream leaves it in that
+    param_dtype = fsdp_mp_policy(cfg.parallel, cfg.train.precision).param_dtype if dims.fsdp_size > 1 else None
+    return StageInput(cfg.train.micro_batch_size, cfg.data.seq_len // dims.cp // sp, cfg.model.hidden,
+                      param_dtype or torch.float32)
 
 
 def _batch(cfg: Config, n_micro: int, real: bool) -> torch.Tensor:
@@ -79,23 +84,37 @@ def _engine(cfg: Config, dims: ParallelDims, mesh: Any) -> Any:
     return ParallelEngine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"), dims, mesh)
 
 
-def dry_run_rank(cfg: Config, rank: int, world_size: int) -> StepMeasure:
-    """One measured training step of `rank` in a world of `world_size`, on the fake backend without weights.
+def dry_run_rank(cfg: Config, rank: int, world_size: int, limit: int | None = None) -> StepMeasure:
+    """One measured training step of `rank` in a world of `world_size`, on the fake backend without weights;
+    stopped early (`StepMeasure.over_budget`) once live tensor bytes pass `limit`.
 
     Raises:
         ParallelismError: the layout does not fit the world or the model (before anything is built).
         DryRunError: the rehearsal could not be faithful (framework/dryrun/fake.py).
     """
     dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
+    if cfg.model.moe.enabled:
+        # Routing reads values (top-k choices -> counts -> all-to-all splits, capacity masks): a fake tensor has
+        # none. Rehearsing MoE needs a stated routing assumption (even routing) in the step; not built yet.
+        raise DryRunError(
+            f"model.moe.n_experts={cfg.model.moe.n_experts}: the dry run does not rehearse mixture-of-experts "
+            f"layers yet (their all-to-all sizes depend on routing values a fake tensor does not have); use "
+            f"`tessera plan` for MoE layouts")
     with fake_world(rank, world_size, stage_input(cfg, dims)) as world:
         mesh = dims.build_mesh("cpu", experts=cfg.model.moe.enabled)
-        tracker = MemoryTracker()
+        tracker = MemoryTracker(limit)
         with world.mode, DataDependentScalars(), tracker:
-            engine = _engine(cfg, dims, mesh)
+            try:
+                engine = _engine(cfg, dims, mesh)
+            except Exception:
+                if tracker.over is None:
+                    raise
+                over = tracker.over  # the states alone pass the budget: stopped while building
+                return StepMeasure(rank, {}, over.total, over.by_label, over.phase, over_budget=True)
             return measure_step(engine, _batch(cfg, engine.n_micro, real=False), tracker, rank)
 
 
-def dry_run_ranks(cfg: Config, ranks: list[int], world_size: int) -> list[StepMeasure]:
+def dry_run_ranks(cfg: Config, ranks: list[int], world_size: int, limit: int | None = None) -> list[StepMeasure]:
     """`dry_run_rank` for each of `ranks`, each in a forked process of its own (a torch process group leaves
     caches keyed by group names behind it, so one process rehearses one rank)."""
     import multiprocessing as mp
@@ -104,7 +123,7 @@ def dry_run_ranks(cfg: Config, ranks: list[int], world_size: int) -> list[StepMe
     out = []
     for rank in ranks:
         receive, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_child, args=(send, cfg, rank, world_size))
+        child = ctx.Process(target=_child, args=(send, cfg, rank, world_size, limit))
         child.start()
         send.close()
         try:
@@ -118,13 +137,13 @@ def dry_run_ranks(cfg: Config, ranks: list[int], world_size: int) -> list[StepMe
     return out
 
 
-def _child(send: Any, cfg: Config, rank: int, world_size: int) -> None:
+def _child(send: Any, cfg: Config, rank: int, world_size: int, limit: int | None) -> None:
     import traceback
 
     from framework.errors import TesseraError
 
     try:
-        send.send((True, dry_run_rank(cfg, rank, world_size)))
+        send.send((True, dry_run_rank(cfg, rank, world_size, limit)))
     except TesseraError as err:
         send.send((False, f"{type(err).__name__}: {err}"))
     except BaseException:

@@ -56,6 +56,8 @@ class StepMeasure:
     """The live bytes by category at that peak (framework/dryrun/tracker.py)."""
     peak_phase: str
     collectives: list[Collective] = field(default_factory=list)
+    over_budget: bool = False
+    """The step was stopped when live bytes passed the budget: `peak` is where it stopped, a lower bound."""
 
     def bytes_by_axis(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -160,7 +162,22 @@ def _one_step(engine: Any, batch: torch.Tensor, tracker: MemoryTracker, after_ba
 
 
 def measure_step(engine: Any, batch: torch.Tensor, tracker: MemoryTracker, rank: int) -> StepMeasure:
-    """Run a warm-up step, then measure one (module docstring). `tracker` must be active."""
+    """Run a warm-up step, then measure one (module docstring). `tracker` must be active.
+
+    When the tracker has a limit and live bytes pass it, the step stops there: the measure says so
+    (`over_budget`) and holds the bytes at that moment, by category.
+    """
+    try:
+        return _measure_step(engine, batch, tracker, rank)
+    except Exception:
+        over = tracker.over
+        if over is None:
+            raise
+        tracker.limit = None
+        return StepMeasure(rank, state_bytes(engine), over.total, over.by_label, over.phase, over_budget=True)
+
+
+def _measure_step(engine: Any, batch: torch.Tensor, tracker: MemoryTracker, rank: int) -> StepMeasure:
     with _loss_phase(engine, tracker):
         _one_step(engine, batch, tracker, lambda: None)
         state_bytes(engine, tracker)

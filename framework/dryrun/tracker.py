@@ -48,6 +48,14 @@ _FILLS: dict[str, tuple[str, str]] = {
 }
 
 
+class OverBudget(Exception):
+    """Live tensor bytes passed the tracker's limit: the step cannot fit, and tracing it further is wasted time."""
+
+    def __init__(self, total: int, by_label: dict[str, int], phase: str) -> None:
+        super().__init__(f"{total} live tensor bytes in phase {phase}")
+        self.total, self.by_label, self.phase = total, by_label, phase
+
+
 @dataclass
 class _Entry:
     nbytes: int
@@ -80,8 +88,12 @@ def storage_key(t: torch.Tensor) -> int:
 class MemoryTracker(TorchDispatchMode):
     """Live tensor bytes by category, their peak inside the window and the breakdown at that peak."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        """`limit`: raise `OverBudget` from the op that takes live bytes past it (None: never)."""
         super().__init__()
+        self.limit = limit
+        self.over: OverBudget | None = None
+        """Set when the limit was passed (the exception may reach the caller wrapped by autograd or pipelining)."""
         self.live: dict[int, _Entry] = {}
         self.by_label: dict[str, int] = defaultdict(int)
         self.total = 0
@@ -140,6 +152,9 @@ class MemoryTracker(TorchDispatchMode):
             self.peak = self.total
             self.peak_by_label = {k: v for k, v in self.by_label.items() if v}
             self.peak_phase = self._phase
+            if self.limit is not None and self.total > self.limit and self.over is None:
+                self.over = OverBudget(self.total, dict(self.peak_by_label), self._phase)
+                raise self.over
 
     # --- windows and phases -----------------------------------------------------------------------------------
     def start_window(self) -> None:

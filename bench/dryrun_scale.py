@@ -1,0 +1,87 @@
+"""Time full-size dry runs per rank class and tabulate their figures beside the planner's.
+
+    python bench/dryrun_scale.py                         # the dense reference configs, every rank class
+    python bench/dryrun_scale.py --global-batch min      # the fewest micro-batches each schedule allows
+    python bench/dryrun_scale.py --only llama3.1-405b --out docs/benchmarks/dryrun_scale.md
+
+For each config: the world size it is written for, every rank class rehearsed in its own process
+(framework/dryrun), the seconds each took on this machine, the measured peak and its verdict, and the
+planner's figures for the same rank (framework/dryrun/planner.py). `--global-batch min` sets
+train.global_batch_size to micro_batch x dp x the schedule's minimum micro-batches: the same per-micro-batch
+program, fewer repetitions (1F1B's peak is reached after pp forwards; comm per step scales with the count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from framework.config import Config, load_config
+from framework.dryrun.cli import dry_run
+from framework.dryrun.planner import compare, format_rows
+from framework.dryrun.report import format_table
+from framework.parallel.mesh import ParallelDims
+from framework.parallel.pipeline_schedules import min_micro_batches
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {  # name: (config, world size, GPU)
+    "llama3.1-405b": ("configs/pretrain/llama3.1-405b-256n-h100.yaml", 2048, "h100-80g"),
+    "gpt3-175b": ("configs/pretrain/gpt3-175b-128n-a100.yaml", 1024, "a100-80g"),
+    "llama3-70b": ("configs/pretrain/llama3-70b-128n-h100.yaml", 1024, "h100-80g"),
+}
+
+
+def _min_batch(cfg: Config, world: int) -> int:
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    need = min_micro_batches(cfg.parallel.pp_schedule, dims.pp) if dims.pp > 1 else 1
+    return cfg.train.micro_batch_size * dims.dp_size * need
+
+
+def run_one(name: str, path: str, world: int, gpu: str, global_batch: str) -> tuple[str, dict[str, object]]:
+    cfg = load_config(str(ROOT / path), [])
+    overrides = []
+    if global_batch == "min":
+        overrides.append(f"train.global_batch_size={_min_batch(cfg, world)}")
+        cfg = load_config(str(ROOT / path), overrides)
+    t0 = time.perf_counter()
+    verdicts = dry_run(cfg, world, gpu=gpu)
+    seconds = time.perf_counter() - t0
+    rows = compare(cfg, world, verdicts)
+    per_class = seconds / max(1, len(verdicts))
+    text = "\n".join([f"## {name}: {path} at {world} ranks ({' '.join(overrides) or 'as written'})", "",
+                      "```", format_table(verdicts, world, path), "", format_rows(rows), "```", "",
+                      f"{len(verdicts)} rank classes in {seconds:.0f} s ({per_class:.0f} s per class)", ""])
+    record = {"config": path, "world": world, "gpu": gpu, "overrides": overrides, "seconds": seconds,
+              "seconds_per_class": per_class, "classes": [v.to_json() for v in verdicts],
+              "planner": [r.__dict__ | {"ratio": r.ratio} for r in rows]}
+    return text, record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", action="append", choices=sorted(CONFIGS), help="run these configs only")
+    p.add_argument("--global-batch", choices=("as-written", "min"), default="as-written")
+    p.add_argument("--out", default=None, help="write the tables here (markdown)")
+    p.add_argument("--json", default=None, help="write every figure here")
+    args = p.parse_args(argv)
+    texts, records = [], {}
+    for name in args.only or list(CONFIGS):
+        path, world, gpu = CONFIGS[name]
+        text, record = run_one(name, path, world, gpu, args.global_batch)
+        print(text, flush=True)
+        texts.append(text)
+        records[name] = record
+    if args.out:
+        Path(args.out).write_text("\n".join(texts))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

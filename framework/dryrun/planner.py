@@ -1,0 +1,79 @@
+"""The planner's formulas beside the dry run's measurements, term by term, for one config's layout.
+
+    rows = compare(cfg, world_size, verdicts)      # one row per rank class: (term, planner bytes, dry-run bytes)
+
+The planner (framework/plan/memory.py) predicts a pipeline rank's peak from formulas; the dry run measures the
+same rank's step. Terms are matched by meaning: model states (parameters, master copy, gradients, optimizer
+states held between steps), activations kept for backward, logits and loss, and the rest (buffers,
+gathered parameters, temporaries). A term whose two figures differ by more than 10% is flagged; docs/PLANNER.md
+explains or the planner is fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from framework.config import Config
+from framework.dryrun.report import Verdict
+from framework.parallel.mesh import ParallelDims
+from framework.plan.layout import Layout, Precision, Workload
+from framework.plan.memory import rank_memory
+
+TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class TermRow:
+    rank_class: str
+    term: str
+    planner: float
+    dryrun: float
+
+    @property
+    def ratio(self) -> float:
+        return self.planner / self.dryrun if self.dryrun else float("inf") if self.planner else 1.0
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.ratio - 1.0) <= TOLERANCE
+
+
+def layout_of(cfg: Config, world_size: int) -> tuple[Workload, Layout]:
+    """The planner's view of `cfg` at `world_size`."""
+    p = cfg.parallel
+    dims = ParallelDims.from_config(p, world_size, cfg.model)
+    work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, Precision.named(cfg.train.precision))
+    lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_size, ep=dims.ep, cp=dims.cp, zero_stage=p.zero_stage,
+                 recompute=p.recompute, micro_batch=cfg.train.micro_batch_size, schedule=p.pp_schedule,
+                 virtual=p.virtual_stages if dims.pp > 1 else 1, prefetch=p.fsdp_prefetch)
+    return work, lay
+
+
+def compare(cfg: Config, world_size: int, verdicts: list[Verdict]) -> list[TermRow]:
+    """Planner vs dry run, per rank class, for states, activations, logits and the total peak."""
+    work, lay = layout_of(cfg, world_size)
+    rows: list[TermRow] = []
+    for v in verdicts:
+        plan = rank_memory(work, lay, v.rank_class.pp_ranks[0])
+        states = sum(plan.get(k, 0.0) for k in ("params", "master", "grads", "optimizer"))
+        measured = v.measure.states
+        dry_states = sum(measured.get(k, 0) for k in ("params", "grads", "optimizer"))
+        at_peak = v.measure.peak_by_label
+        name = v.rank_class.name
+        rows += [
+            TermRow(name, "model states", states, dry_states),
+            TermRow(name, "activations", plan.get("activations", 0.0),
+                    at_peak.get("forward", 0) + at_peak.get("pipeline_recv", 0)),
+            TermRow(name, "logits and loss", plan.get("logits", 0.0), at_peak.get("logits_loss", 0)),
+            TermRow(name, "peak", sum(plan.values()), v.measure.peak),
+        ]
+    return rows
+
+
+def format_rows(rows: list[TermRow]) -> str:
+    lines = [f"{'rank class':<22} {'term':<16} {'planner GiB':>11} {'dry run GiB':>11} {'ratio':>6}"]
+    for r in rows:
+        flag = "" if r.agrees else "  > 10%"
+        lines.append(f"{r.rank_class:<22} {r.term:<16} {r.planner / 2**30:>11.2f} {r.dryrun / 2**30:>11.2f} "
+                     f"{r.ratio:>6.2f}{flag}")
+    return "\n".join(lines)

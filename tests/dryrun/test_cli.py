@@ -1,0 +1,81 @@
+"""`tessera dryrun` end to end, rank classes at full size (pure), the over-budget stop, the launch gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from framework.cli import main
+from framework.config import load_config
+from framework.dryrun.run import rank_classes
+from framework.testing.tiny import TINY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_rank_classes_of_the_reference_layouts() -> None:
+    cfg = load_config(str(ROOT / "configs/pretrain/llama3.1-405b-256n-h100.yaml"), [])
+    classes = rank_classes(cfg, 2048)
+    assert [(c.name, c.rank, c.members, c.layers) for c in classes] == [
+        ("pp0 (first)", 0, 128, 7), ("pp1..14 (middle)", 128, 1792, 8), ("pp15 (last)", 1920, 128, 7)]
+    cfg = load_config(str(ROOT / "configs/pretrain/gpt3-175b-128n-a100.yaml"), [])
+    classes = rank_classes(cfg, 1024)  # interleaved: every rank holds 2 chunks of 6 layers; stage 0 and 15 differ
+    assert [(c.name, c.members, c.layers) for c in classes] == [
+        ("pp0 (first)", 128, 12), ("pp1..6 (middle)", 768, 12), ("pp7 (last)", 128, 12)]
+    cfg = load_config(TINY, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "model.n_layers=8"])
+    assert [c.name for c in rank_classes(cfg, 4)] == ["pp0 (first+last)", "pp1 (middle)"]  # V: stage 0 and 3 on pp0
+
+
+@pytest.mark.slow
+def test_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "dry.json"
+    rc = main(["dryrun", TINY, "parallel.tp=2", "parallel.pp=2", "--world", "8", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "pp0 (first)" in text and "pp1 (last)" in text and "fits" in text
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 8 and len(data["classes"]) == 2
+    last = data["classes"][1]
+    axes = {c["axis"] for c in last["measure"]["collectives"]}
+    assert {"tp", "pp", "dp_shard"} <= axes
+    assert last["measure"]["peak_by_label"]["logits_loss"] > 0  # the head lives on the last stage only
+    assert "logits_loss" not in data["classes"][0]["measure"]["peak_by_label"]
+
+
+@pytest.mark.slow
+def test_a_layout_that_cannot_fit_stops_early_and_says_what_to_change(capsys: pytest.CaptureFixture[str]) -> None:
+    # Llama-3-8B replicated on one A100-40GB: fp32 weights and gradients alone pass 40 GB.
+    rc = main(["dryrun", TINY, "model.preset=llama3-8b", "model.n_layers=8", "parallel.dp_shard=1",
+               "parallel.zero_stage=0", "data.seq_len=256", "train.global_batch_size=1", "train.micro_batch_size=1",
+               "--world", "1", "--gpu", "a100-40g"])
+    text = capsys.readouterr().out
+    assert rc == 3, text
+    assert "DOES NOT FIT" in text and "to fit:" in text
+
+
+def test_launch_slurm_refuses_before_submitting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from framework.dryrun import cli as dryrun_cli
+    from framework.dryrun.report import verdict
+    from framework.dryrun.run import RankClass
+    from framework.dryrun.step import StepMeasure
+    from framework.plan.hardware import get_hardware
+
+    calls = []
+
+    def fake_dry_run(cfg: object, world: int, **kw: object) -> list[object]:
+        calls.append(world)
+        measure = StepMeasure(0, {}, 90 * 2**30, {"forward": 90 * 2**30}, "forward", over_budget=True)
+        return [verdict(RankClass("all ranks", 0, world, (0,), 4), measure, get_hardware("h100-80g"), 0.05)]
+
+    monkeypatch.setattr(dryrun_cli, "dry_run", fake_dry_run)
+    rc = main(["launch", "slurm", TINY, f"run.dir={tmp_path}/run", "parallel.dp_shard=-1", "--nodes", "1",
+               "--gpus-per-node", "8", "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and calls == [8], err
+    assert "does not fit" in err and "recompute" in err
+    rc = main(["launch", "slurm", TINY, f"run.dir={tmp_path}/run", "--nodes", "1", "--gpus-per-node", "8",
+               "--dry-run", "--no-dryrun"])
+    assert rc == 0 and calls == [8]

@@ -1,0 +1,75 @@
+"""The dry run against real steps: per-step collective bytes per mesh axis equal, peak tensor bytes within 5%.
+
+Each layout runs one real training step pair on gloo (framework/dryrun/run.py `real_rank`: real tensors, the
+same tracker and communication logger) on every rank, and the dry run rehearses one rank of each rank class on
+the fake backend. Every real rank is compared with its class's rehearsal, so the claim that one rank stands for
+its class is checked too. Two worlds (4 and 8 ranks) host all layouts, one engine after another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from framework.dryrun.run import dry_run_ranks, rank_classes, real_rank
+from framework.dryrun.step import StepMeasure
+from framework.parallel.mesh import ParallelDims
+from framework.testing import run_distributed
+from framework.testing.tiny import tiny_config
+
+pytestmark = pytest.mark.slow
+
+WORLD4 = {
+    "dp4-zero3": ["parallel.dp_shard=4", "parallel.zero_stage=3"],
+    "hsdp-2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
+    "cp2-tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1", "data.seq_len=64",
+                "train.global_batch_size=4"],
+}
+WORLD8 = {
+    "tp2-pp2-dp2-zero1": ["parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1",
+                          "train.precision=bf16"],
+    "interleaved-pp2-recompute": ["parallel.pp=2", "parallel.dp_shard=4", "parallel.pp_schedule=Interleaved1F1B",
+                                  "parallel.recompute=full", "model.n_layers=8", "train.global_batch_size=16"],
+}
+
+
+def _real(rank: int, world_size: int, cases: dict[str, list[str]]) -> dict[str, StepMeasure]:
+    return {name: real_rank(tiny_config(None, *overrides)) for name, overrides in cases.items()}
+
+
+def _check(cases: dict[str, list[str]], world_size: int) -> None:
+    real = run_distributed(_real, world_size, cases=cases)
+    problems: list[str] = []
+    for name, overrides in cases.items():
+        cfg = tiny_config(None, *overrides)
+        dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
+        classes = rank_classes(cfg, world_size)
+        dry = dict(zip((c.rank for c in classes), dry_run_ranks(cfg, [c.rank for c in classes], world_size)))
+        for rank in range(world_size):
+            cls = next(c for c in classes if dims.coords(rank)["pp"] in c.pp_ranks)
+            problems += _compare(f"{name} rank {rank} vs class {cls.name}", dry[cls.rank], real[rank][name])
+    assert not problems, "\n".join(problems)
+
+
+def _compare(what: str, dry: StepMeasure, real: StepMeasure) -> list[str]:
+    out = []
+    ops = {(c.axis, c.op): c.bytes for c in dry.collectives}
+    real_ops = {(c.axis, c.op): c.bytes for c in real.collectives}
+    if ops != real_ops:
+        out.append(f"{what}: collective bytes differ: dry {ops} real {real_ops}")
+    if abs(dry.peak - real.peak) > 0.05 * real.peak:
+        out.append(f"{what}: peak {dry.peak} vs real {real.peak} ({dry.peak_by_label} vs {real.peak_by_label})")
+    if dry.states != real.states:
+        out.append(f"{what}: states {dry.states} vs real {real.states}")
+    return out
+
+
+def test_dry_run_matches_real_steps_on_4_ranks() -> None:
+    _check(WORLD4, 4)
+
+
+def test_dry_run_matches_real_steps_on_8_ranks() -> None:
+    _check(WORLD8, 8)
+
+
