@@ -8,8 +8,6 @@ its class is checked too. Two worlds (4 and 8 ranks) host all layouts, one engin
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from framework.dryrun.run import dry_run_ranks, rank_classes, real_rank
