@@ -95,7 +95,8 @@ def _patched(world: FakeWorld, stage_input: StageInput | None) -> Iterator[None]
     saved = [(DeviceMesh, "__init__", DeviceMesh.__init__), (DeviceMesh, "mesh", DeviceMesh.__dict__["mesh"]),
              (_PipelineSchedule, "_warmup_p2p", _PipelineSchedule._warmup_p2p),
              (PipelineStage, "_recv_meta", PipelineStage._recv_meta),
-             (PipelineStage, "_send_meta", PipelineStage._send_meta)]
+             (PipelineStage, "_send_meta", PipelineStage._send_meta),
+             (torch.utils, "swap_tensors", torch.utils.swap_tensors)]
     mesh_init, mesh_get = DeviceMesh.__init__, DeviceMesh.__dict__["mesh"].fget
 
     def init_outside_fake(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -130,6 +131,15 @@ def _patched(world: FakeWorld, stage_input: StageInput | None) -> Iterator[None]
                 f"stages {want} as their input (framework/dryrun/fake.py point 3): the measured program would "
                 f"differ from the real one; report this layout")
 
+    swap = torch.utils.swap_tensors
+
+    def swap_unmemoized(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        # `to_empty` swaps fake parameters in place (an expert-parallel model's are fake by then), which a weak
+        # reference from FakeTensorMode's real-to-fake conversion cache forbids; the cache only saves re-conversions
+        world.mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+        swap(t1, t2)
+
+    torch.utils.swap_tensors = swap_unmemoized
     DeviceMesh.__init__ = init_outside_fake  # type: ignore[method-assign]
     DeviceMesh.mesh = property(mesh_outside_fake)  # type: ignore[method-assign, assignment]
     _PipelineSchedule._warmup_p2p = warmup  # type: ignore[method-assign]

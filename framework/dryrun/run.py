@@ -13,6 +13,7 @@ dry run routes MoE tokens evenly — so one representative per pipeline class st
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 from framework.config import Config
 from framework.dryrun.fake import DataDependentScalars, DryRunError, StageInput, fake_world
+from framework.dryrun.moe import even_routing
 from framework.dryrun.step import StepMeasure, measure_step
 from framework.dryrun.tracker import MemoryTracker
 from framework.parallel.mesh import ParallelDims, stage_layers
@@ -93,17 +95,11 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int, limit: int | None = No
         DryRunError: the rehearsal could not be faithful (framework/dryrun/fake.py).
     """
     dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
-    if cfg.model.moe.enabled:
-        # Routing reads values (top-k choices -> counts -> all-to-all splits, capacity masks): a fake tensor has
-        # none. Rehearsing MoE needs a stated routing assumption (even routing) in the step; not built yet.
-        raise DryRunError(
-            f"model.moe.n_experts={cfg.model.moe.n_experts}: the dry run does not rehearse mixture-of-experts "
-            f"layers yet (their all-to-all sizes depend on routing values a fake tensor does not have); use "
-            f"`tessera plan` for MoE layouts")
     with fake_world(rank, world_size, stage_input(cfg, dims)) as world:
         mesh = dims.build_mesh("cpu", experts=cfg.model.moe.enabled)
         tracker = MemoryTracker(limit)
-        with world.mode, DataDependentScalars(), tracker:
+        routing = even_routing(fake=True) if cfg.model.moe.enabled else contextlib.nullcontext()
+        with world.mode, DataDependentScalars(), routing, tracker:
             try:
                 engine = _engine(cfg, dims, mesh)
             except Exception:
@@ -160,6 +156,7 @@ def real_rank(cfg: Config) -> StepMeasure:
     dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
     mesh = dims.build_mesh("cpu", experts=cfg.model.moe.enabled)
     tracker = MemoryTracker()
-    with tracker:
+    routing = even_routing(fake=False) if cfg.model.moe.enabled else contextlib.nullcontext()
+    with routing, tracker:
         engine = _engine(cfg, dims, mesh)
         return measure_step(engine, _batch(cfg, engine.n_micro, real=True), tracker, dist.get_rank())

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.slow
 WORLD4 = {
     "dp4-zero3": ["parallel.dp_shard=4", "parallel.zero_stage=3"],
     "hsdp-2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
+    # even routing (framework/dryrun/moe.py) in both runs; the expert loop, as grouped_mm's fake kernel wants bf16
+    "ep2-moe": ["model.preset=test-moe", "parallel.ep=2", "parallel.dp_shard=4", "model.moe.experts_impl=loop"],
     "cp2-tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1", "data.seq_len=64",
                 "train.global_batch_size=4"],
 }
