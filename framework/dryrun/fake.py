@@ -21,11 +21,16 @@ where it can be:
    input is checked by its predecessor's send.
 4. Scalars read from tensors (`.item()`, `float(loss)`, AdamW's step count): data-dependent reads of fake
    tensors answer 1 (a finite loss and gradient norm of 1: no clipping branch, no fp16 overflow skip).
+
+And one bookkeeping fix: `to_empty` swaps fake or DTensor parameters in place (`torch.utils.swap_tensors`),
+which weak references from FakeTensorMode's conversion caches forbid; those caches are emptied when a swap
+meets one (they only save re-conversions).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from framework.errors import TesseraError
 
@@ -85,6 +91,17 @@ def _describe(metas: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return [(tuple(m.shape), m.dtype) for m in metas if m is not None]
 
 
+def _drop_weak_caches(t: torch.Tensor) -> None:
+    """Empty every weak-keyed or weak-valued cache that refers to `t` (FakeTensorMode's conversion caches)."""
+    import gc
+
+    for ref in weakref.getweakrefs(t):
+        for table in gc.get_referrers(ref):
+            for owner in gc.get_referrers(table) if isinstance(table, dict) else ():
+                if isinstance(owner, (weakref.WeakValueDictionary, WeakIdKeyDictionary)):
+                    owner.clear()
+
+
 @contextlib.contextmanager
 def _patched(world: FakeWorld, stage_input: StageInput | None) -> Iterator[None]:
     from torch.distributed.device_mesh import DeviceMesh
@@ -134,10 +151,14 @@ def _patched(world: FakeWorld, stage_input: StageInput | None) -> Iterator[None]
     swap = torch.utils.swap_tensors
 
     def swap_unmemoized(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        # `to_empty` swaps fake parameters in place (an expert-parallel model's are fake by then), which a weak
-        # reference from FakeTensorMode's real-to-fake conversion cache forbids; the cache only saves re-conversions
-        world.mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
-        swap(t1, t2)
+        # `to_empty` swaps fake or DTensor parameters in place, which a weak reference from FakeTensorMode's
+        # real-to-fake conversion caches forbids; the caches only save re-conversions, so they start afresh
+        try:
+            swap(t1, t2)
+        except RuntimeError:
+            for t in (t1, t2):
+                _drop_weak_caches(t)
+            swap(t1, t2)
 
     torch.utils.swap_tensors = swap_unmemoized
     DeviceMesh.__init__ = init_outside_fake  # type: ignore[method-assign]

@@ -125,7 +125,8 @@ def dry_run_ranks(cfg: Config, ranks: list[int], world_size: int, limit: int | N
         try:
             ok, value = receive.recv()
         except EOFError:
-            ok, value = False, f"the dry run of rank {rank} died (exit code {child.join() or child.exitcode})"
+            child.join()
+            ok, value = False, f"the dry run of rank {rank} died (exit code {child.exitcode})"
         child.join()
         if not ok:
             raise DryRunError(f"dry run of rank {rank} of {world_size} failed:\n{value}")

@@ -24,6 +24,7 @@ rounding and fragmentation); framework/dryrun/report.py adds those as stated ter
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -110,7 +111,7 @@ class MemoryTracker(TorchDispatchMode):
         key = int(StorageWeakRef(st).cdata)
         if key in self.live:
             return
-        ref = weakref.ref(st, lambda _r, k=key: self._free(k))
+        ref = weakref.ref(st, functools.partial(self._freed, key))
         entry = _Entry(int(st.nbytes()), label or self._phase, ref)
         self.live[key] = entry
         self._move(entry.label, entry.nbytes)
@@ -139,6 +140,9 @@ class MemoryTracker(TorchDispatchMode):
         self._move(entry.label, -entry.nbytes, peak=False)
         entry.nbytes, entry.label = new, label
         self._move(label, new)
+
+    def _freed(self, key: int, _ref: Any) -> None:
+        self._free(key)
 
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
