@@ -55,6 +55,16 @@ def test_a_layout_that_cannot_fit_stops_early_and_says_what_to_change(capsys: py
     assert "DOES NOT FIT" in text and "to fit:" in text
 
 
+def test_405b_at_tp1_pp1_on_2048_ranks_is_refused_with_its_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    # The reference config at its full world size with the layout collapsed to pure data parallelism: the
+    # recipe materializes every rank's whole (TP/PP-local) model before FSDP shards it, 1.6 TB in fp32.
+    rc = main(["dryrun", str(ROOT / "configs/pretrain/llama3.1-405b-256n-h100.yaml"), "parallel.tp=1",
+               "parallel.pp=1", "parallel.pp_layer_split=null", "train.global_batch_size=2048", "--world", "2048"])
+    text = capsys.readouterr().out
+    assert rc == 3, text
+    assert "DOES NOT FIT" in text and "raise tp or pp" in text
+
+
 def test_launch_slurm_refuses_before_submitting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     from framework.dryrun import cli as dryrun_cli

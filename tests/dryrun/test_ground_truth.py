@@ -30,7 +30,7 @@ WORLD8 = {
     "tp2-pp2-dp2-zero1": ["parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1",
                           "train.precision=bf16"],
     "interleaved-pp2-recompute": ["parallel.pp=2", "parallel.dp_shard=4", "parallel.pp_schedule=Interleaved1F1B",
-                                  "parallel.recompute=full", "model.n_layers=8", "train.global_batch_size=16"],
+                                  "parallel.recompute=full", "train.micro_batch_size=1"],
 }
 
 
