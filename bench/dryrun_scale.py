@@ -25,6 +25,7 @@ from framework.config import Config, load_config
 from framework.dryrun.cli import dry_run
 from framework.dryrun.planner import compare, format_rows
 from framework.dryrun.report import format_table
+from framework.errors import TesseraError
 from framework.parallel.mesh import ParallelDims
 from framework.parallel.pipeline_schedules import min_micro_batches
 
@@ -33,6 +34,8 @@ CONFIGS = {  # name: (config, world size, GPU)
     "llama3.1-405b": ("configs/pretrain/llama3.1-405b-256n-h100.yaml", 2048, "h100-80g"),
     "gpt3-175b": ("configs/pretrain/gpt3-175b-128n-a100.yaml", 1024, "a100-80g"),
     "llama3-70b": ("configs/pretrain/llama3-70b-128n-h100.yaml", 1024, "h100-80g"),
+    "mixtral-8x22b-class": ("configs/pretrain/mixtral-8x22b-class-32n-h100.yaml", 256, "h100-80g"),
+    "deepseek-v3-class": ("configs/pretrain/deepseek-v3-class-256n-h100.yaml", 2048, "h100-80g"),
 }
 
 
@@ -72,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     texts, records = [], {}
     for name in args.only or list(CONFIGS):
         path, world, gpu = CONFIGS[name]
-        text, record = run_one(name, path, world, gpu, args.global_batch)
+        try:
+            text, record = run_one(name, path, world, gpu, args.global_batch)
+        except TesseraError as err:  # one config's failure is a row of the table, not the end of the bench
+            text, record = f"## {name}: {path} at {world} ranks\n\nfailed: {err}\n", {"error": str(err)}
         print(text, flush=True)
         texts.append(text)
         records[name] = record
