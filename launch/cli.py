@@ -67,8 +67,6 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     if gpus and procs % degrees["tp"]:
         print(f"tessera: warning: parallel.tp={degrees['tp']} does not divide {procs} ranks per node, so tensor-"
               f"parallel groups span nodes and every layer's collectives cross the network", file=sys.stderr)
-    if gpus and not args.no_dryrun:
-        _dry_run_first(cfg, args.nodes * procs, args.dryrun_gpu)
     program = None
     if args.stop_at is not None:
         program = ["-m", "framework.cli", "train", args.config, *args.overrides, "--stop-at", str(args.stop_at)]
@@ -77,6 +75,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
+    if gpus and not args.no_dryrun:  # before any allocation is asked for: a layout that cannot fit stops here
+        _dry_run_first(cfg, args.nodes * procs, args.dryrun_gpu)
     check_cluster(spec)
     job_id = submit(script, cfg.run.path)
     print(job_id)
@@ -124,7 +124,7 @@ def _register_slurm(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--stop-at", type=int, default=None, help="the job stops (and checkpoints) after this step")
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
     p.add_argument("--no-dryrun", action="store_true",
-                   help="skip the rehearsal on this machine (`tessera dryrun`) that GPU jobs get first")
+                   help="skip the rehearsal on this machine (`tessera dryrun`) a GPU job gets before it is submitted")
     p.add_argument("--dryrun-gpu", default="h100-80g", help="the GPU the rehearsal checks memory against")
     p.set_defaults(func=cmd_slurm)
 

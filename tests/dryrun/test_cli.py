@@ -80,12 +80,16 @@ def test_launch_slurm_refuses_before_submitting(monkeypatch: pytest.MonkeyPatch,
         measure = StepMeasure(0, {}, 90 * 2**30, {"forward": 90 * 2**30}, "forward", over_budget=True)
         return [verdict(RankClass("all ranks", 0, world, (0,), 4), measure, get_hardware("h100-80g"), 0.05)]
 
+    import launch.slurm
+
+    submitted: list[str] = []
     monkeypatch.setattr(dryrun_cli, "dry_run", fake_dry_run)
-    rc = main(["launch", "slurm", TINY, f"run.dir={tmp_path}/run", "parallel.dp_shard=-1", "--nodes", "1",
-               "--gpus-per-node", "8", "--dry-run"])
+    monkeypatch.setattr(launch.slurm, "check_cluster", lambda spec: None)
+    monkeypatch.setattr(launch.slurm, "submit", lambda script, run_dir: submitted.append(script) or "42")
+    base = ["launch", "slurm", TINY, f"run.dir={tmp_path}/run", "--nodes", "1", "--gpus-per-node", "8"]
+    rc = main(base)
     err = capsys.readouterr().err
-    assert rc == 2 and calls == [8], err
+    assert rc == 2 and calls == [8] and not submitted, err
     assert "does not fit" in err and "recompute" in err
-    rc = main(["launch", "slurm", TINY, f"run.dir={tmp_path}/run", "--nodes", "1", "--gpus-per-node", "8",
-               "--dry-run", "--no-dryrun"])
-    assert rc == 0 and calls == [8]
+    assert main([*base, "--no-dryrun"]) == 0 and calls == [8] and len(submitted) == 1
+    assert main([*base, "--dry-run"]) == 0 and calls == [8]  # printing the script rehearses nothing
