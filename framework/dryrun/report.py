@@ -38,7 +38,7 @@ _LABELS = {
     "optimizer": "optimizer states",
     "buffers": "buffers (RoPE tables)",
     "forward": "activations kept for backward (all micro-batches in flight)",
-    "backward": "backward temporaries and unreduced gradients",
+    "backward": "backward: gradients not yet reduced, temporaries, recomputed activations",
     "logits_loss": "logits and loss",
     "fsdp_gathered": "FSDP all-gathered parameters",
     "collective_buffers": "FSDP all-gather / reduce-scatter buffers",

@@ -13,7 +13,8 @@ byte size. FSDP2 grows and frees its all-gathered parameters by resizing storage
 (`alloc_storage` / `free_storage`), which no op dispatch shows; those two functions are wrapped while the
 tracker is active. Wrapper subclasses (DTensor) count their local tensors.
 
-Categories: a storage's label is the phase it was created in, overridden by what created it — the output of
+Categories: a storage's label is the phase it was created in ("forward" covers the whole forward-backward call;
+what the autograd engine allocates inside it is "backward"), overridden by what created it — the output of
 an all-to-all ("all_to_all"), a pipeline receive ("pipeline_recv"), FSDP's all-gathered parameters
 ("fsdp_gathered") — and relabelled by `label` (the step runner names parameters, gradients and optimizer
 states before the window). At each new peak the per-category bytes are copied: the breakdown *at* the peak.
@@ -187,8 +188,10 @@ class MemoryTracker(TorchDispatchMode):
             arg, label = _FILLS[name]
             bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
             self.label(local_tensors(bound.get(arg)), label)
+        # inside the autograd engine (a graph task is running): gradients, backward temporaries, recomputation
+        label = "backward" if self._phase == "forward" and torch._C._current_graph_task_id() != -1 else None
         for t in local_tensors(out):
-            self.add(t)
+            self.add(t, label)
         return out
 
     def __enter__(self) -> MemoryTracker:
