@@ -184,6 +184,8 @@ def fake_world(rank: int, world_size: int, stage_input: StageInput | None = None
     if dist.is_initialized():
         raise DryRunError("a process group is already initialized in this process; the dry run needs its own "
                           "(run it in a fresh process: tessera dryrun)")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
     world = FakeWorld(FakeTensorMode(allow_non_fake_inputs=True))
     try:

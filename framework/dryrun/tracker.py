@@ -107,7 +107,9 @@ class MemoryTracker(TorchDispatchMode):
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
     def add(self, t: torch.Tensor, label: str | None = None) -> None:
-        """Count `t`'s storage from now until it dies (no-op when already counted)."""
+        """Count `t`'s storage from now until it dies (no-op when already counted; meta tensors hold nothing)."""
+        if t.device.type == "meta":
+            return
         st = t.untyped_storage()
         key = int(StorageWeakRef(st).cdata)
         if key in self.live:
@@ -121,6 +123,8 @@ class MemoryTracker(TorchDispatchMode):
         """Count `tensors` (their local parts) under `label` from now on, adding them when not yet counted."""
         for t in tensors:
             for local in local_tensors(t):
+                if local.device.type == "meta":
+                    continue
                 key = storage_key(local)
                 entry = self.live.get(key)
                 if entry is None:
