@@ -71,9 +71,11 @@ def compare(cfg: Config, world_size: int, verdicts: list[Verdict]) -> list[TermR
 
 
 def format_rows(rows: list[TermRow]) -> str:
-    lines = [f"{'rank class':<22} {'term':<16} {'planner GiB':>11} {'dry run GiB':>11} {'ratio':>6}"]
+    biggest = max((max(r.planner, r.dryrun) for r in rows), default=0.0)
+    unit, scale = ("GiB", 2**30) if biggest >= 2**30 else ("MiB", 2**20)
+    lines = [f"{'rank class':<22} {'term':<16} {'planner ' + unit:>11} {'dry run ' + unit:>11} {'ratio':>6}"]
     for r in rows:
         flag = "" if r.agrees else "  > 10%"
-        lines.append(f"{r.rank_class:<22} {r.term:<16} {r.planner / 2**30:>11.2f} {r.dryrun / 2**30:>11.2f} "
+        lines.append(f"{r.rank_class:<22} {r.term:<16} {r.planner / scale:>11.2f} {r.dryrun / scale:>11.2f} "
                      f"{r.ratio:>6.2f}{flag}")
     return "\n".join(lines)

@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(int8 weight gathers), hpz (node-local backward gathers), qgz (int8 gradient all-to-all)")
     p.add_argument("--top", type=int, default=5, help="distinct (tp, pp, ep) layouts to show")
     p.add_argument("--write-config", metavar="PATH", help="write the best layout as a Tessera YAML config")
+    p.add_argument("--dryrun", type=int, default=0, metavar="K",
+                   help="rehearse the top K layouts at full world size (`tessera dryrun`, minutes each) and print "
+                        "the measured memory terms beside the formulas")
     p.add_argument("--check-params", action="store_true",
                    help="count the best layout's parameters per rank on a meta-device build and compare")
 
@@ -165,6 +168,20 @@ def report(work: Workload, result: PlanResult, hw: Hardware, space: SearchSpace,
     return "\n".join(lines)
 
 
+def _dry_run_top(work: Workload, result: PlanResult, hw: Hardware, k: int) -> None:
+    """The dry run's figures beside the formulas for the top `k` layouts (framework/dryrun/planner.py)."""
+    from framework.config import config_from_dict
+    from framework.dryrun.cli import dry_run
+    from framework.dryrun.planner import compare, format_rows
+    from framework.plan.export import config_dict
+
+    for est in result.feasible[:k]:
+        cfg = config_from_dict(config_dict(work, est.layout))
+        verdicts = dry_run(cfg, est.layout.world, gpu=hw.name)
+        print(f"\ndry run of {est.layout.describe()} at {est.layout.world} ranks:")
+        print(format_rows(compare(cfg, est.layout.world, verdicts)))
+
+
 def run(args: argparse.Namespace) -> int:
     """Handler of `tessera plan`: search, print the report, optionally check parameters and write a config."""
     cfg = model_from_args(args)
@@ -191,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
               f"rank 0 {counted[0]:,} vs {formula[0]:,}, last {counted[-1]:,} vs {formula[-1]:,}")
         if counted != formula:
             return 1
+    if args.dryrun:
+        _dry_run_top(work, result, hw, args.dryrun)
     if args.write_config:
         from framework.plan.export import write_config
 
