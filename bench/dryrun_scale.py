@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from framework.base.errors import TesseraError
 from framework.config import Config, load_config
 from framework.dryrun.cli import dry_run
 from framework.dryrun.planner import compare, format_rows
 from framework.dryrun.report import format_table
-from framework.errors import TesseraError
 from framework.parallel.mesh import ParallelDims
 from framework.parallel.pipeline_schedules import min_micro_batches
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from framework.errors import ConfigError
+from framework.base.errors import ConfigError
 
 if TYPE_CHECKING:
     from framework.config import Config

@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from framework.errors import TesseraError
+from framework.base.errors import TesseraError
 
 
 class DryRunError(TesseraError):

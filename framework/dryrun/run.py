@@ -137,7 +137,7 @@ def dry_run_ranks(cfg: Config, ranks: list[int], world_size: int, limit: int | N
 def _child(send: Any, cfg: Config, rank: int, world_size: int, limit: int | None) -> None:
     import traceback
 
-    from framework.errors import TesseraError
+    from framework.base.errors import TesseraError
 
     try:
         send.send((True, dry_run_rank(cfg, rank, world_size, limit)))
