@@ -189,9 +189,9 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
         if name in _FILLS:
-            arg, label = _FILLS[name]
+            arg, filled = _FILLS[name]
             bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
-            self.label(local_tensors(bound.get(arg)), label)
+            self.label(local_tensors(bound.get(arg)), filled)
         # inside the autograd engine (a graph task is running): gradients, backward temporaries, recomputation
         label = "backward" if self._phase == "forward" and torch._C._current_graph_task_id() != -1 else None
         for t in local_tensors(out):
