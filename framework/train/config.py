@@ -3,10 +3,49 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from framework.base.errors import ConfigError
+
+
+@dataclass(kw_only=True, frozen=True)
+class MuonConfig:
+    """Muon (orthogonalized momentum) for the hidden matrices when `train.optimizer` is muon
+    (framework/train/muon.py). The learning rate, schedule and weight decay are `train.*`'s, shared with the
+    AdamW that trains the embeddings, the head, norms, biases and the router."""
+
+    momentum: float = 0.95
+    """Momentum coefficient mu (Jordan et al. 2024, "Muon: An optimizer for hidden layers"; torch.optim.Muon)."""
+    nesterov: bool = True
+    """Orthogonalize g + mu (buf - g) (Nesterov) instead of the buffer itself (Jordan et al. 2024)."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations (Jordan et al. 2024; Moonlight, Liu et al. 2025, uses 5 too)."""
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    """Quintic Newton-Schulz coefficients (a, b, c), tuned for the slope at zero (Jordan et al. 2024)."""
+    ns_eps: float = 1e-7
+    """Added to the Frobenius norm the iteration starts by dividing by (Jordan et al. 2024)."""
+    ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Dtype of the Newton-Schulz matmuls: bf16 as published (Jordan et al. 2024, torch.optim.Muon); fp32 for
+    bitwise-comparable runs (the parity tests)."""
+    lr_adjust: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """match_rms_adamw: the update of an A x B matrix scaled by update_rms * sqrt(max(A, B)), giving it AdamW's
+    update RMS so AdamW's lr and weight decay carry over (Liu et al. 2025, "Muon is Scalable for LLM Training");
+    original: sqrt(max(1, A / B)) (Jordan et al. 2024), which wants a ~0.02 learning rate."""
+    update_rms: float = 0.2
+    """Target update RMS for match_rms_adamw: AdamW's typical 0.2-0.4 (Liu et al. 2025 use 0.2)."""
+
+    def validate(self) -> None:
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"train.muon.momentum={self.momentum} must be in [0, 1); the published value is 0.95")
+        if not 1 <= self.ns_steps <= 20:
+            raise ConfigError(f"train.muon.ns_steps={self.ns_steps} must be in [1, 20]; the published value is 5")
+        if len(self.ns_coefficients) != 3 or not all(math.isfinite(c) for c in self.ns_coefficients):
+            raise ConfigError(f"train.muon.ns_coefficients={self.ns_coefficients} must be three finite numbers "
+                              f"(a, b, c); the published ones are [3.4445, -4.7750, 2.0315]")
+        if not (self.ns_eps > 0 and self.update_rms > 0):
+            raise ConfigError(f"train.muon.ns_eps={self.ns_eps} and train.muon.update_rms={self.update_rms} must be "
+                              f"> 0; the published values are 1e-7 and 0.2")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -33,6 +72,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw everywhere; muon: Muon for the 2-D hidden matrices (per expert for stacked experts) and AdamW for the
+    embeddings, head, norms, biases and router (`train.muon`, framework/train/muon.py)."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
     optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     """AdamW kernel: auto takes fused on CUDA, foreach elsewhere."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -95,3 +138,4 @@ class TrainConfig:
                               f"(clean steps before the fp16 loss scale doubles); the usual value is 2000")
         if self.log_interval < 1:
             raise ConfigError(f"train.log_interval={self.log_interval} must be >= 1")
+        self.muon.validate()

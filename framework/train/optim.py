@@ -42,8 +42,13 @@ def _impl_flags(cfg: TrainConfig, device: torch.device, params: list[torch.Tenso
 
 
 def build_optimizer(modules: list[nn.Module], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over `modules` (pipeline stages hold several) with decoupled weight decay."""
+    """AdamW over `modules` (pipeline stages hold several) with decoupled weight decay; with train.optimizer=muon,
+    Muon for the hidden matrices (framework/train/muon.py)."""
     groups = param_groups(modules, cfg.weight_decay)
     params = [p for g in groups for p in g["params"]]  # type: ignore[attr-defined]
     flags = _impl_flags(cfg, device, params)
+    if cfg.optimizer == "muon":
+        from framework.train.muon import Muon, muon_param_groups
+
+        return Muon(muon_param_groups(modules, cfg.weight_decay), cfg, **flags)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)  # type: ignore[arg-type]

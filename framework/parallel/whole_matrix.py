@@ -1,0 +1,273 @@
+"""Whole matrices from sharded parameters: gather each onto one owner rank, apply a function there, scatter back.
+
+Muon (framework/train/muon.py) orthogonalizes whole matrices, while ZeRO-1/2/3 (FSDP2 `Shard(0)`, uneven shards
+included), HSDP, TP (`Colwise` / `Rowwise` shards, `_StridedShard` under FSDP x TP) and EP cut them into pieces.
+`WholeMatrices` hides the cut: given every rank's local pieces of the same list of parameters it returns the
+local pieces of `fn(full matrix)`, with each matrix's function evaluated once per replica, on one owner rank.
+
+How the pieces travel (a parameter's mesh dims sorted by its placements):
+  replicated dims   (`Replicate`, e.g. dp_replicate under HSDP): every replica repeats the work on its own copy;
+  whole-unit dims   (a stacked expert tensor `(E, A, B)` sharded on dim 0, e.g. `ep`): each rank already holds
+                    whole experts, nothing moves along them;
+  the primary dim   (the first other shard dim, e.g. dp_shard): one bucketed `all_to_all_single` per step sends
+                    every piece to its matrix's owner, round-robin by parameter over the dim's ranks (owners
+                    differ within one FSDP group, so the work is spread); a second one returns the results;
+  secondary dims    (further shard dims, e.g. tp under FSDP x TP): one bucketed `all_gather_into_tensor` per dim
+                    before the primary exchange; the ranks of such a dim then compute the same matrices (the
+                    "orthogonalize the full matrix" choice: no more bytes than gathering onto one of them).
+Owners put the pieces in place through flat global indices, exchanged once at construction the same way as the
+data (int64), so any placement DTensor can describe is handled by one code path: a piece is whatever
+`distribute_tensor(arange, mesh, placements, src_data_rank=None)` says it is. The collectives are c10d ops, so
+the communication logger (framework/parallel/comm.py) sees their bytes on their mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+MatrixFn = Callable[[torch.Tensor], torch.Tensor]
+"""fn(x) for x of shape (n, A, B) (n matrices of one shape stacked), returning the same shape."""
+
+
+def _is_shard(placement: object) -> bool:
+    # FSDP over a TP-sharded dim uses _StridedShard, which is not a Shard subclass and says is_shard() False.
+    return isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard"
+
+
+def _shard_dim(placement: object) -> int:
+    return int(placement.dim)  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Param:
+    """How one parameter's whole matrices are assembled (everything but the data, fixed at construction)."""
+
+    unit_shape: tuple[int, ...]  # what the owner assembles: (A, B), or (E_local, A, B) for stacked experts
+    secondary: list[tuple[dist.ProcessGroup, list[int], int]] = field(default_factory=list)
+    # per secondary hop: (group, buffer length of every member before the hop, my position in the group)
+    own_offset: int = 0  # where this rank's piece sits in its buffer after the secondary hops
+    own_numel: int = 0
+    owner: int = -1  # rank in the primary group (-1: no primary dim, the unit is assembled locally)
+    recv_lengths: list[int] = field(default_factory=list)  # owner: buffer length from each primary member
+    index: torch.Tensor | None = None  # owner: flat positions in the unit of the received elements, in order
+
+
+@dataclass
+class _Bucket:
+    """Parameters sharing one primary group (one all-to-all each way per step)."""
+
+    group: dist.ProcessGroup | None
+    members: list[int]  # indices into the parameter list
+
+
+def _split_dims(p: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(shard mesh dims that cut a unit, whole-unit mesh dims) of a DTensor with more than one rank on them."""
+    if not isinstance(p, DTensor):
+        return [], []
+    cut, whole = [], []
+    for d, pl in enumerate(p.placements):
+        if not _is_shard(pl) or p.device_mesh.size(d) == 1:
+            continue
+        (whole if p.ndim == 3 and _shard_dim(pl) == 0 else cut).append(d)
+    return cut, whole
+
+
+def _unit_index(p: DTensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(flat position of each local element inside this rank's unit, the unit's shape)."""
+    shape = tuple(p.shape)
+    full = torch.arange(math.prod(shape), dtype=torch.int64, device=p.to_local().device).view(shape)
+    local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local().reshape(-1)
+    if p.ndim != 3:
+        return local, shape
+    # stacked experts: the unit is this rank's block of whole experts along dim 0
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return local - offset[0] * shape[1] * shape[2], (local_shape[0], shape[1], shape[2])
+
+
+def _all_gather_flat(pieces: list[torch.Tensor], lengths: list[list[int]], group: dist.ProcessGroup
+                     ) -> list[torch.Tensor]:
+    """Per parameter, the concatenation over the group's members of their pieces (`lengths[i][k]`: member k's)."""
+    size = len(lengths[0]) if lengths else 1
+    widths = [max(ls) for ls in lengths]
+    send = torch.cat([torch.nn.functional.pad(x, (0, w - x.numel())) for x, w in zip(pieces, widths, strict=True)])
+    out = send.new_empty(size * send.numel())
+    dist.all_gather_into_tensor(out, send, group=group)
+    rows = out.view(size, -1)
+    result, start = [], 0
+    for ls, w in zip(lengths, widths, strict=True):
+        result.append(torch.cat([rows[k, start:start + ls[k]] for k in range(size)]))
+        start += w
+    return result
+
+
+class WholeMatrices:
+    """Gather, apply, scatter for a fixed list of parameters (the Muon parameters of one optimizer)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.layout: list[_Param] = []
+        buckets: dict[int, _Bucket] = {}
+        local_index: list[torch.Tensor] = []
+        for i, p in enumerate(self.params):
+            cut, _ = _split_dims(p)
+            if not cut:  # the local tensor holds whole units: a plain tensor, replicas, whole experts
+                self.layout.append(_Param(unit_shape=tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape)))
+                local_index.append(torch.empty(0, dtype=torch.int64))
+                continue
+            assert isinstance(p, DTensor)
+            index, unit = _unit_index(p)
+            self.layout.append(_Param(unit_shape=unit, own_numel=index.numel()))
+            local_index.append(index)
+            group = p.device_mesh.get_group(cut[0])
+            buckets.setdefault(id(group), _Bucket(group, [])).members.append(i)
+            self.layout[i].secondary = [(p.device_mesh.get_group(d), [], p.device_mesh.get_local_rank(d))
+                                        for d in cut[1:]]
+        self.buckets = list(buckets.values())
+        self._plan(local_index)
+
+    def _plan(self, local_index: list[torch.Tensor]) -> None:
+        """Lengths, offsets and owners' index tensors: the data path run once on the flat positions."""
+        for bucket in self.buckets:
+            assert bucket.group is not None
+            size = dist.get_world_size(bucket.group)
+            for n, i in enumerate(bucket.members):
+                self.layout[i].owner = n % size
+            buffers = self._secondary_hops(bucket, [local_index[i] for i in bucket.members], plan=True)
+            lengths = torch.tensor([b.numel() for b in buffers], dtype=torch.int64)
+            every = lengths.new_empty(size * lengths.numel())
+            dist.all_gather_into_tensor(every, lengths, group=bucket.group)
+            every_KP = every.view(size, -1).tolist()
+            for n, i in enumerate(bucket.members):
+                self.layout[i].recv_lengths = [every_KP[k][n] for k in range(size)]
+            received = self._to_owners(bucket, buffers)
+            for i, index in received.items():
+                self.layout[i].index = index
+
+    def _secondary_hops(self, bucket: _Bucket, pieces: list[torch.Tensor], plan: bool = False
+                        ) -> list[torch.Tensor]:
+        """All-gather along each secondary dim (bucketed per dim); `plan` records lengths and offsets."""
+        first = self.layout[bucket.members[0]]
+        for hop, (group, _, position) in enumerate(first.secondary):
+            if plan:
+                size = dist.get_world_size(group)
+                mine = torch.tensor([x.numel() for x in pieces], dtype=torch.int64)
+                every = mine.new_empty(size * mine.numel())
+                dist.all_gather_into_tensor(every, mine, group=group)
+                every_KP = every.view(size, -1).tolist()
+                for n, i in enumerate(bucket.members):
+                    lengths = [every_KP[k][n] for k in range(size)]
+                    layout = self.layout[i]
+                    layout.secondary[hop] = (group, lengths, position)
+                    layout.own_offset += sum(lengths[:position])
+            lengths_P = [self.layout[i].secondary[hop][1] for i in bucket.members]
+            pieces = _all_gather_flat(pieces, lengths_P, group)
+        return pieces
+
+    def _to_owners(self, bucket: _Bucket, buffers: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """One all-to-all: every buffer to its owner; returns {parameter index: concatenation over members}."""
+        assert bucket.group is not None
+        size = dist.get_world_size(bucket.group)
+        me = dist.get_rank(bucket.group)
+        by_owner: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        for i, buf in zip(bucket.members, buffers, strict=True):
+            by_owner[self.layout[i].owner].append(buf)
+        send = torch.cat([x for per in by_owner for x in per])
+        in_splits = [sum(x.numel() for x in per) for per in by_owner]
+        mine = [i for i in bucket.members if self.layout[i].owner == me]
+        out_splits = [sum(self.layout[i].recv_lengths[k] for i in mine) for k in range(size)]
+        recv = send.new_empty(sum(out_splits))
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=bucket.group)
+        parts: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
+        start = 0
+        for k in range(size):
+            for i in mine:
+                n = self.layout[i].recv_lengths[k]
+                parts[i].append(recv[start:start + n])
+                start += n
+        return {i: torch.cat(ps) for i, ps in parts.items()}
+
+    def _from_owners(self, bucket: _Bucket, results: dict[int, torch.Tensor], like: torch.Tensor
+                     ) -> list[torch.Tensor]:
+        """The reverse all-to-all: every member gets back, per parameter, its buffer's share of the result."""
+        assert bucket.group is not None
+        size = dist.get_world_size(bucket.group)
+        me = dist.get_rank(bucket.group)
+        mine = [i for i in bucket.members if self.layout[i].owner == me]
+        send_parts: list[torch.Tensor] = [like.new_empty(0)]
+        for k in range(size):
+            for i in mine:
+                layout = self.layout[i]
+                assert layout.index is not None
+                start = sum(layout.recv_lengths[:k])
+                send_parts.append(results[i].reshape(-1)[layout.index[start:start + layout.recv_lengths[k]]])
+        in_splits = [sum(self.layout[i].recv_lengths[k] for i in mine) for k in range(size)]
+        by_owner: list[list[int]] = [[] for _ in range(size)]
+        for i in bucket.members:
+            by_owner[self.layout[i].owner].append(i)
+        out_splits = [sum(self._buffer_len(i) for i in per) for per in by_owner]
+        recv = like.new_empty(sum(out_splits))
+        dist.all_to_all_single(recv, torch.cat(send_parts), out_splits, in_splits, group=bucket.group)
+        out: dict[int, torch.Tensor] = {}
+        start = 0
+        for per in by_owner:
+            for i in per:
+                out[i] = recv[start:start + self._buffer_len(i)]
+                start += self._buffer_len(i)
+        return [out[i] for i in bucket.members]
+
+    def _buffer_len(self, i: int) -> int:
+        """This rank's buffer length for parameter i after the secondary hops."""
+        layout = self.layout[i]
+        return sum(layout.secondary[-1][1]) if layout.secondary else layout.own_numel
+
+    def apply(self, pieces: Sequence[torch.Tensor], fn: MatrixFn) -> list[torch.Tensor]:
+        """The local pieces of fn(whole matrix) for every parameter, given `pieces[i]`, this rank's local piece of
+        a tensor placed like `params[i]` (e.g. its Nesterov momentum). Matrices of one shape go through `fn`
+        together, stacked, whatever parameter (or expert) they come from."""
+        units: dict[int, torch.Tensor] = {}
+        for i, layout in enumerate(self.layout):
+            if layout.owner < 0:
+                units[i] = pieces[i].reshape(layout.unit_shape)
+        for bucket in self.buckets:
+            buffers = self._secondary_hops(bucket, [pieces[i].reshape(-1) for i in bucket.members])
+            for i, data in self._to_owners(bucket, buffers).items():
+                layout = self.layout[i]
+                unit = data.new_empty(math.prod(layout.unit_shape))
+                unit[layout.index] = data
+                units[i] = unit.view(layout.unit_shape)
+        results = _batched(units, fn)
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        for i, layout in enumerate(self.layout):
+            if layout.owner < 0:
+                out[i] = results[i].reshape(pieces[i].shape)
+        for bucket in self.buckets:
+            like = pieces[bucket.members[0]]
+            back = self._from_owners(bucket, {i: results[i] for i in bucket.members if i in results}, like)
+            for i, buf in zip(bucket.members, back, strict=True):
+                layout = self.layout[i]
+                out[i] = buf[layout.own_offset:layout.own_offset + layout.own_numel].view(pieces[i].shape)
+        return out  # type: ignore[return-value]
+
+
+def _batched(units: dict[int, torch.Tensor], fn: MatrixFn) -> dict[int, torch.Tensor]:
+    """fn over every unit, one call per matrix shape (units of shape (A, B) or (E, A, B))."""
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, u in units.items():
+        by_shape.setdefault((u.shape[-2], u.shape[-1]), []).append(i)
+    out: dict[int, torch.Tensor] = {}
+    for (a, b), ids in by_shape.items():
+        stacked = torch.cat([units[i].reshape(-1, a, b) for i in ids])
+        result = fn(stacked)
+        start = 0
+        for i in ids:
+            n = units[i].numel() // (a * b)
+            out[i] = result[start:start + n].reshape(units[i].shape)
+            start += n
+    return out

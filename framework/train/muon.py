@@ -1,0 +1,161 @@
+"""Muon (Jordan et al. 2024) for the hidden matrices, AdamW for everything else, as one optimizer.
+
+    opt = build_muon(modules, train_cfg, device)      # train.optimizer: muon (framework/train/optim.py)
+
+For each 2-D hidden matrix W (A x B; each expert of a stacked (E, A, B) expert weight on its own), with
+gradient G, learning rate lr and weight decay wd (`train.lr`, `train.weight_decay`, `train.muon`):
+    buf <- mu buf + (1 - mu) G                             momentum (the EMA form of Jordan's and torch's Muon)
+    U   <- (1 - mu) G + mu buf  (Nesterov)  or  buf
+    O   <- NS_k(U)                                        k quintic Newton-Schulz steps, (a, b, c) coefficients
+    W   <- (1 - lr wd) W - lr s O,   s = 0.2 sqrt(max(A, B))   (Liu et al. 2025: AdamW's update RMS, so AdamW's
+                                                               lr and weight decay carry over)
+The embeddings, the output head (a classifier, not a hidden layer), norms, biases and the MoE router stay on
+AdamW with the usual decay groups (framework/train/optim.py), as Jordan et al. and Moonlight do.
+
+`Muon` subclasses `torch.optim.AdamW`: its AdamW groups run AdamW's own kernel unchanged, its state is AdamW's
+plus one `momentum_buffer` per Muon parameter placed like the parameter (a DTensor under FSDP/TP/EP), so
+distributed checkpoints save and reshard it exactly like exp_avg (framework/checkpoint/dcp.py). The gradient
+scaler and the loss guard see an ordinary optimizer: a skipped step never reaches `step`.
+
+Sharded parameters: the momentum update is elementwise on the local shards; NS needs whole matrices, which
+`framework/parallel/whole_matrix.py` assembles on owner ranks (bucketed all-to-all, round-robin owners, NS
+batched per matrix shape there) and scatters back, so every layout computes the 1-process update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from framework.train.config import MuonConfig, TrainConfig
+
+_NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def newton_schulz(g_NAB: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Approximate U V^T of each matrix's SVD U S V^T (n stacked A x B matrices), Jordan et al. 2024's quintic
+    iteration X <- a X + (b X X^T + c (X X^T)^2) X from X = G / (||G||_F + eps), run on the wide orientation."""
+    a, b, c = coefficients
+    x = g_NAB.to(dtype)
+    tall = g_NAB.size(-2) > g_NAB.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    if tall:
+        x = x.mT
+    return x.to(g_NAB.dtype)
+
+
+def update_scale(shape: torch.Size | tuple[int, ...], cfg: MuonConfig) -> float:
+    """The factor on lr for an orthogonalized update of a (..., A, B) weight (`train.muon.lr_adjust`)."""
+    a, b = shape[-2], shape[-1]
+    if cfg.lr_adjust == "match_rms_adamw":
+        return cfg.update_rms * math.sqrt(max(a, b))
+    return math.sqrt(max(1.0, a / b))
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """A hidden matrix: 2-D (or a 3-D stack of expert matrices), not an embedding, the head, a norm or the router
+    (both classifiers over a fixed set; Jordan et al. 2024 and Liu et al. 2025 keep them on AdamW)."""
+    leaf = name.rsplit(".", 1)[0]
+    return (p.ndim in (2, 3) and "embeddings" not in name and leaf != "output" and "norm" not in name
+            and "router" not in name)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _grad_like_param(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient as the local piece matching p's local shard (a gradient may be placed unlike its parameter;
+    Replicate -> Shard is a local slice)."""
+    g = p.grad
+    assert g is not None
+    if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
+
+
+class Muon(torch.optim.AdamW):
+    """AdamW groups (`"muon": False`) stepped by AdamW; Muon groups (`"muon": True`) by `_muon_step`."""
+
+    def __init__(self, groups: list[dict[str, Any]], cfg: TrainConfig, **adamw_flags: bool) -> None:
+        super().__init__(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_flags)
+        self.muon_cfg = cfg.muon
+        # GradScaler must unscale the gradients first (as for foreach AdamW), never hand a fused kernel its scale:
+        # the Muon half has no fused path.
+        self._step_supports_amp_scaling = False
+        self._whole: Any = None
+
+    def _muon_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups if g.get("muon") for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self.param_groups
+        try:
+            self.param_groups = [g for g in groups if not g.get("muon")]
+            super().step()
+        finally:
+            self.param_groups = groups
+        self._muon_step()
+        return loss
+
+    def _muon_step(self) -> None:
+        from framework.parallel.whole_matrix import WholeMatrices
+
+        cfg = self.muon_cfg
+        params = self._muon_params()
+        if not params:
+            return
+        if any(p.grad is None for p in params):
+            # Every rank of a group must take part in the collectives for every matrix: all or none.
+            missing = [tuple(p.shape) for p in params if p.grad is None]
+            raise RuntimeError(f"Muon step with {len(missing)} Muon parameter(s) lacking a gradient, shapes {missing}")
+        if self._whole is None or self._whole.params != params:
+            self._whole = WholeMatrices(params)
+        nesterov_in: list[torch.Tensor] = []
+        for p in params:
+            g = _grad_like_param(p)
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = _local(state["momentum_buffer"])
+            buf.lerp_(g, 1 - cfg.momentum)
+            nesterov_in.append(g.lerp(buf, cfg.momentum) if cfg.nesterov else buf)
+        dtype = _NS_DTYPES[cfg.ns_dtype]
+        updates = self._whole.apply(nesterov_in, lambda u: newton_schulz(
+            u, cfg.ns_coefficients, cfg.ns_steps, cfg.ns_eps, dtype))
+        scale = {id(p): (g["lr"], g["weight_decay"]) for g in self.param_groups if g.get("muon") for p in g["params"]}
+        for p, update in zip(params, updates, strict=True):
+            lr, wd = scale[id(p)]
+            w = _local(p)
+            w.mul_(1 - lr * wd)
+            w.add_(update, alpha=-lr * update_scale(p.shape, cfg))
+
+
+def muon_param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict[str, Any]]:
+    """[AdamW decay, AdamW no decay, Muon]: the first two as `optim.param_groups` makes them (the engines'
+    tied-weight fix relies on that order), the hidden matrices moved into a third."""
+    from framework.train.optim import param_groups
+
+    modules = list(modules)
+    muon_ids = {id(p) for m in modules for n, p in m.named_parameters() if p.requires_grad and is_muon_param(n, p)}
+    adamw = param_groups(modules, weight_decay)
+    muon = [p for p in adamw[0]["params"] if id(p) in muon_ids]  # type: ignore[attr-defined]
+    adamw[0]["params"] = [p for p in adamw[0]["params"] if id(p) not in muon_ids]  # type: ignore[attr-defined]
+    return [{**adamw[0], "muon": False}, {**adamw[1], "muon": False},
+            {"params": muon, "weight_decay": weight_decay, "muon": True}]

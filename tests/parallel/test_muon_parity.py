@@ -1,0 +1,47 @@
+"""Muon on every parity layout against the one-process Muon run (`LocalEngine`): loss and grad norm per step
+within 1e-5 and the final parameters' checksums within 1e-5 relative (tests/parallel/parallel_parity.py).
+
+The Newton-Schulz matmuls run in fp32 here (`train.muon.ns_dtype=fp32`): the whole matrices the owner ranks
+assemble are then the one-process matrices up to the gradients' reduction order, and so are the updates.
+Layouts cover every way a matrix is cut: FSDP Shard(0) with ZeRO-1/2/3, HSDP, TP column/row shards, FSDP x TP
+(`_StridedShard`), uneven shards (dp_shard=3: 64 rows as 22/22/20, 128 as 43/43/42), stacked experts under EP
+with FSDP's Shard(1), pipeline stages (1F1B and interleaved) and TP2 x PP2 x DP2. All rounds share one
+8-rank process group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from parallel_parity import compare, pack_rounds, run_rounds
+
+from framework.testing import run_distributed
+
+MUON = {"train.optimizer": "muon", "train.muon.ns_dtype": "fp32"}
+MOE = {**MUON, "model.preset": "test-moe", "model.moe.n_experts": 4, "model.moe.top_k": 2}
+
+LAYOUTS: list[dict[str, Any]] = [
+    {"tp": 2, "dp_shard": 1, "zero_stage": 0, **MUON},
+    {"pp": 2, "dp_shard": 1, "pp_schedule": "1F1B", **MUON},
+    {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", **MUON},
+    {"dp_shard": 2, "zero_stage": 1, **MUON},
+    {"dp_shard": 2, "zero_stage": 2, **MUON},
+    {"dp_shard": 2, "zero_stage": 3, **MUON},
+    {"dp_shard": 2, "dp_replicate": 2, "zero_stage": 1, **MUON},
+    {"dp_shard": 3, "zero_stage": 3, "train.global_batch_size": 6, **MUON},
+    {"tp": 2, "dp_shard": 2, "zero_stage": 3, **MUON},
+    {"tp": 2, "pp": 2, "dp_shard": 2, "zero_stage": 1, **MUON},
+    {"ep": 2, "dp_shard": 2, "zero_stage": 1, **MOE},
+    {"ep": 2, "tp": 2, "dp_shard": 2, "zero_stage": 3, **MOE},
+    {"dp_shard": 1, "zero_stage": 0, "ep": 1, **MOE},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_muon_layouts_match_one_process_muon() -> None:
+    rounds = pack_rounds(LAYOUTS, 8)
+    results = run_distributed(run_rounds, 8, timeout_s=600, rounds=rounds)
+    bad = compare(rounds, results)
+    assert not bad, "\n".join(bad)
