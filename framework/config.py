@@ -83,6 +83,11 @@ class Config:
                 f"data.seq_len={self.data.seq_len} must be divisible by parallel.tp={tp}: sequence parallelism cuts "
                 f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
                 f"parallel.sequence_parallel=false")
+        if self.train.optimizer == "muon" and self.parallel.nvme_offload.enabled:
+            raise ConfigError(
+                f"train.optimizer=muon cannot keep its states on NVMe (parallel.nvme_offload.path="
+                f"{self.parallel.nvme_offload.path!r} streams AdamW's exp_avg/exp_avg_sq only); set "
+                f"parallel.nvme_offload.path='' or train.optimizer=adamw")
         from framework.parallel.mesh import zeropp_compile_problem
 
         if problem := zeropp_compile_problem(self.parallel, self.train.compile):

@@ -94,7 +94,10 @@ class Muon(torch.optim.AdamW):
         # GradScaler must unscale the gradients first (as for foreach AdamW), never hand a fused kernel its scale:
         # the Muon half has no fused path.
         self._step_supports_amp_scaling = False
-        self._whole: Any = None
+        from framework.parallel.whole_matrix import WholeMatrices
+
+        # Built now, on every rank of the layout at once (its plan exchanges flat positions once).
+        self._whole = WholeMatrices(self._muon_params())
 
     def _muon_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups if g.get("muon") for p in g["params"]]
@@ -115,8 +118,6 @@ class Muon(torch.optim.AdamW):
         return loss
 
     def _muon_step(self) -> None:
-        from framework.parallel.whole_matrix import WholeMatrices
-
         cfg = self.muon_cfg
         params = self._muon_params()
         if not params:
@@ -125,8 +126,8 @@ class Muon(torch.optim.AdamW):
             # Every rank of a group must take part in the collectives for every matrix: all or none.
             missing = [tuple(p.shape) for p in params if p.grad is None]
             raise RuntimeError(f"Muon step with {len(missing)} Muon parameter(s) lacking a gradient, shapes {missing}")
-        if self._whole is None or self._whole.params != params:
-            self._whole = WholeMatrices(params)
+        if [id(p) for p in self._whole.params] != [id(p) for p in params]:
+            raise RuntimeError("Muon's parameters changed after construction; build a new optimizer instead")
         nesterov_in: list[torch.Tensor] = []
         for p in params:
             g = _grad_like_param(p)
