@@ -134,6 +134,9 @@ class Muon(torch.optim.AdamW):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                # a step count as AdamW keeps one: Adam's load_state_dict expects it in every parameter's state
+                state["step"] = torch.tensor(0.0)
+            state["step"] += 1
             buf = _local(state["momentum_buffer"])
             buf.lerp_(g, 1 - cfg.momentum)
             nesterov_in.append(g.lerp(buf, cfg.momentum) if cfg.nesterov else buf)
