@@ -12,7 +12,7 @@ How the pieces travel (a parameter's mesh dims sorted by its placements):
   the primary dim   (the first other shard dim, e.g. dp_shard): one bucketed `all_to_all_single` per step sends
                     every piece to its matrix's owner, round-robin by parameter over the dim's ranks (owners
                     differ within one FSDP group, so the work is spread); a second one returns the results;
-  secondary dims    (further shard dims, e.g. tp under FSDP x TP): one bucketed `all_gather_into_tensor` per dim
+  secondary dims    (further shard dims, e.g. tp under FSDP x TP): one bucketed all-gather per dim
                     before the primary exchange; the ranks of such a dim then compute the same matrices (the
                     "orthogonalize the full matrix" choice: no more bytes than gathering onto one of them).
 Owners put the pieces in place through flat global indices, exchanged once at construction the same way as the
@@ -31,6 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single (the same c10d op); older torch lacks the latter.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
 """fn(x) for x of shape (n, A, B) (n matrices of one shape stacked), returning the same shape."""
@@ -63,7 +66,7 @@ class _Param:
 class _Bucket:
     """Parameters sharing one primary group (one all-to-all each way per step)."""
 
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup
     members: list[int]  # indices into the parameter list
 
 
@@ -71,7 +74,8 @@ def _split_dims(p: torch.Tensor) -> tuple[list[int], list[int]]:
     """(shard mesh dims that cut a unit, whole-unit mesh dims) of a DTensor with more than one rank on them."""
     if not isinstance(p, DTensor):
         return [], []
-    cut, whole = [], []
+    cut: list[int] = []
+    whole: list[int] = []
     for d, pl in enumerate(p.placements):
         if not _is_shard(pl) or p.device_mesh.size(d) == 1:
             continue
@@ -98,7 +102,7 @@ def _all_gather_flat(pieces: list[torch.Tensor], lengths: list[list[int]], group
     widths = [max(ls) for ls in lengths]
     send = torch.cat([torch.nn.functional.pad(x, (0, w - x.numel())) for x, w in zip(pieces, widths, strict=True)])
     out = send.new_empty(size * send.numel())
-    dist.all_gather_into_tensor(out, send, group=group)
+    _all_gather_single(out, send, group=group)
     rows = out.view(size, -1)
     result, start = [], 0
     for ls, w in zip(lengths, widths, strict=True):
@@ -113,7 +117,7 @@ class WholeMatrices:
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = list(params)
         self.layout: list[_Param] = []
-        buckets: dict[int, _Bucket] = {}
+        buckets: dict[tuple[int, ...], _Bucket] = {}
         local_index: list[torch.Tensor] = []
         for i, p in enumerate(self.params):
             cut, _ = _split_dims(p)
@@ -126,23 +130,23 @@ class WholeMatrices:
             self.layout.append(_Param(unit_shape=unit, own_numel=index.numel()))
             local_index.append(index)
             group = p.device_mesh.get_group(cut[0])
-            buckets.setdefault(id(group), _Bucket(group, [])).members.append(i)
             self.layout[i].secondary = [(p.device_mesh.get_group(d), [], p.device_mesh.get_local_rank(d))
                                         for d in cut[1:]]
+            key = (id(group), *(id(g) for g, _, _ in self.layout[i].secondary))
+            buckets.setdefault(key, _Bucket(group, [])).members.append(i)
         self.buckets = list(buckets.values())
         self._plan(local_index)
 
     def _plan(self, local_index: list[torch.Tensor]) -> None:
         """Lengths, offsets and owners' index tensors: the data path run once on the flat positions."""
         for bucket in self.buckets:
-            assert bucket.group is not None
             size = dist.get_world_size(bucket.group)
             for n, i in enumerate(bucket.members):
                 self.layout[i].owner = n % size
             buffers = self._secondary_hops(bucket, [local_index[i] for i in bucket.members], plan=True)
             lengths = torch.tensor([b.numel() for b in buffers], dtype=torch.int64)
             every = lengths.new_empty(size * lengths.numel())
-            dist.all_gather_into_tensor(every, lengths, group=bucket.group)
+            _all_gather_single(every, lengths, group=bucket.group)
             every_KP = every.view(size, -1).tolist()
             for n, i in enumerate(bucket.members):
                 self.layout[i].recv_lengths = [every_KP[k][n] for k in range(size)]
@@ -159,7 +163,7 @@ class WholeMatrices:
                 size = dist.get_world_size(group)
                 mine = torch.tensor([x.numel() for x in pieces], dtype=torch.int64)
                 every = mine.new_empty(size * mine.numel())
-                dist.all_gather_into_tensor(every, mine, group=group)
+                _all_gather_single(every, mine, group=group)
                 every_KP = every.view(size, -1).tolist()
                 for n, i in enumerate(bucket.members):
                     lengths = [every_KP[k][n] for k in range(size)]
@@ -172,7 +176,6 @@ class WholeMatrices:
 
     def _to_owners(self, bucket: _Bucket, buffers: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """One all-to-all: every buffer to its owner; returns {parameter index: concatenation over members}."""
-        assert bucket.group is not None
         size = dist.get_world_size(bucket.group)
         me = dist.get_rank(bucket.group)
         by_owner: list[list[torch.Tensor]] = [[] for _ in range(size)]
@@ -196,7 +199,6 @@ class WholeMatrices:
     def _from_owners(self, bucket: _Bucket, results: dict[int, torch.Tensor], like: torch.Tensor
                      ) -> list[torch.Tensor]:
         """The reverse all-to-all: every member gets back, per parameter, its buffer's share of the result."""
-        assert bucket.group is not None
         size = dist.get_world_size(bucket.group)
         me = dist.get_rank(bucket.group)
         mine = [i for i in bucket.members if self.layout[i].owner == me]

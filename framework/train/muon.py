@@ -151,15 +151,11 @@ class Muon(torch.optim.AdamW):
             w.add_(update, alpha=-lr * update_scale(p.shape, cfg))
 
 
-def muon_param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict[str, Any]]:
-    """[AdamW decay, AdamW no decay, Muon]: the first two as `optim.param_groups` makes them (the engines'
-    tied-weight fix relies on that order), the hidden matrices moved into a third."""
-    from framework.train.optim import param_groups
-
-    modules = list(modules)
+def muon_param_groups(modules: Iterable[nn.Module], adamw_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """[AdamW decay, AdamW no decay, Muon] from AdamW's two groups (`optim.param_groups`; the engines' tied-weight
+    fix relies on that order): the hidden matrices move from the decay group into a third, decaying alike."""
     muon_ids = {id(p) for m in modules for n, p in m.named_parameters() if p.requires_grad and is_muon_param(n, p)}
-    adamw = param_groups(modules, weight_decay)
-    muon = [p for p in adamw[0]["params"] if id(p) in muon_ids]  # type: ignore[attr-defined]
-    adamw[0]["params"] = [p for p in adamw[0]["params"] if id(p) not in muon_ids]  # type: ignore[attr-defined]
-    return [{**adamw[0], "muon": False}, {**adamw[1], "muon": False},
-            {"params": muon, "weight_decay": weight_decay, "muon": True}]
+    decay, no_decay = adamw_groups
+    muon = [p for p in decay["params"] if id(p) in muon_ids]
+    return [{**decay, "params": [p for p in decay["params"] if id(p) not in muon_ids], "muon": False},
+            {**no_decay, "muon": False}, {"params": muon, "weight_decay": decay["weight_decay"], "muon": True}]

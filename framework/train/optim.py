@@ -50,5 +50,5 @@ def build_optimizer(modules: list[nn.Module], cfg: TrainConfig, device: torch.de
     if cfg.optimizer == "muon":
         from framework.train.muon import Muon, muon_param_groups
 
-        return Muon(muon_param_groups(modules, cfg.weight_decay), cfg, **flags)
+        return Muon(muon_param_groups(modules, groups), cfg, **flags)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)  # type: ignore[arg-type]
