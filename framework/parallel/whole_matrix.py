@@ -14,7 +14,8 @@ How the pieces travel (a parameter's mesh dims sorted by its placements):
                     differ within one FSDP group, so the work is spread); a second one returns the results;
   secondary dims    (further shard dims, e.g. tp under FSDP x TP): one bucketed all-gather per dim
                     before the primary exchange; the ranks of such a dim then compute the same matrices (the
-                    "orthogonalize the full matrix" choice: no more bytes than gathering onto one of them).
+                    "orthogonalize the full matrix" choice: tp is small and inside a node, and it spares a
+                    second level of owners at the cost of tp-fold Newton-Schulz work on those ranks).
 Owners put the pieces in place through flat global indices, exchanged once at construction the same way as the
 data (int64), so any placement DTensor can describe is handled by one code path: a piece is whatever
 `distribute_tensor(arange, mesh, placements, src_data_rank=None)` says it is. The collectives are c10d ops, so
