@@ -126,9 +126,20 @@ def report(curves: dict[str, list[float]], local: dict[str, list[float]], par: d
              f"Muon's owner exchange on DP{args.ranks}: {par['all_to_all_bytes']:,} all-to-all bytes per step on "
              f"rank 0 (its shards of the hidden matrices out, the matrices it owns back; communication logger).",
              f"Loss after {args.steps} steps (mean of the last 20): AdamW {tail['AdamW']:.4f}, Muon "
-             f"{tail['Muon (bf16 NS)']:.4f} (same weights, batches, lr and weight decay).", "",
+             f"{tail['Muon (bf16 NS)']:.4f} (same weights, batches, lr and weight decay).",
+             f"This CPU has {'no ' if not _native_bf16() else ''}native bf16 matmul (avx512_bf16/amx_bf16), so "
+             f"the bf16 Newton-Schulz rows pay for emulation; the fp32 rows are Muon's cost here. On GPUs the "
+             f"published bf16 path is the fast one (not measured: no GPU in this run).", "",
              f"![Muon vs AdamW loss]({Path(args.png).name})", ""]
     return "\n".join(lines)
+
+
+def _native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def plot(curves: dict[str, list[float]], png: str) -> None:
