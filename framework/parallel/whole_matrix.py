@@ -18,7 +18,9 @@ How the pieces travel (a parameter's mesh dims sorted by its placements):
                     second level of owners at the cost of tp-fold Newton-Schulz work on those ranks).
 Owners put the pieces in place through flat global indices, exchanged once at construction the same way as the
 data (int64), so any placement DTensor can describe is handled by one code path: a piece is whatever
-`distribute_tensor(arange, mesh, placements, src_data_rank=None)` says it is. The collectives are c10d ops, so
+`distribute_tensor(arange, mesh, placements, src_data_rank=None)` says it is. Where the received pieces already
+lie in order (FSDP's Shard(0) alone, the common case) the owner keeps no index and assembles by concatenation;
+elsewhere its indices cost 8 bytes per element of the matrices it owns. The collectives are c10d ops, so
 the communication logger (framework/parallel/comm.py) sees their bytes on their mesh axes.
 """
 
@@ -60,7 +62,8 @@ class _Param:
     own_numel: int = 0
     owner: int = -1  # rank in the primary group (-1: no primary dim, the unit is assembled locally)
     recv_lengths: list[int] = field(default_factory=list)  # owner: buffer length from each primary member
-    index: torch.Tensor | None = None  # owner: flat positions in the unit of the received elements, in order
+    index: torch.Tensor | None = None  # owner: flat positions in the unit of the received elements, in order;
+    # None where they are 0, 1, 2, ... (FSDP's Shard(0) alone: the pieces are row blocks in rank order)
 
 
 @dataclass
@@ -153,7 +156,8 @@ class WholeMatrices:
                 self.layout[i].recv_lengths = [every_KP[k][n] for k in range(size)]
             received = self._to_owners(bucket, buffers)
             for i, index in received.items():
-                self.layout[i].index = index
+                in_order = torch.equal(index, torch.arange(index.numel(), device=index.device))
+                self.layout[i].index = None if in_order else index
 
     def _secondary_hops(self, bucket: _Bucket, pieces: list[torch.Tensor], plan: bool = False
                         ) -> list[torch.Tensor]:
@@ -207,9 +211,9 @@ class WholeMatrices:
         for k in range(size):
             for i in mine:
                 layout = self.layout[i]
-                assert layout.index is not None
-                start = sum(layout.recv_lengths[:k])
-                send_parts.append(results[i].reshape(-1)[layout.index[start:start + layout.recv_lengths[k]]])
+                start, stop = sum(layout.recv_lengths[:k]), sum(layout.recv_lengths[:k + 1])
+                flat = results[i].reshape(-1)
+                send_parts.append(flat[start:stop] if layout.index is None else flat[layout.index[start:stop]])
         in_splits = [sum(self.layout[i].recv_lengths[k] for i in mine) for k in range(size)]
         by_owner: list[list[int]] = [[] for _ in range(size)]
         for i in bucket.members:
@@ -242,9 +246,12 @@ class WholeMatrices:
             buffers = self._secondary_hops(bucket, [pieces[i].reshape(-1) for i in bucket.members])
             for i, data in self._to_owners(bucket, buffers).items():
                 layout = self.layout[i]
-                unit = data.new_empty(math.prod(layout.unit_shape))
-                unit[layout.index] = data
-                units[i] = unit.view(layout.unit_shape)
+                if layout.index is None:
+                    units[i] = data.view(layout.unit_shape)
+                else:
+                    unit = data.new_empty(math.prod(layout.unit_shape))
+                    unit[layout.index] = data
+                    units[i] = unit.view(layout.unit_shape)
         results = _batched(units, fn)
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for i, layout in enumerate(self.layout):
