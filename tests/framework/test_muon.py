@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from framework.base.errors import ConfigError
 from framework.config import Config
-from framework.errors import ConfigError
 from framework.testing.tiny import tiny_config
 from framework.train.local_engine import LocalEngine
 from framework.train.muon import Muon, is_muon_param
