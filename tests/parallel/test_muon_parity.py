@@ -5,7 +5,7 @@ The Newton-Schulz matmuls run in fp32 here (`train.muon.ns_dtype=fp32`): the who
 assemble are then the one-process matrices up to the gradients' reduction order, and so are the updates.
 Layouts cover every way a matrix is cut: FSDP Shard(0) with ZeRO-1/2/3, HSDP, TP column/row shards, FSDP x TP
 (`_StridedShard`), uneven shards (dp_shard=3: 64 rows as 22/22/20, 128 as 43/43/42), stacked experts under EP
-with FSDP's Shard(1), pipeline stages (1F1B and interleaved) and TP2 x PP2 x DP2; plus fp16 loss scaling
+with FSDP's Shard(1), pipeline stages (1F1B and interleaved), TP2 x PP2 x DP2 and CP2; plus fp16 loss scaling
 around Muon (against the fp16 one-process run, as the AdamW suite does). All rounds share one 8-rank process
 group.
 """
@@ -36,6 +36,8 @@ LAYOUTS: list[dict[str, Any]] = [
     {"ep": 2, "dp_shard": 2, "zero_stage": 1, **MOE},
     {"ep": 2, "tp": 2, "dp_shard": 2, "zero_stage": 3, **MOE},
     {"dp_shard": 1, "zero_stage": 0, "ep": 1, **MOE},
+    # context parallelism folds cp into FSDP's shard dim (dp_shard_cp): the owner exchange runs over it
+    {"cp": 2, "dp_shard": 1, **MUON},
     # fp16 loss scaling (unscale, overflow skip) around Muon, against the fp16 one-process Muon run.
     {"tp": 2, "dp_shard": 2, "zero_stage": 1, "train.precision": "fp16", **MUON},
 ]
