@@ -10,7 +10,8 @@ logged); a new `train.global_batch_size` (`checkpoint.allow_batch_size_change=tr
 on, the step count restarts nothing; with `data.schedule`, started phases keep their sample and later phases start
 at their steps under the new batch size — no `allow_data_change` needed); model and data changes
 (`allow_model_change`, `allow_data_change`).
-Refused: a different model shape, different data already seen (build, seed, sequence length, an earlier phase).
+Refused: a different model shape, different data already seen (build, seed, sequence length, an earlier phase),
+another `train.optimizer` (the saved states are the other optimizer's).
 """
 
 from __future__ import annotations
@@ -99,6 +100,11 @@ def check_resume(meta: dict[str, Any], config: dict[str, Any], fingerprint: str 
     batch_changed = False
     if old_train and not meta.get("model_only"):
         notes += _check_steps(old_train, new_train, step, cfg, where, lr_at)
+        old_opt, new_opt = old_train.get("optimizer", "adamw"), new_train.get("optimizer", "adamw")
+        if old_opt != new_opt:  # the saved states belong to the other optimizer (exp_avg vs momentum_buffer)
+            raise CheckpointError(
+                f"train.optimizer is {new_opt} in this run but {old_opt} in {where}, whose optimizer state is "
+                f"{old_opt}'s; restore train.optimizer={old_opt}, or start a new run.name from its weights")
         old_gbs, new_gbs = old_train.get("global_batch_size"), new_train.get("global_batch_size")
         if old_gbs is not None and old_gbs != new_gbs:
             if not cfg.allow_batch_size_change:

@@ -40,6 +40,13 @@ def test_allowed_silently_eval_logging_and_checkpoint_settings() -> None:
     assert _check(config) == []
 
 
+def test_another_optimizer_is_refused() -> None:
+    _, config = _meta()
+    config["train"]["optimizer"] = "muon"
+    with pytest.raises(CheckpointError, match=r"train.optimizer is muon in this run but adamw .*restore"):
+        _check(config)
+
+
 def test_train_steps_needs_the_flag_that_says_how_the_lr_continues() -> None:
     _, config = _meta()
     config["train"]["steps"] = 200
