@@ -89,6 +89,13 @@ def format_stats(manifest: dict[str, Any], by_filter: bool = True) -> str:
                              "-" if tokens is None else f"{approx}{tokens:,}"))
         if len(rows) > 1:
             lines += ["", *_table(rows, left=2)]
+    scored = {name: src["quality"] for name, src in sorted(manifest["sources"].items()) if src.get("quality")}
+    if scored:  # the quality classifier's scores per source (data_pipeline/build/quality_scores.py)
+        rows = [("source", "quality by", "scored", "min", "p10", "p50", "p90", "max", "cutoff", "kept")]
+        rows += [(name, q["by"], str(q["count"]), *(f"{q[k]:.3f}" if k in q else "-"
+                                                      for k in ("min", "p10", "p50", "p90", "max")),
+                  "-" if q["cutoff"] is None else f"{q['cutoff']:.3f}", str(q["kept"])) for name, q in scored.items()]
+        lines += ["", *_table(rows)]
     tok = manifest["tokenizer"]
     lines.append(f"tokenizer: vocab {tok['vocab_size']}, eos {tok['eos_id']}, sha256 {tok['sha256'][:16]}")
     if tok.get("languages"):  # measured on a sample of kept text; language told by script (script_stats)

@@ -387,7 +387,7 @@ def _bound(fn: Callable[[str, object], Verdict], c: object) -> Callable[[str], V
 
 
 def apply_filters(text: str, names: tuple[str, ...], cfg: FiltersConfig, trimmed: dict[str, int] | None = None,
-                  removed: dict[str, str] | None = None) -> Verdict:
+                  removed: dict[str, str] | None = None, scores: dict[str, float] | None = None) -> Verdict:
     """Run `names` in order; the first failing rule drops the document (and is the one accounted).
 
     Args:
@@ -395,10 +395,12 @@ def apply_filters(text: str, names: tuple[str, ...], cfg: FiltersConfig, trimmed
             "<filter>.lines" (c4 drops lines and keeps the rest).
         removed: When given, the lines each line rule removed, joined, under the same "<filter>.lines" key (so
             their tokens can be counted once the tokenizer exists).
+        scores: When given, the quality classifier's score of the document (under "quality"), when it gets there.
     """
     _UNITS[0] = cfg.units
     steps: list[tuple[str, Callable[[str], Verdict]]] = [
-        (f"{name}.lines", _bound(_FUNCS[name], getattr(cfg, name))) for name in names]
+        (f"{name}.lines", (lambda t: quality_filter(t, cfg.quality, scores)) if name == "quality"
+         else _bound(_FUNCS[name], getattr(cfg, name))) for name in names]
     if cfg.decontaminate.benchmarks:  # last: only what the filters keep is checked
         steps.append(("", _bound(decontaminate, cfg.decontaminate)))  # type: ignore[arg-type]
     for key, run in steps:

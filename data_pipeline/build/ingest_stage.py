@@ -10,6 +10,8 @@ Layout under `<output_dir>/work/`:
     ingest/<source>/unit-U.rejects.jsonl            malformed records with their reason
     ingest/<source>/unit-U.filtered.jsonl           the first documents each filter rule removed (samples)
     ingest/<source>/removed_sample-unit-U.jsonl     a sample of the removed text per rule, for its tokens
+    ingest/<source>/unit-U.scores.jsonl, scores.jsonl   the quality classifier's score per document, and with
+                                                    top_fraction the units' candidates (quality_scores.py)
     ingest/<source>/counts.json, filtered.jsonl,    the source's sums over its units (and its units' rejects in
         rejects.jsonl                               order); counts.json written last = source done
 The shard files' readers and writer: data_pipeline/build/shard_files.py; the stages after this one: the dedup
@@ -49,6 +51,7 @@ from data_pipeline.build.ingest import (
 )
 from data_pipeline.build.normalize import NormalizeConfig, normalize
 from data_pipeline.build.progress import Progress, log
+from data_pipeline.build.quality_scores import UnitScores, finish_scores
 from data_pipeline.build.removed_tokens import RemovedSample
 from data_pipeline.build.shard_files import UNITS, _rebase, _ShardWriter
 from data_pipeline.build.workers import die_with_parent
@@ -69,9 +72,10 @@ def _init_filter_worker(norm: NormalizeConfig, cfg: BuildConfig, names: tuple[st
     _W["norm"], _W["cfg"], _W["names"] = norm, cfg, names
 
 
-Result = tuple[str | None, str | None, int, dict[str, int], dict[str, str]]
+Result = tuple[str | None, str | None, int, dict[str, int], dict[str, str], float | None]
 """(kept text or None, reason or None, characters in, characters trimmed from a kept text by cause, removed text
-by cause: a filtered document's normalized text, or the lines a line rule cut)."""
+by cause: a filtered document's normalized text, or the lines a line rule cut; the quality classifier's score,
+None when the document did not reach it)."""
 
 
 def _filter_chunk(texts: list[str]) -> list[Result]:
@@ -81,16 +85,16 @@ def _filter_chunk(texts: list[str]) -> list[Result]:
         try:
             norm = normalize(text, _W["norm"])
             if not norm.strip():
-                out.append((None, "empty", len(text), {}, {}))
+                out.append((None, "empty", len(text), {}, {}, None))
                 continue
-            trimmed, removed = {"normalize": len(text) - len(norm)}, dict[str, str]()
-            kept, reason = apply_filters(norm, _W["names"], cfg.filters, trimmed, removed)
+            trimmed, removed, scores = {"normalize": len(text) - len(norm)}, dict[str, str](), dict[str, float]()
+            kept, reason = apply_filters(norm, _W["names"], cfg.filters, trimmed, removed, scores)
         except Exception as err:  # one pathological document never stops the build: it is counted instead
-            out.append((None, f"malformed:filter_error.{type(err).__name__}", len(text), {}, {}))
+            out.append((None, f"malformed:filter_error.{type(err).__name__}", len(text), {}, {}, None))
             continue
         if kept is None:
             removed = {str(reason): norm}
-        out.append((kept, reason, len(text), {k: v for k, v in trimmed.items() if v}, removed))
+        out.append((kept, reason, len(text), {k: v for k, v in trimmed.items() if v}, removed, scores.get("quality")))
     return out
 
 
@@ -233,7 +237,7 @@ def ingest_stage(cfg: BuildConfig, work: Path, task: int = 0, tasks: int = 1) ->
         if todo:
             _ingest_units(cfg, src, out, units, todo)
         if all((out / f"{unit_name(u)}.counts.json").is_file() for u in range(len(units))):
-            _finish_source(out, units)
+            _finish_source(out, units, cfg, src)
 
 
 def _ingest_units(cfg: BuildConfig, src: SourceConfig, out: Path, units: list[Unit], todo: list[int]) -> None:
@@ -246,7 +250,7 @@ def _ingest_units(cfg: BuildConfig, src: SourceConfig, out: Path, units: list[Un
             for old in [*out.glob(f"shard-{u:05d}-*"), *out.glob(f"{unit_name(u)}.*"),
                         *out.glob(f"removed_sample-{unit_name(u)}.jsonl")]:
                 old.unlink()  # a partial earlier attempt at this unit: redo it from scratch
-            counts = _ingest_unit(cfg, src, out, u, units[u], pool, bar)
+            counts = _ingest_unit(cfg, src, out, u, units[u], pool, bar, "quality" in names)
             _merge_counts(total, counts)
     chars = total["chars"]
     bar.close(f"{total['in']:,} records, {total['kept']:,} kept after filters, "
@@ -256,7 +260,7 @@ def _ingest_units(cfg: BuildConfig, src: SourceConfig, out: Path, units: list[Un
 
 
 def _ingest_unit(cfg: BuildConfig, src: SourceConfig, out: Path, u: int, unit: Unit, pool: ProcessPoolExecutor,
-                 bar: Progress) -> dict[str, Any]:
+                 bar: Progress, scored: bool) -> dict[str, Any]:
     counts = new_counts()
     chars = counts["chars"]
     writer = _ShardWriter(out, f"shard-{u:05d}", cfg.shard_docs)
@@ -265,13 +269,16 @@ def _ingest_unit(cfg: BuildConfig, src: SourceConfig, out: Path, u: int, unit: U
     wheres: deque[list[str]] = deque()
     removed_sample = RemovedSample(cfg.seed + u)  # what the filters removed, its tokens counted once a tokenizer exists
     tally: dict[str, int] = {}
+    scores = UnitScores(out, u, cfg.filters.quality) if scored else None
     try:
         chunks = _chunks(src, _unit_records(src, unit, tally), counts, rejects, wheres)
         for results in _ordered(pool, chunks, depth=4 * cfg.workers):
-            for (kept, reason, n_chars, trimmed, removed), where in zip(results, wheres.popleft(), strict=True):
+            for (kept, reason, n_chars, trimmed, removed, q), where in zip(results, wheres.popleft(), strict=True):
                 if reason is not None and reason.startswith("malformed:"):
                     _malformed(counts, reason.split(":", 1)[1], n_chars)
                     continue
+                if scores is not None and q is not None:
+                    scores.add(where, q, reason)
                 chars["in"] += n_chars
                 if kept is None:
                     counts["filtered"][reason] += 1
@@ -283,7 +290,10 @@ def _ingest_unit(cfg: BuildConfig, src: SourceConfig, out: Path, u: int, unit: U
                     counts["kept"] += 1
                     chars["after_filters"] += len(kept)
                     chars["trimmed"].update(trimmed)
-                    writer.add(kept, where)
+                    if scores is not None and scores.defer:
+                        scores.candidate(kept, where)  # its shard is written once the source's cut is known
+                    else:
+                        writer.add(kept, where)
                 for cause, text in removed.items():
                     removed_sample.add(cause, text)
             bar.update(len(results))
@@ -291,6 +301,8 @@ def _ingest_unit(cfg: BuildConfig, src: SourceConfig, out: Path, u: int, unit: U
         removed_sample.save(out / f"removed_sample-{unit_name(u)}.jsonl")
     finally:
         samples.close()
+        if scores is not None:
+            scores.close()
         if rejects is not None:
             rejects.close()
     counts["shards"] = writer.k
@@ -322,9 +334,10 @@ def _merge_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
         tc[key].update(pc[key])
 
 
-def _finish_source(out: Path, units: list[Unit]) -> None:
+def _finish_source(out: Path, units: list[Unit], cfg: BuildConfig, src: SourceConfig) -> None:
     """A source's units.json (line bases), counts.json (the sum over its units), filtered.jsonl (the first
-    samples per rule, in order) and rejects.jsonl, with every `where` the file's own line number."""
+    samples per rule, in order) and rejects.jsonl, with every `where` the file's own line number; with the quality
+    filter, its scores and top-fraction cut (quality_scores.finish_scores)."""
     total = new_counts()
     total["shards"] = 0
     unit_counts = [json.loads((out / f"{unit_name(u)}.counts.json").read_text()) for u in range(len(units))]
@@ -340,6 +353,9 @@ def _finish_source(out: Path, units: list[Unit]) -> None:
                 per_rule[row["reason"]] += 1
                 if per_rule[row["reason"]] <= FILTERED_SAMPLES:
                     f.write(json.dumps({**row, "where": _rebase(row["where"], bases[u])}, ensure_ascii=False) + "\n")
+        if "quality" in resolve_filters(src.filters, src.profile):
+            cut = finish_scores(out, bases, total, cfg.filters.quality, cfg.shard_docs, cfg.seed)
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in cut[:FILTERED_SAMPLES])
     tmp.replace(out / "filtered.jsonl")
     rejects = [out / f"{unit_name(u)}.rejects.jsonl" for u in range(len(units))]
     if any(p.is_file() for p in rejects):
@@ -351,3 +367,5 @@ def _finish_source(out: Path, units: list[Unit]) -> None:
                         f.write(json.dumps({**row, "where": _rebase(row["where"], bases[u])}) + "\n")
         (out / "rejects.jsonl.tmp").replace(out / "rejects.jsonl")
     write_json_atomic(out / "counts.json", _plain(total))
+    for p in out.glob("unit-*.candidates.jsonl"):
+        p.unlink()  # in the shards now

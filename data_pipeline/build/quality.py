@@ -15,12 +15,15 @@ under numpy 2, so the C++ method it wraps is called directly.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 from framework.base.errors import ConfigError, DataError
 
@@ -37,14 +40,24 @@ class QualityFilter:
     label: str = POSITIVE
     """The label whose probability is the score (hf: a name of the model's `id2label`; ignored for a regression
     head of one output, whose output is the score)."""
-    threshold: float = 0.5
-    """Documents scoring below are dropped (`quality.low_score`)."""
+    threshold: float | None = None
+    """Documents scoring below are dropped (`quality.low_score`); None: 0.5, unless `top_fraction` is set."""
+    top_fraction: float | None = None
+    """Instead of a threshold: keep this fraction of each source's documents that pass its other filters, the
+    highest-scoring, decided over the whole source once every ingest unit is scored (ties: the earlier document);
+    the others are dropped as `quality.top_fraction`."""
     max_chars: int = 10_000
     """Characters of a document the classifier reads (its start)."""
 
     def validate(self) -> None:
-        if not 0.0 <= self.threshold <= 1.0:
+        if self.threshold is not None and self.top_fraction is not None:
+            raise ConfigError(f"filters.quality sets both threshold={self.threshold} and top_fraction="
+                              f"{self.top_fraction}; keep by one of them: remove the other")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"filters.quality.threshold={self.threshold} must be a probability in [0, 1]")
+        if self.top_fraction is not None and not 0.0 < self.top_fraction <= 1.0:
+            raise ConfigError(f"filters.quality.top_fraction={self.top_fraction} must be in (0, 1] (e.g. 0.1 keeps "
+                              f"the best-scoring tenth of each source)")
         if self.model is not None and not Path(self.model).exists():
             raise ConfigError(f"filters.quality.model={self.model!r} does not exist; give a fastText .bin "
                               f"(`tessera data train-quality` makes one) or, with kind: hf, a model folder")
@@ -83,15 +96,45 @@ def score(text: str, model: Any, label: str = POSITIVE, max_chars: int = 10_000)
     return 0.0
 
 
-def quality_filter(text: str, c: QualityFilter) -> tuple[str | None, str | None]:
+def quality_filter(text: str, c: QualityFilter, scores: dict[str, float] | None = None
+                   ) -> tuple[str | None, str | None]:
+    """Score `text` (into `scores["quality"]` when given) and judge it by the threshold; with `top_fraction` every
+    document passes here (the cut is made over the whole source: `top_fraction_cut`)."""
     if c.model is None:
         raise ConfigError("a source runs the quality filter but filters.quality.model is not set; give a fastText "
                           ".bin (`tessera data train-quality` makes one)")
     value = (hf_score(text, c.model, c.label, c.max_chars) if c.kind == "hf"
              else score(text, load_classifier(c.model), c.label, c.max_chars))
-    if value < c.threshold:
+    if scores is not None:
+        scores["quality"] = value
+    if c.top_fraction is None and value < (0.5 if c.threshold is None else c.threshold):
         return None, "quality.low_score"
     return text, None
+
+
+QUANTILES = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+"""The quantiles of a source's scores in the manifest (numpy's default, linear interpolation)."""
+
+
+def top_fraction_cut(scores: list[float], fraction: float) -> tuple[list[bool], float | None]:
+    """Which of a source's candidates (scores in document order) the top `fraction` keeps — the ceil(fraction x n)
+    highest, an earlier document first among equal scores — and the lowest kept score (None: none kept)."""
+    k = math.ceil(round(fraction * len(scores), 9))
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
+    keep = [False] * len(scores)
+    for i in order:
+        keep[i] = True
+    return keep, (scores[order[-1]] if order else None)
+
+
+def distribution(scores: list[float]) -> dict[str, Any]:
+    """Count, mean, min, quantiles (`QUANTILES`) and max of scores, for the build report."""
+    if not scores:
+        return {"count": 0}
+    a = np.asarray(scores, dtype=np.float64)
+    qs = np.quantile(a, QUANTILES)
+    return {"count": len(scores), "mean": float(a.mean()), "min": float(a.min()),
+            **{f"p{round(100 * q)}": float(v) for q, v in zip(QUANTILES, qs, strict=True)}, "max": float(a.max())}
 
 
 @functools.lru_cache(maxsize=1)

@@ -205,7 +205,8 @@ def _source_entry(counts: dict[str, Any], outcomes: dict[str, int], stats: list[
                             f"build — report "
                             f"it with the config")
     tokens = {k: sum(s[k] for s in stats) for k in OUTCOMES} | removed
-    return {"documents": docs, "tokens": tokens, "chars": chars, "notes": counts.get("notes", {})}
+    return {"documents": docs, "tokens": tokens, "chars": chars, "notes": counts.get("notes", {}),
+            **({"quality": counts["quality"]} if "quality" in counts else {})}
 
 
 def _finish(cfg: BuildConfig, out: Path, index: CorpusIndex, all_counts: dict[str, dict[str, Any]],

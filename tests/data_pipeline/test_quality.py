@@ -6,13 +6,22 @@ are the same as 1 and 3 ingest tasks."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.build.filters import FiltersConfig, apply_filters
-from data_pipeline.build.quality import NEGATIVE, POSITIVE, QualityFilter, load_classifier, score
+from data_pipeline.build.quality import (
+    NEGATIVE,
+    POSITIVE,
+    QualityFilter,
+    load_classifier,
+    score,
+    top_fraction_cut,
+)
 from data_pipeline.build.run import run_build
 from framework.base.errors import ConfigError
 from framework.cli import main
@@ -117,3 +126,55 @@ def test_a_hugging_face_classifier_scores_as_its_pipeline_does(tmp_path: Path) -
         assert kept == (want >= 0.5)
     with pytest.raises(ConfigError, match="labels"):
         hf_score(PROSE[0], str(folder), "__label__hq")
+
+
+def test_top_fraction_keeps_the_best_scored_of_the_source_whatever_the_ingest_tasks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Train on two sources (prose, code), score a third (held-out prose and code, interleaved): the build keeps
+    the ceil(0.4 n) documents fastText itself scores highest (earlier first among equals), the same ones with the
+    same stored scores as 1 and 3 ingest tasks; the manifest's distribution is numpy's over the stored scores."""
+    from data_pipeline.build.quality import train_quality
+
+    model = train_quality(PROSE[::2], CODE[::2], tmp_path / "q.bin", epoch=25, lr=1.0)
+    third = [t for pair in zip(PROSE[1::2], CODE[1::2], strict=False) for t in pair]
+    corpus = _jsonl(tmp_path / "third.jsonl", third)
+    own = fasttext.load_model(str(model))
+    want = []
+    for text in third:
+        probs = {lab: p for p, lab in own.f.predict(" ".join(text.split()), 2, 0.0, "strict")}
+        want.append(probs.get(POSITIVE, 0.0))
+    k = -(-4 * len(third) // 10)
+    top = sorted(sorted(range(len(third)), key=lambda i: (-want[i], i))[:k])
+
+    def build(out: str, tasks: int) -> tuple[dict, list[dict]]:
+        cfg = BuildConfig(output_dir=str(tmp_path / out), unit_bytes=16_384, workers=1, shard_docs=8,
+                          sources=[SourceConfig(name="third", path=str(corpus), filters=["quality"])],
+                          filters=FiltersConfig(quality=QualityFilter(model=str(model), top_fraction=0.4)),
+                          tokenizer=TokenizerConfig(vocab_size=400, sample_chars=50_000))
+        for task in range(tasks):
+            run_build(cfg, stages=("ingest",), task=task, tasks=tasks)
+        work = tmp_path / out / "work" / "ingest" / "third"
+        assert len(json.loads((work / "units.json").read_text())["line_base"]) >= 3  # 3 tasks share the units
+        return run_build(cfg), [json.loads(x) for x in (work / "scores.jsonl").read_text().splitlines()]
+
+    one, rows = build("one", 1)
+    three, rows3 = build("three", 3)
+    assert rows == rows3 and one["fingerprint"] == three["fingerprint"]
+    assert [r["w"] for r in rows] == [f"{corpus}:{i + 1}" for i in range(len(third))]
+    assert [r["s"] for r in rows] == pytest.approx(want, abs=1e-6)
+    assert [i for i, r in enumerate(rows) if r["r"] is None] == top
+    docs = one["sources"]["third"]["documents"]
+    assert (docs["kept"], docs["filtered"]) == (k, {"quality.top_fraction": len(third) - k})
+    q = one["sources"]["third"]["quality"]
+    scores = np.array([r["s"] for r in rows])
+    for p in (1, 10, 25, 50, 75, 90, 99):
+        assert q[f"p{p}"] == np.quantile(scores, p / 100)
+    assert (q["count"], q["min"], q["max"], q["kept"]) == (len(third), scores.min(), scores.max(), k)
+    assert q["cutoff"] == min(want[i] for i in top) == pytest.approx(sorted(want)[-k], abs=1e-6)
+    assert main(["data", "stats", str(tmp_path / "one")]) == 0
+    row = re.search(r"^third +top_fraction +(\d+) .* ([\d.]+) +(\d+)$", capsys.readouterr().out, re.M)
+    assert row is not None and row.groups() == (str(len(third)), f"{q['cutoff']:.3f}", str(k))
+    assert top_fraction_cut([0.5, 0.9, 0.5, 0.5, 0.1], 0.4) == ([True, True, False, False, False], 0.5)  # ties
+    assert sum(top_fraction_cut([0.0] * 10, 0.3)[0]) == 3  # 0.3 x 10 is 3.0000000000000004 in floats
+    with pytest.raises(ConfigError, match=r"both threshold=0\.5 and top_fraction=0\.4"):
+        QualityFilter(threshold=0.5, top_fraction=0.4).validate()
