@@ -93,6 +93,11 @@ def test_scores_and_build_are_the_same_as_one_and_three_ingest_tasks(tmp_path: P
     assert one["fingerprint"] == three["fingerprint"]
     assert one["sources"]["mix"]["documents"] == three["sources"]["mix"]["documents"]
     assert 0 < one["sources"]["mix"]["documents"]["filtered"]["quality.low_score"] < len(CODE)
+    q, low = one["sources"]["mix"]["quality"], one["sources"]["mix"]["documents"]["filtered"]["quality.low_score"]
+    assert q == three["sources"]["mix"]["quality"]  # every document scored, by threshold (the default 0.5)
+    assert (q["by"], q["cutoff"], q["count"], q["kept"]) == ("threshold", 0.5, q["count"], q["count"] - low)
+    rows = [json.loads(x) for x in (tmp_path / "one/work/ingest/mix/scores.jsonl").read_text().splitlines()]
+    assert sum(r["s"] < 0.5 for r in rows) == sum(r["r"] == "quality.low_score" for r in rows) == low
 
 
 def test_a_hugging_face_classifier_scores_as_its_pipeline_does(tmp_path: Path) -> None:
