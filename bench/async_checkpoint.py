@@ -1,6 +1,7 @@
-"""Step-time cost of a checkpoint save, blocking vs asynchronous (issue 6).
+"""Step-time cost of a checkpoint save, blocking vs asynchronous, in units of the step it should hide behind.
 
-    PYTHONPATH=. python bench/async_checkpoint.py [--write docs/BENCHMARKS.md] [--preset bench-30m] [--steps 24]
+    PYTHONPATH=. python bench/async_checkpoint.py [--write docs/benchmarks/checkpoint.md] [--preset bench-30m] \
+        [--steps 24]
 
 One process, the real LocalEngine (AdamW, fp32) and the real CheckpointManager. Three loops of the same steps
 in one run: no saves (the reference), a blocking save every `--interval` steps, an asynchronous save every
@@ -32,7 +33,8 @@ from framework.checkpoint.manager import CheckpointManager
 from framework.config import load_config
 from framework.train.local_engine import LocalEngine
 
-SECTION = "## Asynchronous checkpoint saves (issue 6)"
+KEY = "async-checkpoint"
+SECTION = "## Asynchronous checkpoint saves"
 
 
 def run_loop(mode: str, args: argparse.Namespace, root: Path) -> tuple[float, list[float], int]:
@@ -125,7 +127,7 @@ def main(argv: list[str]) -> int:
         "compute).", ""])
     print(section)
     if args.write:
-        replace_section(args.write, SECTION, section)
+        replace_section(args.write, KEY, section)
     return 0
 
 

@@ -9,7 +9,7 @@ median of per-round paired ratios with a bootstrap 95% interval (and eager_i / e
 compile time, dynamo's compiled-graph count before and after the timed rounds (flat: no recompiles in steady
 state), and the largest loss difference between the compiled and the eager run.
 
-    python bench/compile_speed.py [--backend inductor] [--rounds 60] [--write docs/BENCHMARKS.md]
+    python bench/compile_speed.py [--backend inductor] [--rounds 60] [--write docs/benchmarks/compile.md]
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from framework.parallel.compile import compiled_frames
 from framework.train.local_engine import LocalEngine
 from framework.train.lr_schedule import lr_at
 
-HEADING = "## torch.compile vs eager on the smoke model (issue 20)"
+KEY = "compile"
+HEADING = "## torch.compile vs eager on the smoke model"
 AA = "eager (A/A copy)"
 
 
@@ -104,7 +105,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        replace_section(args.write, HEADING, f"{HEADING}\n\n{text}\n")
+        replace_section(args.write, KEY, f"{HEADING}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Context parallelism (issue 16): activation bytes per rank and K/V bytes per step, measured against the formulas.
+"""Context parallelism: activation bytes per rank and K/V bytes per step, measured against the planner's formulas.
 
-    PYTHONPATH=. python bench/context_parallel.py [--seq 8192] [--write docs/BENCHMARKS.md]
+    PYTHONPATH=. python bench/context_parallel.py [--seq 8192] [--write docs/benchmarks/context_parallel.md]
 
 One 4-rank gloo spawn. For cp = 1, 2, 4 (sub-groups of the 4 ranks) every rank runs one decoder block of the GQA
 test model on its load-balanced chunks (framework/parallel/context.py), fp32:
@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py`: bench.* from the root
 
-HEADING = "## Context parallelism: activations and K/V traffic (issue 16)"
+KEY = "context-parallel"
+HEADING = "## Context parallelism: activations and K/V traffic"
 CPS = (1, 2, 4)
 
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args.seq, args.batch, measured)
     print(text)
     if args.write:
-        replace_section(args.write, HEADING, text)
+        replace_section(args.write, KEY, text)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Characters kept per source with each filter profile, on text nobody on the project wrote (issue 15).
+"""Characters kept per source with each filter profile, on text nobody on the project wrote (so the profiles are not
+tuned to our own fixtures).
 
 Corpora, built from this machine at run time (never committed):
   stdlib-code   the .py files of the running interpreter's standard library

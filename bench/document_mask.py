@@ -1,7 +1,7 @@
 """Cost of per-document attention (`data.document_mask`): decoder forward + backward with the block-causal mask
 against plain causal attention (`is_causal=True`), same model and tokens.
 
-    PYTHONPATH=. python bench/document_mask.py [--repeats 5] [--device cpu] [--write docs/BENCHMARKS.md]
+    PYTHONPATH=. python bench/document_mask.py [--repeats 5] [--device cpu] [--write docs/benchmarks/document_mask.md]
 
 The two variants run interleaved (plain, masked, plain, masked, ...) so machine load hits both alike; the figure
 is the ratio of medians, masked / plain. Rows hold documents of ~`doc_len` tokens (EOD at random positions).
@@ -23,7 +23,8 @@ from models.decoder import build_model
 from models.documents import DocumentMasking
 
 SHAPES = [(4, 256, 64), (2, 1024, 256), (1, 2048, 512)]  # (rows, seq_len, mean document length)
-HEADING = "## Per-document attention cost (issue 3)"
+KEY = "document-mask"
+HEADING = "## Per-document attention cost"
 
 
 def _step(model: torch.nn.Module, inputs: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> float:
@@ -84,7 +85,7 @@ def main() -> None:
     if args.write:
         from bench.sections import replace_section
 
-        replace_section(args.write, HEADING, text)
+        replace_section(args.write, KEY, text)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Filter profiles against the hand-labelled sample (tests/fixtures/labelled): characters and documents wrongly
-dropped and wrongly kept, per profile; the web profile's variants; each profile on the other profiles' samples; and
-the code/docs figures before the three rules the first measurement led to (issue 15).
+"""Filter profiles against the hand-labelled sample (tests/fixtures/labelled): characters and documents wrongly dropped
+and wrongly kept, per profile; the web profile's variants; each profile on the other profiles' samples; and the
+code/docs figures before the three rules the first measurement led to (encoded data, generated-from headers,
+mojibake).
 
 Run: python bench/filter_labels.py  (~5 s; deterministic, so the figures do not vary between runs)
 """

@@ -6,7 +6,8 @@ and kernel), gradient accumulation, clipping and LR schedule. Tessera's side is 
 The two are timed in alternating blocks in one process so machine noise hits both alike; the figure is the
 ratio of median step times (plain / Tessera = Tessera's tokens/s relative to the plain loop).
 
-    python bench/framework_tax.py [--preset smoke-3m] [--steps 20] [--rounds 6] [--write docs/BENCHMARKS.md]
+    python bench/framework_tax.py [--preset smoke-3m] [--steps 20] [--rounds 6] \
+        [--write docs/benchmarks/framework_tax.md]
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from framework.train.lr_schedule import lr_at
 from framework.train.optim import build_optimizer
 from framework.train.trainer import Trainer
 from models.decoder import build_model
+
+KEY = "framework-tax"
+HEADING = "## Framework tax"
 
 
 class PlainLoop:
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     med_t, med_p = statistics.median(t_tessera), statistics.median(t_plain)
     ratio = med_p / med_t
     lines = [
-        "## Framework tax (issue 2)",
+        HEADING,
         "",
         f"Command: `python bench/framework_tax.py --preset {args.preset} --steps {args.steps} "
         f"--rounds {args.rounds} --threads {args.threads}`",
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        replace_section(args.write, "## Framework tax (issue 2)", text)
+        replace_section(args.write, KEY, text)
     return 0
 
 

@@ -7,8 +7,8 @@ the default attention backend). Measured so that a loaded, shared machine does n
 (bench/robust_timing.py): one thread, the calling thread's CPU time, one forward+backward of every block per
 round in a shuffled order, many rounds; the ratio Tessera / peer (< 1: Tessera faster) is the median of the
 per-round paired ratios with a bootstrap 95% interval, and a second, identical Tessera block in the same rounds
-(the A/A control) shows the method's noise floor. A component breakdown times the two hot paths the issue named
-(RoPE on q and k; GQA attention) on their own, the same way.
+(the A/A control) shows the method's noise floor. A component breakdown times the two hot paths most
+specific to each block (RoPE on q and k; GQA attention) on their own, the same way.
 
 The peers are installed only in this bench's scratch directory, never in the project's environment:
 
@@ -18,7 +18,7 @@ The peers are installed only in this bench's scratch directory, never in the pro
     python -m pip install --no-deps --target /tmp/fastpath_peers/site3 triton==3.9.0   # torchtitan imports it
     PYTHONPATH=.:/tmp/fastpath_peers/site:/tmp/fastpath_peers/site2:/tmp/fastpath_peers/site3 \
         python bench/model_vs_peers.py [--preset smoke-3m] [--batch 8] [--seq 256] [--rounds 200] \
-        [--write docs/BENCHMARKS.md]
+        [--write docs/benchmarks/model_hot_paths.md]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _components(cfg: ModelConfig, x_shape: tuple[int, int]) -> tuple[dict[str, C
         F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, enable_gqa=h != k).sum().backward()
 
-    def attn_repeat() -> None:  # Tessera before issue 20
+    def attn_repeat() -> None:  # the former Tessera path: k and v repeated to the query heads
         r = h // k
         F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2).repeat_interleave(r, 1),
                                        v.transpose(1, 2).repeat_interleave(r, 1), is_causal=True).sum().backward()
@@ -123,7 +123,8 @@ def _components(cfg: ModelConfig, x_shape: tuple[int, int]) -> tuple[dict[str, C
             [q, kk, v])
 
 
-HEADING = "## Model hot paths vs torchtitan and OLMo-core (issue 20)"
+KEY = "model-hot-paths"
+HEADING = "## Model hot paths vs torchtitan and OLMo-core"
 AA = "tessera (A/A copy)"
 
 
@@ -191,7 +192,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        replace_section(args.write, HEADING, f"{HEADING}\n\n{text}\n")
+        replace_section(args.write, KEY, f"{HEADING}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""NVMe offload of AdamW's states (issue 19): peak RSS per rank, bytes moved per step against ZeRO-Infinity's
-count, and the step-time overhead with read-ahead/write-behind on and off, each against the in-memory optimizer
-measured in the same run.
+"""NVMe offload of AdamW's states (so that a model's optimizer fits beside it in host memory): peak RSS per rank, bytes
+moved per step against ZeRO-Infinity's count, and the step-time overhead with read-ahead/write-behind on and off,
+each against the in-memory optimizer measured in the same run.
 
     PYTHONPATH=. nice -n 19 python bench/nvme_offload.py [--world 1] [--rounds 3] [--vocab 98304] [--nvme /tmp] \
-        [--write docs/BENCHMARKS.md]
+        [--write docs/benchmarks/nvme_offload.md]
 
 Model: hidden 2048, 2 blocks, a tied `--vocab`-token vocabulary; at the default 98,304 the engine trains 304M
 parameter elements and their fp32 AdamW states (exp_avg + exp_avg_sq, 8 bytes each) are 2.4 GB (49,152: 203M,
@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.sections import replace_section
 
-SECTION = "## NVMe offload of optimizer states (issue 19)"
+KEY = "nvme-offload"
+SECTION = "## NVMe offload of optimizer states"
 MODEL = ["model.vocab_size={vocab}", "data.vocab_size={vocab}", "model.hidden=2048", "model.n_layers=2",
          "model.n_heads=16", "model.n_kv_heads=16", "model.ffn_hidden=5632", "model.tied_embeddings=true",
          "data.seq_len=8", "train.global_batch_size={world}", "train.micro_batch_size=1",
@@ -153,7 +154,7 @@ def main() -> None:
     text = format_section(ref, res, args, load)
     print(text)
     if args.write:
-        replace_section(args.write, SECTION, text)
+        replace_section(args.write, KEY, text)
 
 
 def _loadavg() -> str:
@@ -162,7 +163,7 @@ def _loadavg() -> str:
 
 
 def format_section(ref: dict[str, Any], res: dict[str, Any], args: Any, load: list[str]) -> str:
-    """The docs/BENCHMARKS.md section."""
+    """The block this bench owns in docs/benchmarks/nvme_offload.md."""
     n = args.world
     psi = res["local_numel"] * n if n == 1 else res["psi"]  # what the engine trains (see the module docstring)
     arms = res["arms"]

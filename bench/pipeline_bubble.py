@@ -14,7 +14,8 @@ steps). Next to it: `pipeline_schedules.bubble_fraction` (the planner's formula)
 action table simulated with the same costs (`bench.schedule_sim`). The ops also log which
 (stage, micro-batch) they ran, so the executed order is checked against the table.
 
-    python bench/pipeline_bubble.py [--pp 2 4] [--micro 4 8] [--unit-ms 30] [--steps 5] [--write docs/BENCHMARKS.md]
+    python bench/pipeline_bubble.py [--pp 2 4] [--micro 4 8] [--unit-ms 30] [--steps 5] \
+        [--write docs/benchmarks/pipeline_bubble.md]
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from framework.parallel.pipeline import build_schedule, run_schedule
 from framework.parallel.pipeline_schedules import SCHEDULES, bubble_fraction, schedule_spec, stages_of_rank
 from framework.testing import run_distributed
 
-HEADING = "## Pipeline bubble (issue 3)"
+KEY = "pipeline-bubble"
+HEADING = "## Pipeline bubble"
 Event = tuple[str, int, int, float, float]  # (F | I | W, stage, micro-batch, start, end)
 
 
@@ -268,7 +270,8 @@ def summarize(cases: list[Case], results: list[list[dict[str, Any] | None]], uni
 
 
 def render(rows: list[dict[str, Any]], refused: list[str], args: argparse.Namespace, elapsed: float) -> str:
-    """The BENCHMARKS.md section (table and how it was made); the analysis paragraphs follow it in the file."""
+    """The block this bench owns (table and how it was made); the analysis written after a run follows its end
+    marker in the file, so a rerun keeps it."""
     cmd = (f"python bench/pipeline_bubble.py --pp {' '.join(map(str, args.pp))} --micro "
            f"{' '.join(map(str, args.micro))} --unit-ms {args.unit_ms:g} --steps {args.steps}")
     lines = [HEADING, "", f"Command: `{cmd}` ({elapsed:.0f} s; gloo, forked ranks, torch {torch.__version__}).",
@@ -324,21 +327,6 @@ def sensitivity(m: int, pp: int, virtual: int) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this bench's section (or append it), keeping the hand-written analysis that follows the marker
-    inside the section; rerunning with the same text changes nothing."""
-    marker = "<!-- pipeline_bubble analysis -->"
-    old = path.read_text() if path.exists() else ""
-    analysis = ""
-    if HEADING in old:
-        start = old.index(HEADING)
-        nxt = old.find("\n## ", start + len(HEADING))
-        section = old[start:nxt + 1 if nxt != -1 else len(old)]
-        if marker in section:
-            analysis = "\n" + section[section.index(marker):].rstrip("\n") + "\n"
-    replace_section(path, HEADING, text.rstrip("\n") + "\n" + analysis)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline degrees (ranks)")
@@ -357,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, refused, args, time.perf_counter() - t0)
     print(text)
     if args.write:
-        write_section(args.write, text)
+        replace_section(args.write, KEY, text)
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Planner predictions against CPU measurements, and against Megatron's published layouts (issue 9).
+"""Planner predictions against CPU measurements, and against Megatron's published layouts, so the planner's ranking
+rests on measured bytes.
 
-    PYTHONPATH=. python bench/planner_vs_measured.py [--write docs/BENCHMARKS.md]
+    PYTHONPATH=. python bench/planner_vs_measured.py [--write docs/benchmarks/planner.md]
 
 Measured on this machine, in the same run as each prediction:
   * activation bytes kept for backward, per layer and per whole model, by storage liveness
@@ -41,7 +42,8 @@ from framework.plan.search import SearchSpace, plan
 from models.config import model_config
 from models.decoder import build_model
 
-SECTION = "## Parallel layout planner: predicted vs measured (issue 9)"
+KEY = "planner"
+SECTION = "## Parallel layout planner: predicted vs measured"
 SHAPES = {"smoke-3m (GQA 6/2, SwiGLU, RMSNorm)": ("smoke-3m", {}),
           "smoke-3m as MHA": ("smoke-3m", {"n_kv_heads": 6}),
           "smoke-3m as GPT (GELU 4h, LayerNorm)": ("smoke-3m", {"mlp": "gelu", "norm": "layernorm",
@@ -200,7 +202,8 @@ def build_section(seq: int, batch: int) -> str:
     torch.set_num_threads(1)
     t0 = time.time()
     head = [SECTION, "",
-            "Command: `PYTHONPATH=. python bench/planner_vs_measured.py --write docs/BENCHMARKS.md` (CPU, fp32, "
+            "Command: `PYTHONPATH=. python bench/planner_vs_measured.py --write docs/benchmarks/planner.md` "
+            "(CPU, fp32, "
             f"torch {torch.__version__}; bf16 rows run the model in bf16). Each ratio is measured / predicted "
             "from the same run; the planner's formulas are in docs/PLANNER.md.", ""]
     tables = [
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     section = build_section(args.seq, args.batch)
     print(section)
     if args.write:
-        replace_section(args.write, SECTION, section)
+        replace_section(args.write, KEY, section)
     return 0
 
 

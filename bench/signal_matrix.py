@@ -1,6 +1,6 @@
-"""The full stop-signal matrix (issue 13): every signal, to the launcher and to one rank, at random steps and in
-the middle of a checkpoint save, on 1 process, 2 and 4 ranks; the checks of tests/launch/test_launch_signals.py
-on each case.
+"""The full stop-signal matrix, so no stop path goes untested: every signal, to the launcher and to one rank, at random
+steps and in the middle of a checkpoint save, on 1 process, 2 and 4 ranks; the checks of
+tests/launch/test_launch_signals.py on each case.
 
     PYTHONPATH=. nice -n 19 python bench/signal_matrix.py [--worlds 1 2 4] [--seed 0] [--write docs/CHECKPOINTS.md]
 
@@ -46,6 +46,7 @@ from framework.testing.signals import (
     train_argv,
 )
 
+KEY = "signal-matrix"
 SECTION = "## The signal matrix (bench/signal_matrix.py)"
 TINY = str(ROOT / "configs" / "smoke" / "tiny.yaml")
 INTERVAL = 4
@@ -181,7 +182,7 @@ def main() -> int:
     if args.write:
         from bench.sections import replace_section
 
-        replace_section(args.write, SECTION, text)
+        replace_section(args.write, KEY, text)
     return 0 if all(c.ok for cases, eq in results.values() for c in cases) and all(
         eq for _, eq in results.values()) else 1
 

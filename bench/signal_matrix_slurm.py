@@ -1,6 +1,7 @@
-"""The signal matrix on the real 2-node SLURM test cluster (issue 13): SIGTERM, SIGUSR1 and SIGINT, each sent once
-to the batch script ("the launcher", `scancel --batch --signal=X`) and once to the job's steps ("the ranks",
-`scancel --signal=X`), in both launch modes (srun of ranks, srun of torchrun), at a seeded random step.
+"""The signal matrix on the real 2-node SLURM test cluster, where requeue and srun's signal forwarding differ from a
+local launch: SIGTERM, SIGUSR1 and SIGINT, each sent once to the batch script ("the launcher", `scancel --batch
+--signal=X`) and once to the job's steps ("the ranks", `scancel --signal=X`), in both launch modes (srun of ranks,
+srun of torchrun), at a seeded random step.
 
     PYTHONPATH=. python bench/signal_matrix_slurm.py [--seed 0] [--steps 30] [--write docs/CHECKPOINTS.md]
 
@@ -46,6 +47,7 @@ from framework.testing.signals import (  # noqa: E402
     processes_of,
 )
 
+KEY = "signal-matrix-slurm"
 SECTION = "## The signal matrix on SLURM (bench/signal_matrix_slurm.py)"
 TINY = str(ROOT / "configs" / "smoke" / "tiny.yaml")
 INTERVAL = 4
@@ -286,7 +288,7 @@ def main() -> int:
     if args.write:
         from bench.sections import replace_section
 
-        replace_section(args.write, SECTION, text)
+        replace_section(args.write, KEY, text)
     shutil.rmtree(root, ignore_errors=True)
     return 0 if ref_ok and all(c.ok for c in cases) else 1
 

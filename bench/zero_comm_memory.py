@@ -1,8 +1,8 @@
 """ZeRO stages 0-3: measured data-parallel wire bytes and peak model-state bytes per rank per step, against the
 ZeRO paper (Rajbhandari et al. 2020), at 1 and 4 micro-batches.
 
-    PYTHONPATH=. python bench/zero_comm_memory.py [--ranks 4] [--layers 16] [--write docs/BENCHMARKS.md]
-    PYTHONPATH=. python bench/zero_comm_memory.py --bf16-only [--write docs/BENCHMARKS.md]   # issue 21 only
+    PYTHONPATH=. python bench/zero_comm_memory.py [--ranks 4] [--layers 16] [--write docs/benchmarks/zero.md]
+    PYTHONPATH=. python bench/zero_comm_memory.py --bf16-only [--write docs/benchmarks/zero.md]   # bf16 block only
 
 All ranks run in one process group; each case builds the engine of `parallel.zero_stage` on the same ranks
 (stage 0: dp_replicate = N; stages 1-3: dp_shard = N), runs one warm-up step (creates the AdamW states and
@@ -10,9 +10,10 @@ FSDP's buffers) and measures the second. Model: test-tiny widened to `--layers` 
 vocabulary, so that the root FSDP unit (embedding + final norm + head) is a few percent of the parameters, as
 in a real model, instead of a third. fp32 parameters, gradients and AdamW states (no mixed precision).
 
-bf16 all-gathers (issue 21, its own section): ZeRO-3 at m = 1 under train.precision=bf16, with the default
-FSDP2 MixedPrecisionPolicy (bf16 parameter all-gathers, fp32 gradient reduce-scatters) and with
-parallel.fsdp_mixed_precision=false (fp32 all-gathers): the bytes and the dtypes of the buffers actually moved.
+bf16 all-gathers (its own block, since it is the one mixed-precision case): ZeRO-3 at m = 1 under
+train.precision=bf16, with the default FSDP2 MixedPrecisionPolicy (bf16 parameter all-gathers, fp32 gradient
+reduce-scatters) and with parallel.fsdp_mixed_precision=false (fp32 all-gathers): the bytes and the dtypes of the
+buffers actually moved.
 
 Communication: `framework.parallel.comm.CommLogger` counts every collective on the data-parallel axes (ring
 wire bytes per rank). Memory: `framework.parallel.memory` is sampled before and after every module's forward,
@@ -37,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.sections import replace_section
 from framework.parallel.memory import fsdp_units, model_state_report, working_copy_bytes
 
-SECTION = "## ZeRO communication and memory (issue 3)"
-BF16_SECTION = "## bf16 ZeRO-3 parameter all-gathers (issue 21)"
+KEY = "zero-comm-memory"
+SECTION = "## ZeRO communication and memory"
+BF16_KEY = "bf16-all-gather"
+BF16_SECTION = "## bf16 ZeRO-3 parameter all-gathers"
 BF16_CASES = {"bf16 all-gather (default)": ("train.precision=bf16",),
               "fp32 all-gather (fsdp_mixed_precision=false)": ("train.precision=bf16",
                                                                "parallel.fsdp_mixed_precision=false")}
@@ -160,7 +163,7 @@ def bf16_section(results: dict[str, dict[str, Any]], args: argparse.Namespace, s
     return "\n".join([
         BF16_SECTION, "",
         f"Command: `PYTHONPATH=. python bench/zero_comm_memory.py{flag} --ranks {args.ranks} --layers {args.layers} "
-        f"--write docs/BENCHMARKS.md` ({seconds:.0f} s on the shared 2-core machine, loaded; byte counts do not "
+        f"--write docs/benchmarks/zero.md` ({seconds:.0f} s on the shared 2-core machine, loaded; byte counts do not "
         "depend on load). Same model, ranks and counter as the ZeRO section; the second step of ZeRO-3 with one "
         "micro-batch under `train.precision=bf16`. Default: FSDP2 `MixedPrecisionPolicy(param_dtype=bf16, "
         "reduce_dtype=fp32)` with fp32 master shards and AdamW states "
@@ -329,7 +332,7 @@ def build_section(results: dict[tuple[int, int], dict[str, Any]], args: argparse
     lines = [
         SECTION, "",
         f"Command: `PYTHONPATH=. python bench/zero_comm_memory.py --ranks {n} --layers {args.layers} "
-        f"--write docs/BENCHMARKS.md` ({seconds:.0f} s on the shared 2-core machine; torch {torch.__version__}, "
+        f"--write docs/benchmarks/zero.md` ({seconds:.0f} s on the shared 2-core machine; torch {torch.__version__}, "
         "gloo, one process group for all cases). Model: test-tiny with "
         f"{args.layers} blocks and a 128-token vocabulary, P = {p:,} parameters (one block {block:,}; root FSDP "
         f"unit = embedding + final norm + head {root:,} = {100 * root / p:.1f}%), fp32 parameters, gradients and "
@@ -372,14 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--write", type=Path, help="replace this bench's section of this markdown file")
-    ap.add_argument("--bf16-only", action="store_true", help="only the bf16 all-gather section (issue 21)")
+    ap.add_argument("--bf16-only", action="store_true", help="only the bf16 all-gather block")
     args = ap.parse_args(argv)
     t0 = time.time()
     bf16 = run_distributed(_bf16_cases, args.ranks, timeout_s=1200, layers=args.layers)[0]
     bf16_text = bf16_section(bf16, args, time.time() - t0)
     print(bf16_text)
     if args.write:
-        replace_section(args.write, BF16_SECTION, bf16_text)
+        replace_section(args.write, BF16_KEY, bf16_text)
     if args.bf16_only:
         return 0
     t0 = time.time()
@@ -390,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     text = build_section(results, args, time.time() - t0, same)
     print(text)
     if args.write:
-        replace_section(args.write, SECTION, text)
+        replace_section(args.write, KEY, text)
     return 0
 
 

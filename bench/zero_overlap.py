@@ -1,6 +1,7 @@
 """ZeRO-3's exposed communication: the comm logger's bucket timings against the planner's overlap model.
 
-    PYTHONPATH=. nice -n 19 python bench/zero_overlap.py [--ranks 2 4] [--rounds 15] [--write docs/BENCHMARKS.md]
+    PYTHONPATH=. nice -n 19 python bench/zero_overlap.py [--ranks 2 4] [--rounds 15] \
+        [--write docs/benchmarks/zero_overlap.md]
 
 Per rank count, one spawn of gloo ranks on this machine:
 1. Calibration, every round: synchronous all-gathers (and reduce-scatters, for reference) of 16 KiB .. 4 MiB
@@ -40,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel
 
 from bench.sections import replace_section
 
-SECTION = "## ZeRO-3 overlap: measured bucket timings vs the planner (issue 19)"
+KEY = "zero-overlap"
+SECTION = "## ZeRO-3 overlap: measured bucket timings vs the planner"
 MODEL = ("model.hidden=256", "model.ffn_hidden=704", "model.n_layers=6", "model.n_heads=4", "model.n_kv_heads=2",
          "data.seq_len=64", "train.precision=fp32", "parallel.zero_stage=3", "parallel.comm_log=true",
          "parallel.fsdp_layers_per_unit=1", "parallel.dp_shard=-1")
@@ -308,7 +310,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
     if args.write:
-        replace_section(args.write, SECTION, text)
+        replace_section(args.write, KEY, text)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """ZeRO++ options (qwZ, hpZ, qgZ and combinations) vs the unquantized run: loss curves and wire bytes per axis.
 
     PYTHONPATH=. nice -n 19 python bench/zeropp.py [--ranks 4] [--steps 300] [--png docs/zeropp_loss.png]
-                                                   [--json partial.json] [--write docs/BENCHMARKS.md]
+                                                   [--json partial.json] [--write docs/benchmarks/zeropp.md]
 
 4 gloo ranks seen as 2 "nodes" x 2 (parallel.zero_hpz_partition_size=2), ZeRO-3 over dp_shard=4, bf16, the
 test-tiny model (4 blocks, hidden 64, 512-token vocabulary) trained on a learnable stream: tokens from a fixed
@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel
 
 from bench.sections import replace_section
 
-SECTION = "## ZeRO++: qwZ, hpZ, qgZ loss and wire bytes (issue 19)"
+KEY = "zeropp"
+SECTION = "## ZeRO++: qwZ, hpZ, qgZ loss and wire bytes"
 BASE = ("parallel.dp_shard=-1", "parallel.zero_stage=3", "train.precision=bf16")
 CASES: dict[str, tuple[str, ...]] = {  # most informative first: a cut-short run (--json) keeps those
     "plain (bf16 all-gather)": (),
@@ -162,7 +163,7 @@ def main() -> None:
     print(f"wall {time.time() - start:.0f} s; CPU s per case on rank 0: "
           + ", ".join(f"{k}: {v['cpu_s']:.0f}" for k, v in res.items()))
     if args.write:
-        replace_section(Path(args.write), SECTION, text)
+        replace_section(Path(args.write), KEY, text)
 
 
 if __name__ == "__main__":
