@@ -1,6 +1,6 @@
 """ZeRO++ options (qwZ, hpZ, qgZ and combinations) vs the unquantized run: loss curves and wire bytes per axis.
 
-    PYTHONPATH=. nice -n 19 python bench/zeropp.py [--ranks 4] [--steps 300] [--png docs/zeropp_loss.png]
+    PYTHONPATH=. nice -n 19 python bench/zeropp.py [--ranks 4] [--steps 300] [--png docs/benchmarks/zeropp_loss.png]
                                                    [--json partial.json] [--write docs/benchmarks/zeropp.md]
 
 4 gloo ranks seen as 2 "nodes" x 2 (parallel.zero_hpz_partition_size=2), ZeRO-3 over dp_shard=4, bf16, the
@@ -147,7 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--ranks", type=int, choices=(2, 4), default=4)
-    ap.add_argument("--png", default="docs/zeropp_loss.png")
+    ap.add_argument("--png", default="docs/benchmarks/zeropp_loss.png")
     ap.add_argument("--write", default="", help="replace this bench's section of the given markdown file")
     ap.add_argument("--json", default="", help="write the per-case results here as each case finishes")
     ap.add_argument("--from-json", default="", help="only render the report and the plot of a --json file")
