@@ -281,7 +281,7 @@ class ParallelDims:
         per-process counter and ranks rendezvous under that name, so a group created only by a sub-world's ranks
         shifts their names against every other rank's, and two sub-worlds that each create "their" group at once
         create one name with two member sets — gloo then wires ranks of different groups together (a collective
-        deadlock or a silent cross-group sum; the compiled-layouts spawn hung on two MoE layouts, issue 20).
+        deadlock or a silent cross-group sum; a compiled-layouts spawn once hung this way on two MoE layouts).
         """
         mesh = self._build_mesh(device_type, ranks)
         if experts:

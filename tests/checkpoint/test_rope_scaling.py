@@ -1,4 +1,4 @@
-"""RoPE scaling (issue 16): linear / llama3 / yarn as transformers defines them, through export-hf and import-hf.
+"""RoPE scaling: linear / llama3 / yarn as transformers defines them, through export-hf and import-hf.
 
 Each rope type, with a non-default rope_theta: the exported model's transformers logits equal Tessera's to 1e-5
 (fp32) at positions past the original context (where the scalings differ), import-hf gives back the same

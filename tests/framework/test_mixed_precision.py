@@ -1,4 +1,4 @@
-"""Mixed precision as users run it (issue 21): the engine ends every optimizer step, applied or skipped, and
+"""Mixed precision as users run it: the engine ends every optimizer step, applied or skipped, and
 the fp16 loss-scale state survives a resume.
 
 A guard skip changes nothing a step changes (weights, optimizer, loss scale and growth tracker, MoE routing

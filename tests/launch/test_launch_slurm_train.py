@@ -1,4 +1,4 @@
-"""The must-shows of issue 7 with the real trainer on the real 2-node SLURM.
+"""SLURM operations proven with the real trainer on the real 2-node SLURM.
 
 One test, so its runs go side by side: `tessera launch local --nproc 4 configs/smoke/tiny-tp2dp2.yaml` (the
 uninterrupted reference) and `tessera launch slurm configs/smoke/tiny-tp2dp2.yaml --nodes 2 --procs-per-node 2`

@@ -205,7 +205,7 @@ def reference_and_tolerance(layout: dict[str, Any], atol: float
     1.05u (4.1e-3) and loss 8.2e-5 relative, the same with oneDNN's native bf16/AMX kernels and with oneDNN
     held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2: no native bf16, as on CPUs without avx512_bf16). The former 5e-3 bound
     against a bf16 reference compared two rounded runs and missed on an EPYC with avx512_bf16 (6.0e-3).
-    With bf16 FSDP all-gathers (the default since issue 21) FSDP also rounds the parameters and each unit's
+    With bf16 FSDP all-gathers (the default) FSDP also rounds the parameters and each unit's
     input to bf16 — one more rounding of the same u per value, inside the 2u forward + backward budget: measured
     worst 0.61 of the grad-norm tolerance and 0.29 of the loss's (tp2 x dp_shard2 and dp_shard2 ZeRO-3, with
     native bf16 kernels and under ONEDNN_MAX_CPU_ISA=AVX2), against 0.54 / 0.22 with fp32 all-gathers.
@@ -260,8 +260,8 @@ def group_name_conflicts(per_rank: list[dict[str, tuple[int, ...]]]) -> dict[str
     """Group names that stand for different rank sets on different ranks (`group_members` of every rank).
 
     torch names groups by a per-process counter and ranks rendezvous under the name, so such a name wires
-    ranks of two groups together: a collective deadlock or a cross-group sum (issue 20: MoE layouts built their
-    expert meshes on their own ranks only; `ParallelDims.build_mesh`).
+    ranks of two groups together: a collective deadlock or a cross-group sum (an older build_mesh had MoE
+    layouts build their expert meshes on their own ranks only; `ParallelDims.build_mesh`).
     """
     seen: dict[str, set[tuple[int, ...]]] = {}
     for groups in per_rank:

@@ -1,4 +1,4 @@
-"""Context parallelism (issue 16): chunk layout, typed errors before launch, and parity with one process.
+"""Context parallelism: chunk layout, typed errors before launch, and parity with one process.
 
 One 8-rank spawn runs every cp layout side by side (the parity harness of parallel_parity.py): cp=2, cp=4,
 cp2 x tp2 (+SP), cp2 x pp2, cp2 x dp_shard2 at ZeRO-3, HSDP over cp, each with and without document masks

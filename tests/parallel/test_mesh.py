@@ -161,7 +161,7 @@ def test_packed_moe_layouts_give_each_group_name_one_rank_set() -> None:
     them. torch names a process group by a per-process counter and its ranks rendezvous under that name, so a
     name must mean one rank set on every rank: the expert meshes come with `build_mesh(experts=True)`, which
     every rank calls, and the engine's `build_ep_mesh` only looks its own up. Built by each layout's own ranks
-    (as before issue 20's fix) both layouts' expert groups get the same names: the spawn that held them
+    (as an older build_mesh did) both layouts' expert groups get the same names: the spawn that held them
     deadlocked. A sub-world mesh built without its expert mesh refuses to create one on its ranks alone."""
     from parallel_parity import group_members, group_name_conflicts
     from torch.testing._internal.distributed.fake_pg import FakeStore

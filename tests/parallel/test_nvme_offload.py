@@ -1,4 +1,4 @@
-"""NVMe offload of AdamW's states (issue 19): bitwise the in-memory optimizer, checkpoints exact, bad paths refused.
+"""NVMe offload of AdamW's states: bitwise the in-memory optimizer, checkpoints exact, bad paths refused.
 
 The reference is the same engine with the in-memory `torch.optim.AdamW(foreach=False)` (train.optimizer_impl=
 for_loop): the offloaded optimizer runs that kernel per tensor, so losses and grad norms must be *equal*.

@@ -69,7 +69,7 @@ def _extras() -> list[dict[str, Any]]:
                 "data.reset_position_ids": True})
     out.append({"dp_shard": 2, "zero_stage": 3, **mask})
     out.append({"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", **mask})
-    # TP4 (issue 21): sharded KV heads on an 8-head / 4-KV-head model; tp > n_kv_heads (tiny: 4 heads, 2 KV
+    # TP4: sharded KV heads on an 8-head / 4-KV-head model; tp > n_kv_heads (tiny: 4 heads, 2 KV
     # heads) replicating each KV head on 2 tp ranks, plain and under FSDP ZeRO-3; a deliberately broken
     # replication (wrong KV head per rank) that must fail; uneven pipeline splits (plain and interleaved).
     out.append({"tp": 4, "dp_shard": 1, "model.n_heads": 8, "model.n_kv_heads": 4})

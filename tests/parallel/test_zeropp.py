@@ -1,4 +1,4 @@
-"""ZeRO++ (issue 19): wire bytes per step per mesh axis against ZeRO++'s volume formulas, what is on the wire, and
+"""ZeRO++: wire bytes per step per mesh axis against ZeRO++'s volume formulas, what is on the wire, and
 loss parity with the unquantized run.
 
 One spawn of 4 gloo ranks seen as 2 "nodes" x 2 (parallel.zero_hpz_partition_size=2: ranks {0,1} and {2,3}),

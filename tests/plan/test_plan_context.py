@@ -1,4 +1,4 @@
-"""Planner x context parallelism (issue 16): activations on s/cp tokens, K/V traffic, long-context layouts."""
+"""Planner x context parallelism: activations on s/cp tokens, K/V traffic, long-context layouts."""
 
 from __future__ import annotations
 

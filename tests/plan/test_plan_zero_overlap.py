@@ -1,4 +1,4 @@
-"""ZeRO-3's exposed communication and NVMe offload in the planner (issue 19).
+"""ZeRO-3's exposed communication and NVMe offload in the planner.
 
 The former model hid every all-gather and reduce-scatter behind compute as long as a pass's totals fit, so
 Llama-3 405B on 2,048 H100s ranked TP2 x DP1024 ZeRO-3 first at 44.0% MFU with no data-parallel time at all.
@@ -105,7 +105,7 @@ def test_an_offloaded_layout_exports_a_config_that_names_the_directory_to_set(tm
 
 
 def test_zeropp_in_the_comm_memory_and_time_models() -> None:
-    """ZeRO++ (issue 19): qwZ halves the bf16 gather bytes, qgZ quarters the fp32 reduce bytes (+4/B of scales),
+    """ZeRO++: qwZ halves the bf16 gather bytes, qgZ quarters the fp32 reduce bytes (+4/B of scales),
     hpZ moves backward's gathers onto the node (less time, same order of bytes) for 2 bytes/s x Ψ of memory, and on
     a slow inter-node network each shortens the step (Llama-3 8B, DP256 ZeRO-3, ib_gbps=25)."""
     from framework.plan.comm import QUANT_BLOCK, dp_comm_per_step
