@@ -30,7 +30,7 @@ LAYOUTS: list[dict[str, Any]] = [
     # without SP / loss parallel, each pipeline schedule compile is allowed for, context parallelism, MoE with EP
     # and with TP, both recompute modes around the compiled regions; NVMe offload is `_nvme_layout` (a directory).
     # Packed 4 rounds deep with two MoE layouts side by side, this spawn deadlocked while MoE engines created their
-    # expert groups on their own ranks only (groups named twice deadlocked); run_round now checks that no group name means two rank sets.
+    # expert groups on their own ranks only; run_round now checks that no group name means two rank sets.
     {"dp_shard": 2, "zero_stage": 3, **INDUCTOR},
     {"tp": 2, "dp_shard": 1, "zero_stage": 0, "sequence_parallel": False, "loss_parallel": False, **AOT},
     {"tp": 2, "dp_shard": 2, "zero_stage": 1, "recompute": "selective", **AOT},
