@@ -77,7 +77,8 @@ class TrainConfig:
     embeddings, head, norms, biases and router (`train.muon`, framework/train/muon.py)."""
     muon: MuonConfig = field(default_factory=MuonConfig)
     optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
-    """AdamW kernel: auto takes fused on CUDA, foreach elsewhere."""
+    """AdamW kernel: auto takes fused on CUDA, foreach elsewhere; a mix of DTensor and plain parameters (TP
+    without sequence parallelism) always takes for_loop, the only kernel that runs it."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast dtype for forward/backward; master weights and optimizer states stay fp32."""
     loss_scale_init: float = 2.0**16

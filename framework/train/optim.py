@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -31,13 +32,22 @@ def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict
 
 
 def _impl_flags(cfg: TrainConfig, device: torch.device, params: list[torch.Tensor]) -> dict[str, bool]:
+    """The AdamW kernel, chosen once the parameters are known: fused and foreach both fail on a mix of DTensors
+    and plain tensors (TP without sequence parallelism keeps the norm weights plain; docs/ARCHITECTURE.md, known
+    torch traps), so a mix takes the for-loop kernel whatever was asked; otherwise auto is fused on CUDA."""
     from torch.distributed.tensor import DTensor
 
     impl = cfg.optimizer_impl
-    if impl == "auto":
-        mixed = any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params)
-        # foreach over a mix of DTensors and plain tensors fails (docs/ARCHITECTURE.md, known torch traps)
-        impl = "fused" if device.type == "cuda" else ("for_loop" if mixed else "foreach")
+    n_dtensor = sum(isinstance(p, DTensor) for p in params)
+    if 0 < n_dtensor < len(params):
+        if impl in ("fused", "foreach"):
+            logging.getLogger(__name__).warning(
+                "train.optimizer_impl=%s cannot run over %d DTensor and %d plain parameters (TP without sequence "
+                "parallelism); using the for-loop AdamW (turn parallel.sequence_parallel on for %s)",
+                impl, n_dtensor, len(params) - n_dtensor, impl)
+        impl = "for_loop"
+    elif impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
     return {"fused": impl == "fused", "foreach": impl == "foreach"}
 
 
