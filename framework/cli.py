@@ -39,17 +39,24 @@ def init_distributed(timeout_s: float | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from launch.env import dist_env
+    from launch.env import cuda_device_index, dist_env
 
     env = dist_env()
     if not env.is_distributed or dist.is_initialized():
         return
     env.export()  # RANK, WORLD_SIZE, MASTER_ADDR ... for env:// rendezvous, also under srun
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = None
     if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
+        index = cuda_device_index(env.local_rank, env.local_world_size, torch.cuda.device_count(),
+                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
     timeout = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", timeout_s or 600))  # env overrides config
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
+    # device_id binds the communicator to this GPU at once (eager NCCL init: no guess of the device at the
+    # first collective, and split groups share the connection)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout),
+                            device_id=device)
 
 
 def check_launched(cfg: Any, config: str, overrides: Sequence[str]) -> None:

@@ -50,10 +50,10 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     cpus_per_rank = args.cpus_per_rank
     if not cpus_per_rank:  # auto: share the node's cores among its ranks
         cores = node_cpus(args.partition)
-        cpus_per_rank = max(1, cores // procs) if cores else 1
+        cpus_per_rank = max(1, cores // procs) if cores else 0
         if cores is None:
-            print("tessera: note: sinfo could not tell the node's cores; --cpus-per-rank 1 (set it explicitly)",
-                  file=sys.stderr)
+            print("tessera: note: sinfo could not tell the node's cores; the job shares the node's cores among its "
+                  "ranks when it starts (SLURM_CPUS_ON_NODE; set --cpus-per-rank to fix the count)", file=sys.stderr)
     if args.nodes > 1:
         paths = {"run.dir": cfg.run.path, "data.cache_dir": Path(cfg.data.cache_dir)}
         if cfg.data.build_dir:

@@ -245,4 +245,30 @@ def dist_env(environ: Mapping[str, str] | None = None,
                    job_id=env.get("SLURM_JOB_ID"), restart_count=_int(env, "SLURM_RESTART_COUNT", 0))
 
 
-__all__ = ["DistEnv", "LaunchError", "dist_env", "expand_hostlist", "expand_tasks_per_node", "slurm_master_port"]
+def cuda_device_index(local_rank: int, local_world_size: int, device_count: int, visible: str | None) -> int:
+    """The GPU this rank drives: `local_rank % device_count`.
+
+    All GPUs visible (one process per GPU): local rank i drives GPU i. A site that binds one GPU per task
+    (`--gpu-bind`, `--gpus-per-task`; CUDA_VISIBLE_DEVICES names one device per task) shows each rank one
+    device: index 0. Anything else would put two ranks on one GPU, which NCCL refuses (or hangs on).
+
+    Args:
+        visible: CUDA_VISIBLE_DEVICES as this process sees it (None when unset).
+
+    Raises:
+        LaunchError: no GPU is visible, or fewer GPUs than ranks on this node without a per-task binding.
+    """
+    if device_count < 1:
+        raise LaunchError(f"rank with LOCAL_RANK={local_rank} sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                          f"{visible!r}); ask SLURM for GPUs (--gpus-per-node) or run on CPU with gloo")
+    bound_per_task = device_count == 1 and visible is not None and len(visible.split(",")) == 1
+    if device_count < local_world_size and not bound_per_task:
+        raise LaunchError(
+            f"{local_world_size} ranks on this node but {device_count} GPU(s) visible to LOCAL_RANK={local_rank} "
+            f"(CUDA_VISIBLE_DEVICES={visible!r}): two ranks would share a GPU, which NCCL refuses; start one rank "
+            f"per GPU (--procs-per-node {device_count}, or torchrun --nproc-per-node {device_count})")
+    return local_rank % device_count
+
+
+__all__ = ["DistEnv", "LaunchError", "cuda_device_index", "dist_env", "expand_hostlist", "expand_tasks_per_node",
+           "slurm_master_port"]

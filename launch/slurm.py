@@ -50,6 +50,8 @@ class SlurmSpec:
     procs_per_node: int
     gpus_per_node: int = 0
     cpus_per_rank: int = 1
+    """Cores per rank; 0: the node's cores shared among its ranks, counted by the job itself at start
+    (SLURM_CPUS_ON_NODE / procs_per_node on the exclusive node) when `sinfo` could not tell them beforehand."""
     time: str = "01:00:00"
     partition: str | None = None
     account: str | None = None
@@ -88,9 +90,11 @@ def layout_degrees(cfg: Config, world: int) -> dict[str, int]:
 
 def validate_spec(cfg: Config, spec: SlurmSpec) -> dict[str, int]:
     """Checks that need no cluster: sizes, time limit vs signal lead, the layout's world size."""
-    for name in ("nodes", "procs_per_node", "cpus_per_rank"):
+    for name in ("nodes", "procs_per_node"):
         if getattr(spec, name) < 1:
             raise LaunchError(f"--{name.replace('_', '-')}={getattr(spec, name)} must be >= 1")
+    if spec.cpus_per_rank < 0:
+        raise LaunchError(f"--cpus-per-rank={spec.cpus_per_rank} must be >= 1, or 0 to share the node's cores")
     if spec.gpus_per_node < 0:
         raise LaunchError(f"--gpus-per-node={spec.gpus_per_node} must be >= 0 (0 for CPU-only nodes)")
     if spec.gpus_per_node and spec.procs_per_node != spec.gpus_per_node:
@@ -199,10 +203,11 @@ def check_cluster(spec: SlurmSpec) -> None:
 def _header(cfg: Config, spec: SlurmSpec, run_dir: str) -> list[str]:
     tasks, cpus = (1, spec.cpus_per_rank * spec.procs_per_node) if spec.mode == "torchrun" \
         else (spec.procs_per_node, spec.cpus_per_rank)
-    lines = [f"--job-name={cfg.run.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={tasks}",
-             f"--cpus-per-task={cpus}"]
-    if spec.gpus_per_node > 0:
-        lines += [f"--gpus-per-node={spec.gpus_per_node}", "--exclusive", "--mem=0"]
+    lines = [f"--job-name={cfg.run.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={tasks}"]
+    lines += [f"--cpus-per-task={cpus}"] if cpus else []  # 0: counted at job start from the node (_env_block)
+    if spec.gpus_per_node > 0 or not cpus:
+        lines += [*([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []), "--exclusive",
+                  "--mem=0"]
     lines.append(f"--time={spec.time}")
     lines += [f"--partition={spec.partition}"] if spec.partition else []
     lines += [f"--account={spec.account}"] if spec.account else []
@@ -211,12 +216,19 @@ def _header(cfg: Config, spec: SlurmSpec, run_dir: str) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
-def _env_block(cfg: Config, spec: SlurmSpec) -> list[str]:
+def _env_block(cfg: Config, spec: SlurmSpec, run_dir: str) -> list[str]:
     timeout = cfg.checkpoint.collective_timeout_s
+    if spec.cpus_per_rank:
+        cpus = [f"CPUS_PER_RANK={spec.cpus_per_rank}"]
+    else:
+        cpus = ["# Cores per rank: the node's (the job holds it exclusively) shared among its ranks.",
+                f"CPUS_PER_RANK=$(( ${{SLURM_CPUS_ON_NODE:-$(nproc)}} / {spec.procs_per_node} ))",
+                "[ \"$CPUS_PER_RANK\" -ge 1 ] || CPUS_PER_RANK=1"]
     lines = [
-        "# Threads: each rank gets --cpus-per-task cores; more OpenMP/MKL threads than cores only thrash.",
-        f"export OMP_NUM_THREADS={spec.cpus_per_rank}",
-        f"export TESSERA_NUM_THREADS={spec.cpus_per_rank}",
+        *cpus,
+        "# Threads: each rank gets $CPUS_PER_RANK cores; more OpenMP/MKL threads than cores only thrash.",
+        "export OMP_NUM_THREADS=$CPUS_PER_RANK",
+        "export TESSERA_NUM_THREADS=$CPUS_PER_RANK",
         f"# Collectives: a rank that dies or hangs fails the job after checkpoint.collective_timeout_s = {timeout:g} s",
         "# instead of burning the allocation (the config decides; exporting TESSERA_COLLECTIVE_TIMEOUT_S overrides).",
     ]
@@ -225,6 +237,12 @@ def _env_block(cfg: Config, spec: SlurmSpec) -> list[str]:
             "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # abort communicators on error/timeout (no silent hang)",
             "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
             "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # less fragmentation",
+            "# NCCL flight recorder: each rank keeps its last collectives and dumps them on a timeout, so a hang",
+            "# leaves per-rank traces to compare (`python -m torch.distributed.flight_recorder.fr_trace DIR`).",
+            "export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}",
+            "export TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+            f"mkdir -p {run_dir}/nccl_trace",
+            f"export TORCH_NCCL_DEBUG_INFO_TEMP_FILE={run_dir}/nccl_trace/rank_",
         ]
     return lines
 
@@ -264,8 +282,10 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
     if spec.mode == "srun":
         return [
             "# One task per rank: launch.env reads SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS and the MASTER_* above.",
-            "# srun gets --cpus-per-task again: since SLURM 22.05 it no longer inherits it from sbatch.",
-            f'srun --ntasks-per-node={spec.procs_per_node} --cpus-per-task={spec.cpus_per_rank} \\',
+            "# srun gets --cpus-per-task again: since SLURM 22.05 it no longer inherits it from sbatch. Each rank is",
+            "# bound to its own cores (--cpu-bind=cores: SLURM hands out a task's cores within one socket where",
+            "# they fit, so a rank's threads stay on its NUMA node instead of migrating across the machine).",
+            f'srun --ntasks-per-node={spec.procs_per_node} --cpus-per-task="$CPUS_PER_RANK" --cpu-bind=cores \\',
             f'    "$PYTHON" {prog} &',
         ]
     return [
@@ -274,10 +294,12 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
         "# --signals-to-handle, whose default is PET_SIGNALS_TO_HANDLE. On SIGUSR1 the agent forwards it and gives",
         "# the workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to save before SIGKILL. launch.torchrun is torchrun",
         "# exiting with $TESSERA_REQUEUE_EXIT_CODE when its workers asked for a requeue (plain torchrun exits 1).",
+        "# The agent holds all the node's cores (--cpu-bind=none); its workers are not pinned (use srun mode for",
+        "# per-rank core binding).",
         f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHRUN_SIGNALS}",
         "export PET_SIGNALS_TO_HANDLE=$TORCHELASTIC_SIGNALS_TO_HANDLE",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={spec.signal_lead_s}",
-        f"srun --ntasks-per-node=1 --cpus-per-task={spec.cpus_per_rank * spec.procs_per_node} \\",
+        f'srun --ntasks-per-node=1 --cpus-per-task=$(( CPUS_PER_RANK * {spec.procs_per_node} )) --cpu-bind=none \\',
         '    "$PYTHON" -m launch.torchrun \\',
         f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={spec.procs_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\',
@@ -316,7 +338,7 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"MASTER_PORT=$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))",
         "export MASTER_ADDR MASTER_PORT",
-        *_env_block(cfg, spec),
+        *_env_block(cfg, spec, run_dir),
         "",
         'echo "[tessera] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST' +
         ' ($MASTER_ADDR:$MASTER_PORT) at $(date -u +%FT%TZ)"',

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from framework.base.errors import TesseraError
 from launch.env import (
     DistEnv,
     LaunchError,
+    cuda_device_index,
     dist_env,
     expand_hostlist,
     expand_tasks_per_node,
@@ -134,3 +137,51 @@ def test_expand_tasks_per_node_and_ports() -> None:
     assert expand_tasks_per_node("4") == [4]
     assert slurm_master_port("1234_7") == 20000 + 12347 % 10000
     assert 20000 <= slurm_master_port("987654321") < 30000
+
+
+@pytest.mark.parametrize(("local_rank", "local_world", "count", "visible", "want"), [
+    (3, 8, 8, None, 3),            # every GPU visible: local rank i drives GPU i
+    (3, 8, 8, "0,1,2,3,4,5,6,7", 3),
+    (5, 8, 1, "5", 0),             # the site binds one GPU per task: each rank sees its own as device 0
+    (1, 2, 4, None, 1),            # more GPUs than ranks
+])
+def test_cuda_device_index(local_rank: int, local_world: int, count: int, visible: str | None, want: int) -> None:
+    assert cuda_device_index(local_rank, local_world, count, visible) == want == local_rank % count
+
+
+@pytest.mark.parametrize(("local_rank", "local_world", "count", "visible", "message"), [
+    (5, 8, 4, "0,1,2,3", "8 ranks on this node but 4 GPU(s) visible to LOCAL_RANK=5"),
+    (1, 2, 1, None, "two ranks would share a GPU"),  # one GPU, no per-task binding
+    (0, 1, 0, "", "sees no CUDA device"),
+])
+def test_cuda_device_index_refuses_shared_gpus(local_rank: int, local_world: int, count: int, visible: str | None,
+                                               message: str) -> None:
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        cuda_device_index(local_rank, local_world, count, visible)
+
+
+def test_init_distributed_binds_the_rank_and_passes_device_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake CUDA (torch.cuda and init_process_group monkeypatched): nothing else reaches the NCCL branch on CPU.
+
+    Rank 11 of 16, local rank 3 of 8, on a node whose 8 GPUs are all visible: GPU 3 is selected before the
+    process group exists and handed to it as device_id."""
+    import torch
+    import torch.distributed as dist
+
+    from framework.cli import init_distributed
+
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    env = {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "n0",
+           "MASTER_PORT": "29500"}
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    init_distributed(60)
+    assert calls["backend"] == "nccl" and calls["rank"] == 11 and calls["world_size"] == 16
+    assert calls["set_device"] == torch.device("cuda", 3) == calls["device_id"]

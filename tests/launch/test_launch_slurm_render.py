@@ -35,6 +35,14 @@ def test_h100_128_node_script_matches_snapshot(mode: str) -> None:
     assert "--gpus-per-node=8" in script and "--signal=USR1@300" in script and "--requeue" in script
     assert "--output=runs/llama3-70b-128n-h100/slurm-%j.out" in script and "--open-mode=append" in script
     assert "tp 8 x pp 4 x dp_replicate 1 x dp_shard 32" in script
+    # a hang leaves each rank's last collectives in the run directory; each rank keeps its cores
+    run_dir = "runs/llama3-70b-128n-h100"
+    for line in ("export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}",
+                 "export TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+                 f"export TORCH_NCCL_DEBUG_INFO_TEMP_FILE={run_dir}/nccl_trace/rank_",
+                 f"mkdir -p {run_dir}/nccl_trace", "CPUS_PER_RANK=12", "export OMP_NUM_THREADS=$CPUS_PER_RANK"):
+        assert line in script.splitlines(), line
+    assert ("--cpu-bind=cores" in script) == (mode == "srun")
 
 
 def test_cli_dry_run_prints_the_script_with_this_interpreter() -> None:
@@ -141,5 +149,27 @@ def test_cpus_per_rank_defaults_to_the_nodes_cores(capsys: pytest.CaptureFixture
                  "--time", "30", "--dry-run", "run.dir=/tmp/x", "--stop-at", "5"]) == 0
     out = capsys.readouterr()
     assert "train configs/smoke/tiny.yaml run.dir=/tmp/x --stop-at 5" in out.out
-    assert "--cpus-per-task=8" in out.out and "OMP_NUM_THREADS=8" in out.out
+    assert "--cpus-per-task=8" in out.out and "CPUS_PER_RANK=8" in out.out
     assert "run.dir=/tmp/x looks node-local" in out.err
+
+
+def test_without_sinfo_the_job_shares_the_nodes_cores_at_start(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """No `sinfo` on the submit host: not 1 core per rank, but the exclusive node's cores / ranks, at job start."""
+    import launch.slurm
+    from framework.cli import main
+
+    monkeypatch.setattr(launch.slurm.shutil, "which", lambda name: None)
+    assert main(["launch", "slurm", "configs/smoke/tiny.yaml", "--nodes", "1", "--procs-per-node", "4",
+                 "--time", "30", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "sinfo could not tell" in out.err
+    script = out.out
+    assert "#SBATCH --cpus-per-task" not in script and "#SBATCH --exclusive" in script
+    assert 'srun --ntasks-per-node=4 --cpus-per-task="$CPUS_PER_RANK" --cpu-bind=cores' in script
+    lines = [line for line in script.splitlines() if "CPUS_PER_RANK" in line and "srun" not in line]
+    for cores, want in ((32, 8), (6, 1), (2, 1)):  # at least one core per rank
+        shell = "\n".join([*lines, 'echo "$OMP_NUM_THREADS"'])
+        got = subprocess.run(["bash", "-c", shell], env={**os.environ, "SLURM_CPUS_ON_NODE": str(cores)},
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert got == [str(want)], (cores, got)
