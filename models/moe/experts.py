@@ -45,19 +45,49 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def group_alignment(dtype: torch.dtype) -> int:
+    """Rows per token group that keep every group's start 16 bytes aligned for `torch._grouped_mm`.
+
+    Its CUDA kernels need 16-byte-aligned strides (torch/_meta_registrations.py `check_valid_strides`), and the
+    weight gradient is a grouped matmul over the token dimension itself, sliced at the offsets: a group starting
+    mid-vector is misaligned there. 16 // element size: 8 rows for bf16 (torchtitan pads to 8 too), 4 for fp32.
+    """
+    return max(1, 16 // dtype.itemsize)
+
+
+def pad_groups(counts_E: torch.Tensor, align: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each row goes when every expert's group is padded to a multiple of `align` rows.
+
+    Returns (dst_M: each row's index in the padded layout, offs_E: the padded groups' ends as int32, all multiples
+    of `align`, padded row count). The count is the static bound rows + E (align - 1), so no host sync is needed.
+    """
+    counts = counts_E.to(torch.int64)
+    padded = (counts + align - 1) // align * align
+    ends = torch.cumsum(padded, 0)
+    starts, starts_pad = torch.cumsum(counts, 0) - counts, ends - padded
+    expert_M = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=rows)
+    dst_M = torch.arange(rows, device=counts.device) - starts[expert_M] + starts_pad[expert_M]
+    return dst_M, ends.to(torch.int32), rows + len(counts) * (align - 1)
+
+
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs forward and backward here (probed once per device type and dtype)."""
+    """Whether `torch._grouped_mm` runs here and matches the loop, forward and weight gradient (probed once per
+    device type and dtype, on aligned groups, one of them empty, as `_grouped` calls it)."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
-                x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
-                w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+                align = group_alignment(dtype)
+                x = torch.randn(4 * align, 16, device=device, dtype=dtype)
+                w = torch.randn(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([2 * align, 2 * align, 4 * align], device=device, dtype=torch.int32)
                 y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
                 y.backward(torch.ones_like(y))
-                ok = bool(torch.isfinite(w.grad).all()) if w.grad is not None else False  # type: ignore[union-attr]
+                ref = torch.cat([x[:2 * align] @ w[0].T, x[2 * align:] @ w[2].T])
+                grad = w.grad
+                ok = grad is not None and bool(torch.isfinite(grad).all()) and bool(grad[1].eq(0).all()) \
+                    and torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _GROUPED_MM_OK[key] = ok
@@ -120,9 +150,11 @@ class GroupedExperts(nn.Module):
     @staticmethod
     def _grouped(x_MD: torch.Tensor, counts_E: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
                  ) -> torch.Tensor:
-        offs = torch.cumsum(counts_E, 0).to(device=x_MD.device, dtype=torch.int32)
-        h1 = _ContiguousGrad.apply(torch._grouped_mm(x_MD, w1.transpose(-2, -1), offs=offs))
-        h3 = _ContiguousGrad.apply(torch._grouped_mm(x_MD, w3.transpose(-2, -1), offs=offs))
+        # Every group padded with zero rows to an aligned start (`group_alignment`); zero rows give zero outputs
+        # and add nothing to the weight gradients, and are dropped again below.
+        dst_M, offs, rows = pad_groups(counts_E, group_alignment(x_MD.dtype), x_MD.shape[0])
+        x_PD = x_MD.new_zeros(rows, x_MD.shape[1]).index_copy(0, dst_M, x_MD)
+        h1 = _ContiguousGrad.apply(torch._grouped_mm(x_PD, w1.transpose(-2, -1), offs=offs))
+        h3 = _ContiguousGrad.apply(torch._grouped_mm(x_PD, w3.transpose(-2, -1), offs=offs))
         h = F.silu(h1) * h3
-        # the output's consumers (combine's index_copy, the ep all-to-all's gather) pass contiguous gradients
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).index_select(0, dst_M)

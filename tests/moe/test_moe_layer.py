@@ -77,6 +77,49 @@ def test_grouped_mm_matches_loop_forward_and_backward() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_groups_start_aligned_and_equal_the_loop(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+                                                            ) -> None:
+    """Unaligned counts with empty experts (first, middle, last): every offset `torch._grouped_mm` is handed (by
+    the layer and by the availability probe) is a multiple of 16 bytes of rows (8 for bf16, 4 for fp32), and the
+    outputs and all gradients equal the per-expert loop's."""
+    from models.moe import experts as experts_mod
+    from models.moe.experts import GroupedExperts, group_alignment
+
+    seen: list[list[int]] = []
+    real = torch._grouped_mm
+
+    def spy(a: torch.Tensor, b: torch.Tensor, *args: object, offs: torch.Tensor | None = None, **kw: object
+            ) -> torch.Tensor:
+        seen.append([] if offs is None else offs.tolist())
+        return real(a, b, *args, offs=offs, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    monkeypatch.setattr(experts_mod, "_GROUPED_MM_OK", {})
+    assert experts_mod.grouped_mm_available(torch.device("cpu"), dtype)
+    counts = torch.tensor([0, 3, 5, 0, 1, 7, 2, 0])  # 18 rows; cumulative ends 3, 8, 9, 16, 18: few aligned
+    x0 = torch.randn(int(counts.sum()), 16, dtype=dtype)
+    outs, grads = {}, {}
+    for impl in ("loop", "grouped_mm"):
+        torch.manual_seed(3)
+        layer = GroupedExperts(len(counts), 16, 24, impl=impl)  # type: ignore[arg-type]
+        for w in (layer.w1, layer.w2, layer.w3):
+            torch.nn.init.normal_(w, std=0.2)
+        x = x0.clone().requires_grad_(True)
+        y = layer(x, counts)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs[impl], grads[impl] = y.detach().float(), [x.grad] + [w.grad for w in (layer.w1, layer.w2, layer.w3)]
+    align = group_alignment(dtype)
+    assert seen and all(o % align == 0 for offs in seen for o in offs), (align, seen)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs["grouped_mm"], outs["loop"], **tol)  # type: ignore[arg-type]
+    for a, b in zip(grads["grouped_mm"], grads["loop"], strict=True):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a.float(), b.float(), **tol)  # type: ignore[arg-type]
+    assert grads["grouped_mm"][1][[0, 3, 7]].eq(0).all()  # experts without rows: zero gradient
+
+
 def test_auto_falls_back_to_the_loop_when_unaligned() -> None:
     cfg = model_config(**{**SMALL, "hidden": 18, "n_heads": 3},
                        moe=dict(n_experts=4, top_k=2, expert_hidden=5))  # 5 * 4 bytes: not 16-byte aligned
