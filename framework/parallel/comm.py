@@ -173,6 +173,12 @@ class _CollectiveCounter(TorchDispatchMode):
         self.logger = logger
         self.functional: dict[int, CollectiveTiming] = {}  # output storage -> its functional collective
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo compiles under this mode (else it skips every compiled frame and comm_log runs eager): the
+        mode is off while dynamo traces, on while the compiled code runs, whose collectives are op calls too."""
+        return True
+
     def __enter__(self) -> _CollectiveCounter:
         _WaitHooks.install()
         return super().__enter__()  # type: ignore[no-any-return]
