@@ -3,15 +3,16 @@
 (The module is not called `async.py` because `async` is a Python keyword: `import framework.checkpoint.async`
 would be a syntax error.)
 
-The training thread pays only for the copy of its state (`stage`, a memory copy); the background thread runs
-`dcp.save` and the commit on a process group of its own — gloo, also next to NCCL — so the save's collectives
+The training thread pays only for the copy of its state into host memory (`framework/checkpoint/staging.py`: a
+reusable, pinned where it fits, buffer set; the device holds no second copy); the background thread selects the
+training thread's device (a thread starts on device 0, and anything CUDA the writer touches would run there) and
+runs `dcp.save` and the commit on a process group of its own — gloo, also next to NCCL — so the save's collectives
 never interleave with training's on the same communicator. At most one save is in flight: a new save first waits
 for the previous one, and an error in the background surfaces at the next `wait`/`save` on the training thread.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,17 +23,20 @@ import torch.distributed as dist
 
 from framework.base.errors import CheckpointError
 from framework.checkpoint import dcp as ckpt
+from framework.checkpoint.staging import HostStager
+
+DEFAULT_PIN_BUDGET = 16 << 30
 
 
-def stage(state: Any) -> Any:
-    """A deep copy of a state tree whose tensors (DTensors: their local shards) no longer alias live ones."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: stage(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(stage(v) for v in state)
-    return copy.deepcopy(state)
+def current_accelerator() -> torch.device | None:
+    """The CUDA device the calling thread computes on (None without CUDA)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def select_device(device: torch.device | None) -> None:
+    """Make `device` current on the calling thread (a new thread starts on CUDA device 0)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def new_checkpoint_group() -> dist.ProcessGroup | None:
@@ -48,8 +52,9 @@ def new_checkpoint_group() -> dist.ProcessGroup | None:
 class AsyncSaver:
     """One background writer thread; `save` returns as soon as the state is staged."""
 
-    def __init__(self, pg: dist.ProcessGroup | None) -> None:
+    def __init__(self, pg: dist.ProcessGroup | None, pin_budget_bytes: int = DEFAULT_PIN_BUDGET) -> None:
         self.pg = pg
+        self.stager = HostStager(pin_budget_bytes)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._done_step: int | None = None
@@ -60,10 +65,12 @@ class AsyncSaver:
         """Stage `state` and write + commit checkpoint `step` in the background (waits for the previous save)."""
         self.wait()
         tmp = ckpt.begin_save(root, step, self.pg)  # RNG states are captured here, at the step boundary
-        staged = stage(state)
+        staged = self.stager.stage(state)  # on this thread: complete host copies before training goes on
+        device = current_accelerator()
 
         def work() -> None:
             try:
+                select_device(device)
                 ckpt.write_shards(staged, tmp, self.pg)
                 path = ckpt.commit(root, step, meta, self.pg, keep_last=keep_last, keep_every=keep_every)
                 if on_commit is not None:

@@ -56,6 +56,9 @@ class CheckpointConfig:
     save_final: bool = True
     async_save: bool = False
     """Write checkpoints from a background thread (training continues; at most one save in flight)."""
+    async_pin_budget_gb: float = 16.0
+    """Pinned host memory per rank for async staging: a rank state that fits is staged into pinned buffers kept
+    across saves; a larger one goes to pageable host memory through a pinned bucket of this size."""
     verify: Literal["checksum", "size", "none"] = "checksum"
     """What a load checks against the manifest: sizes and xxh3 checksums, sizes only, or nothing."""
     start_over: bool = False
@@ -83,6 +86,9 @@ class CheckpointConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     def validate(self) -> None:
+        if self.async_pin_budget_gb <= 0:
+            raise ConfigError(f"checkpoint.async_pin_budget_gb={self.async_pin_budget_gb} must be > 0 (pinned host "
+                              f"memory per rank for asynchronous saves, e.g. 16)")
         if self.interval < 0:
             raise ConfigError(f"checkpoint.interval={self.interval} must be >= 0 (0 saves only at the end)")
         if self.keep_last < 1:

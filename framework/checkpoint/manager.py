@@ -92,7 +92,8 @@ class CheckpointManager:
         self.lr_at = lr_at
         """States the LR jump when a resume reshapes the schedule (`check_resume`)."""
         self.rank, self.world = ckpt.rank_world()
-        self.saver = AsyncSaver(new_checkpoint_group()) if cfg.async_save else None
+        self.saver = AsyncSaver(new_checkpoint_group(), int(cfg.async_pin_budget_gb * 2**30)) if cfg.async_save \
+            else None
         self.last_saved_step: int | None = None
 
     def remove_partial_saves(self) -> None:

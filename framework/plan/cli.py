@@ -16,6 +16,7 @@ from framework.parallel.pipeline_schedules import SCHEDULES
 from framework.plan.estimate import Estimate
 from framework.plan.hardware import GIB, HARDWARE, Hardware, get_hardware, load_calibration, parse_overrides
 from framework.plan.layout import Precision, Workload
+from framework.plan.memory import checkpoint_staging_bytes
 from framework.plan.search import (
     DEFAULT_SCHEDULES,
     PlanResult,
@@ -158,6 +159,9 @@ def report(work: Workload, result: PlanResult, hw: Hardware, space: SearchSpace,
         est = best[0]
         lines.append(f"\nbest layout, rank {est.memory_rank} of the pipeline at peak: "
                      + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in est.memory.items() if v))
+        staging = checkpoint_staging_bytes(work, est.layout, est.memory_rank)
+        lines.append(f"  host memory per rank for async checkpoints (checkpoint.async_save): "
+                     f"{staging['host'] / GIB:.2f} GiB, {staging['pinned'] / GIB:.2f} GiB of it pinned")
         lines.append(f"  FLOPs per step: model {est.flops[0]:.3g}, hardware {est.flops[1]:.3g} "
                      f"({est.flops[1] / est.layout.world:.3g} per GPU); pipeline bubble {est.bubble * 100:.1f}%")
         lines.append("  time per step: " + ", ".join(f"{k} {v:.3f}s" for k, v in est.time.items() if v))

@@ -207,6 +207,20 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     return out
 
 
+def checkpoint_staging_bytes(work: Workload, lay: Layout, rank: int, pin_budget: float = 16 * 2**30
+                             ) -> dict[str, float]:
+    """Host memory one rank holds for asynchronous checkpoints (framework/checkpoint/staging.py), not device memory.
+
+    The staged state is this rank's fp32 weights and AdamW moments as sharded here (a DCP save stages every local
+    tensor); it is pinned when it fits `pin_budget` (checkpoint.async_pin_budget_gb), else pageable plus one pinned
+    bucket of that size. Returns {"host": all staging bytes, "pinned": the page-locked part of them}.
+    """
+    states = model_state_bytes(rank_params(work.model, lay, rank), lay, work.precision)
+    staged = (states["master"] or states["params"]) + states["optimizer"]
+    pinned = staged if staged <= pin_budget else pin_budget
+    return {"host": staged + (pin_budget if staged > pin_budget else 0.0), "pinned": pinned}
+
+
 def peak_memory(work: Workload, lay: Layout) -> tuple[float, int, dict[str, float]]:
     """The largest per-rank peak over the first and the last pipeline rank: (bytes, rank, breakdown)."""
     best: tuple[float, int, dict[str, float]] = (-1.0, 0, {})
@@ -220,6 +234,7 @@ def peak_memory(work: Workload, lay: Layout) -> tuple[float, int, dict[str, floa
 
 __all__ = [
     "RankParams",
+    "checkpoint_staging_bytes",
     "cp_kv_bytes",
     "cp_mask_bytes",
     "layer_bytes",

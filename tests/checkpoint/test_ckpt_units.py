@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -156,3 +157,82 @@ def test_async_save_commits_in_background_and_surfaces_errors(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match="asynchronous checkpoint save failed"):
         saver.wait()
     assert (tmp_path / "latest").read_text().strip() == "step_1" and not (tmp_path / "step_2").exists()
+
+
+def _training_like_state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(5)
+    return {"model": {"w": torch.randn(37, 11, generator=gen), "h": torch.randn(64, generator=gen).bfloat16()},
+            "optim": {"state": [{"step": torch.tensor(7.0), "exp_avg": torch.randn(37, 11, generator=gen)}],
+                      "lr": 3e-4},
+            "empty": torch.zeros(0, 5)}
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 100])  # everything fits / bucketed through a 100-byte bounce buffer
+def test_host_staging_copies_to_reused_host_buffers(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    """Staged tensors are host copies (no aliasing, bitwise equal), the same buffers at the next save; pinning is
+    asked for only where it exists (here: never, no CUDA runtime)."""
+    from framework.checkpoint import staging
+
+    requests: list[bool] = []
+    real = staging.host_empty
+    monkeypatch.setattr(staging, "host_empty",
+                        lambda shape, dtype, pin: requests.append(pin) or real(shape, dtype, pin))
+    live = _training_like_state()
+    stager = staging.HostStager(budget)
+    first = stager.stage(live)
+    leaves = staging._leaves(first)
+    assert [p for p, _ in leaves] == [p for p, _ in staging._leaves(live)]
+    for (_, got), (_, want) in zip(leaves, staging._leaves(live), strict=True):
+        assert got.device.type == "cpu" and got.dtype == want.dtype and torch.equal(got, want)
+        assert got.numel() == 0 or got.data_ptr() != want.data_ptr()
+        assert got.is_pinned() == staging.pin_available()
+    assert first["optim"]["lr"] == 3e-4
+    assert requests and not any(requests) and not torch.cuda.is_available()
+    assert stager.host_bytes == staging.state_bytes(live) + (budget if budget < staging.state_bytes(live) else 0)
+    for _, t in staging._leaves(live):
+        t.add_(1) if t.dtype != torch.bool else None  # training goes on
+    second = stager.stage(live)
+    for (_, a), (_, b), (_, now) in zip(leaves, staging._leaves(second), staging._leaves(live), strict=True):
+        assert a.data_ptr() == b.data_ptr() and torch.equal(b, now)  # reused, refreshed
+
+
+def test_host_staging_pins_where_cuda_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake CUDA (pin_available and the allocation monkeypatched; nothing else reaches the pinned branch on a CPU
+    machine): a state that fits asks for pinned buffers; a larger one pageable destinations and one pinned
+    bounce buffer of the budget's size."""
+    from framework.checkpoint import staging
+
+    requests: list[tuple[tuple[int, ...], bool]] = []
+    monkeypatch.setattr(staging, "pin_available", lambda: True)
+    monkeypatch.setattr(staging, "host_empty",
+                        lambda shape, dtype, pin: requests.append((shape, pin)) or torch.empty(shape, dtype=dtype))
+    live = _training_like_state()
+    staging.HostStager(1 << 20).stage(live)
+    assert requests and all(pin for _, pin in requests)
+    requests.clear()
+    staging.HostStager(256).stage(live)
+    assert requests[-1] == ((256,), True) and not any(pin for _, pin in requests[:-1])
+
+
+def test_async_writer_thread_selects_the_ranks_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Fake CUDA (the current device and torch.cuda.set_device monkeypatched): no CPU path reaches the selection.
+    The training thread computes on cuda:3; the writer thread must make cuda:3 current before writing."""
+    import threading
+
+    from framework.checkpoint import async_save
+
+    selected: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(async_save, "current_accelerator", lambda: torch.device("cuda", 3))
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: selected.append((threading.current_thread().name, torch.device(d))))
+    saver = AsyncSaver(pg=None, pin_budget_bytes=100)
+    live = _training_like_state()
+    saver.save(tmp_path, 1, live, {}, keep_last=2, keep_every=0)
+    want = {"model": {k: v.clone() for k, v in live["model"].items()}}
+    live["model"]["w"].mul_(3)  # training goes on while the thread writes
+    assert saver.wait() == 1
+    assert selected == [("tessera-ckpt-step1", torch.device("cuda", 3))]
+    target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
+    load_state(tmp_path / "step_1", target)
+    for k, v in want["model"].items():
+        assert torch.equal(target["model"][k], v), k  # bitwise what was live at the save

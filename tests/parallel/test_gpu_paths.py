@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,12 +65,58 @@ def _engine_comm(layout: tuple[str, ...], compiled: bool) -> tuple[int, dict[str
     return counters["stats"]["unique_graphs"], comm
 
 
-def _worker(rank: int, world: int) -> dict[str, Any]:
+def _async_tp_checkpoint(root: Path) -> dict[str, Any]:
+    """Stage and async-save a TP2 engine after one step (pinned budget and a 4 KiB bucket); reload; compare."""
+    from torch.distributed.tensor import DTensor
+
+    from framework.checkpoint.async_save import AsyncSaver, new_checkpoint_group
+    from framework.checkpoint.dcp import load_checkpoint, training_state
+    from framework.checkpoint.staging import _leaves
+    from framework.train.parallel_engine import build_parallel_engine
+
+    cfg = make_config(TP2)
+    pg = new_checkpoint_group()
+
+    def engine() -> Any:
+        return build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
+
+    trained = engine()
+    data = batches(cfg, 1)
+    trained.forward_backward(rank_batch(data[0], trained.dp_rank, trained.dp_size, cfg.train.micro_batch_size))
+    trained.optimizer_step(1e-3)
+    live = training_state(trained.model_parts, trained.optimizers)
+    want = {p: (t.to_local() if isinstance(t, DTensor) else t).clone() for p, t in _leaves(live)}
+    out: dict[str, Any] = {}
+    for budget in (1 << 30, 4096):
+        saver = AsyncSaver(pg, pin_budget_bytes=budget)
+        staged = saver.stager.stage(live)
+        out[f"host_{budget}"] = all((t.to_local() if isinstance(t, DTensor) else t).device.type == "cpu"
+                                    for _, t in _leaves(staged))
+        out[f"dtensors_{budget}"] = sorted(p for p, t in _leaves(staged) if isinstance(t, DTensor)) == sorted(
+            p for p, t in _leaves(live) if isinstance(t, DTensor))
+        saver.save(root / str(budget), 1, live, {}, keep_last=1, keep_every=0)
+        weights = [p.to_local() if isinstance(p, DTensor) else p for p in trained.model_parts[0].parameters()]
+        kept = [w.detach().clone() for w in weights]
+        for w in weights:  # training goes on while the thread writes
+            w.data.add_(1.0)
+        saver.wait()
+        for w, k in zip(weights, kept, strict=True):
+            w.data.copy_(k)
+        fresh = engine()
+        load_checkpoint(root / str(budget) / "step_1", fresh.model_parts, fresh.optimizers, restore_rng=False)
+        got = {p: (t.to_local() if isinstance(t, DTensor) else t) for p, t in
+               _leaves(training_state(fresh.model_parts, fresh.optimizers))}
+        out[f"bitwise_{budget}"] = sorted(got) == sorted(want) and all(torch.equal(got[p], want[p]) for p in want)
+    return out
+
+
+def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {"parity": [run_round(rank, world, [FUSED_TP_NO_SP])]}
     out["comm_fn"] = _compiled_under_comm_log()
+    out["ckpt"] = _async_tp_checkpoint(Path(root))
     out["comm_engine"] = {name: [_engine_comm(layout, False), _engine_comm(layout, True)]
                           for name, layout in (("tp", TP2), ("fsdp", FSDP2))}
     dist.barrier()
@@ -77,10 +124,12 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_gpu_paths_on_two_ranks() -> None:
-    results = run_distributed(_worker, 2, timeout_s=300)
+def test_gpu_paths_on_two_ranks(tmp_path: Path) -> None:
+    results = run_distributed(_worker, 2, timeout_s=300, root=str(tmp_path))
     bad = compare([[FUSED_TP_NO_SP]], [r["parity"] for r in results])
     assert not bad, "\n".join(bad)
+    for r in results:
+        assert all(r["ckpt"].values()) and len(r["ckpt"]) == 6, r["ckpt"]
     for r in results:
         eager = r["comm_fn"]["None"]
         assert eager[0] == 0 and eager[1] == {("world", "all_reduce"): 64 * 4}, eager

@@ -50,3 +50,31 @@ def test_fsdp_zero3_states_and_tp_sp_activations() -> None:
     # DTensor TP + SP keeps the all-gathered input of the column-parallel projections at full size.
     tp_sp = tessera_layer_bytes(model_config("test-tiny"), 32, 2, tp=2, sp=True, act_bytes=4)
     assert [r[1] for r in results] == [tp_sp, tp_sp]
+
+
+def test_async_checkpoint_staging_term_is_what_the_stager_holds() -> None:
+    """The planner's host staging bytes against a real stage of a trained 1-process engine's checkpoint state
+    (weights + AdamW moments; the per-parameter step counters are the 1% slack), pinned and bucketed."""
+    import torch
+
+    from framework.checkpoint.dcp import training_state
+    from framework.checkpoint.staging import HostStager
+    from framework.config import load_config
+    from framework.plan.layout import Workload
+    from framework.plan.memory import checkpoint_staging_bytes
+    from framework.testing.tiny import TINY
+    from framework.train.local_engine import LocalEngine
+
+    cfg = load_config(TINY)
+    engine = LocalEngine(cfg.model, cfg.train, torch.device("cpu"))
+    batch = torch.randint(0, cfg.model.vocab_size, (1, 2, cfg.data.seq_len + 1))
+    engine.forward_backward(batch)
+    engine.optimizer_step(1e-3)
+    work = Workload(cfg.model, cfg.data.seq_len, 2, FP32)
+    state = training_state(engine.model_parts, engine.optimizers)
+    for budget in (1 << 30, 4096):
+        stager = HostStager(budget)
+        stager.stage(state)
+        planned = checkpoint_staging_bytes(work, Layout(), 0, pin_budget=budget)
+        assert planned["host"] == pytest.approx(stager.host_bytes, rel=0.01), budget
+        assert planned["pinned"] == (planned["host"] if budget > planned["host"] else budget)
