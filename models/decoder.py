@@ -14,7 +14,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.documents import block_causal_mask
-from models.init import copy_full_into, initial_value
+from models.init import copy_initial_into
 from models.kv_cache import KVCache, LayerKVCache
 from models.layers import Attention, FeedForward, build_norm, rope_tables
 
@@ -104,7 +104,7 @@ class Decoder(nn.Module):
 
         The values depend only on the seed and the parameter's name, never on the layout or rank, so a model
         built under any parallel layout holds bitwise the same full parameters as the 1-process model.
-        Parameters that are DTensors receive their local shard of the full value.
+        Parameters that are DTensors receive their local shard of the full value, drawn without the full tensor.
         """
         device = device or self.rope.device
         if device.type == "meta":
@@ -112,8 +112,7 @@ class Decoder(nn.Module):
         self.rope = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
                                 scaling=self.cfg.rope_scaling)
         for fqn, param in self.named_parameters():
-            full = initial_value(self.cfg, fqn, tuple(param.shape), seed)  # DTensor.shape: the global shape
-            copy_full_into(param, full)
+            copy_initial_into(self.cfg, fqn, param, seed)
         for module in self.modules():  # state buffers (MoE routing bias) start from their reset value
             reset = getattr(module, "reset_buffers", None)
             if callable(reset):

@@ -11,7 +11,7 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
   3. TP + SP: the plans of models/plans.py make the parameters DTensors over `tp` (tensor.py)
   4. EP: experts over `ep`, routing on the tp sequence shards (expert.py)
   5. CP: attention exchanges K/V over `cp` (context.py)
-  6. `to_empty` + per-FQN init (models/init.py): after sharding, so a rank allocates only its shards, and
+  6. `to_empty` + per-FQN init (models/init.py): after sharding, so a rank allocates and draws only its shards, and
      bitwise the 1-process values under any layout; a tied head is re-tied (to_empty gives it its own storage)
   7. activation checkpointing on every k-th block (recompute.py)
   8. torch.compile per block (compile.py): after TP and recompute, before FSDP, whose hooks stay outside

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models import build_model, model_config
@@ -83,3 +84,37 @@ def test_masked_gqa_with_expanded_kv_equals_sdpa_gqa() -> None:
         runs.append([out.detach(), *(t.grad for t in leaves)])
     for got, want in zip(runs[1], runs[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_initial_shard_is_the_full_values_box_drawn_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every parameter of a MoE model, cut into uneven row, column and expert boxes: `initial_shard` equals the
+    box of `initial_value` bitwise, with draws of at most DRAW_CHUNK (+16) elements (lowered to 32 here)."""
+    import models.init as init
+    from models.decoder import Decoder
+
+    cfg = model_config("test-tiny", moe=dict(n_experts=4, top_k=2, expert_hidden=24))
+    draws: list[int] = []
+    real = torch.Tensor.normal_
+
+    def spy(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        draws.append(self.numel())
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    monkeypatch.setattr(init, "DRAW_CHUNK", 32)
+    checked = 0
+    for fqn, p in model.named_parameters():
+        shape = tuple(p.shape)
+        full = init.initial_value(cfg, fqn, shape, seed=11)
+        for part in range(3):  # thirds along each dimension: uneven boxes, first, middle and last
+            for dim in range(len(shape)):
+                lo, hi = shape[dim] * part // 3, shape[dim] * (part + 1) // 3
+                offset = tuple(lo if d == dim else 0 for d in range(len(shape)))
+                local = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
+                monkeypatch.setattr(torch.Tensor, "normal_", spy)
+                got = init.initial_shard(cfg, fqn, shape, 11, offset, local)
+                monkeypatch.setattr(torch.Tensor, "normal_", real)
+                assert torch.equal(got, full.narrow(dim, lo, hi - lo)), (fqn, dim, part)
+                checked += 1
+    assert checked > 50 and draws and max(draws) <= 32 + 16, max(draws)

@@ -110,12 +110,48 @@ def _async_tp_checkpoint(root: Path) -> dict[str, Any]:
     return out
 
 
+def _sharded_init() -> dict[str, Any]:
+    """Build the TP2 engine with every normal_ draw recorded (DRAW_CHUNK lowered to 64 elements)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    import models.init as init
+    from framework.train.parallel_engine import build_parallel_engine
+
+    cfg = make_config(TP2)
+    draws: list[int] = []
+    real, chunk = torch.Tensor.normal_, init.DRAW_CHUNK
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.is_meta:  # nn.Embedding's own reset on the meta model allocates nothing
+            draws.append(self.numel())
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.normal_, init.DRAW_CHUNK = spy, 64  # type: ignore[method-assign]
+    try:
+        engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
+    finally:
+        torch.Tensor.normal_, init.DRAW_CHUNK = real, chunk  # type: ignore[method-assign]
+    sharded, mismatched = [], []
+    for fqn, p in engine.model_parts[0].named_parameters():
+        if not isinstance(p, DTensor) or p.to_local().numel() == p.numel():
+            continue
+        sharded.append(p.numel())
+        local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        full = init.initial_value(cfg.model, fqn, tuple(p.shape), cfg.train.seed)
+        box = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]
+        if not torch.equal(p.to_local(), box):
+            mismatched.append(fqn)
+    return {"sharded": sharded, "largest_draw": max(draws), "mismatched": mismatched}
+
+
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {"parity": [run_round(rank, world, [FUSED_TP_NO_SP])]}
     out["comm_fn"] = _compiled_under_comm_log()
+    out["init"] = _sharded_init()
     out["ckpt"] = _async_tp_checkpoint(Path(root))
     out["comm_engine"] = {name: [_engine_comm(layout, False), _engine_comm(layout, True)]
                           for name, layout in (("tp", TP2), ("fsdp", FSDP2))}
@@ -129,6 +165,9 @@ def test_gpu_paths_on_two_ranks(tmp_path: Path) -> None:
     bad = compare([[FUSED_TP_NO_SP]], [r["parity"] for r in results])
     assert not bad, "\n".join(bad)
     for r in results:
+        init = r["init"]
+        assert len(init["sharded"]) >= 6 and not init["mismatched"], init
+        assert init["largest_draw"] <= 64 + 16 < min(init["sharded"]), init  # never a sharded parameter whole
         assert all(r["ckpt"].values()) and len(r["ckpt"]) == 6, r["ckpt"]
     for r in results:
         eager = r["comm_fn"]["None"]
