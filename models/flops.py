@@ -107,3 +107,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, rec
         head = param_counts(cfg).head_flop_params
         return 8 * n - 2 * head + attn * 4 / 3
     return 6 * n + attn
+
+
+MFU_CAUSAL = False
+"""The MFU convention: attention counted whole (12·L·h·s, no causal halving), as PaLM, Megatron and torchtitan
+publish. The observer's `mfu`, the planner's MFU and bench/gpu_bench.py all count through `mfu_flops_per_token`."""
+
+
+def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per token by Tessera's MFU convention (`MFU_CAUSAL`)."""
+    return flops_per_token(cfg, seq_len, causal=MFU_CAUSAL)

@@ -82,7 +82,8 @@ class ObserveConfig:
     mfu: bool = True
     """Add per-device throughput, MFU and HFU to every train record."""
     accelerator: str = "auto"
-    """Row of the peak-FLOPs table (a100, h100, h100-pcie, h200, cpu); auto detects it from the device."""
+    """Row of the peak-FLOPs table (a100, h100, h100-nvl, h100-pcie, h200, h200-nvl, cpu); auto detects it from
+    the device name (an unknown GPU: a warning and no MFU)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s per device, overriding the table (and the CPU measurement)."""
     recompute: bool = False

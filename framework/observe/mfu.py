@@ -17,34 +17,44 @@ the table below for GPUs (sparsity excluded, as everyone reports) and a measured
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from models.config import ModelConfig
-from models.flops import flops_per_token
+from models.flops import flops_per_token, mfu_flops_per_token
 
 PEAK_TFLOPS: dict[str, float] = {
-    "a100": 312.0,  # A100 SXM/PCIe, bf16 dense tensor core (NVIDIA A100 datasheet)
+    "a100": 312.0,  # A100 SXM and PCIe alike, bf16 dense tensor core (NVIDIA A100 datasheet)
     "h100": 989.0,  # H100 SXM, bf16 dense (989.4; the datasheet's 1,979 assumes 2:4 sparsity)
-    "h100-pcie": 756.0,
+    "h100-nvl": 835.0,  # H100 NVL (1,671 sparse)
+    "h100-pcie": 756.0,  # H100 PCIe (1,513 sparse)
     "h200": 989.0,  # H200 SXM: the H100 SXM compute die with more and faster HBM
+    "h200-nvl": 835.0,  # H200 NVL (PCIe card, 600 W)
 }
 """Peak dense bf16 TFLOP/s per device, by accelerator name."""
 
+# (substrings all in the lower-case CUDA device name, table row), most specific first. torch reports e.g.
+# "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB".
+_NAME_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("gh200",), "h100"), (("h200", "nvl"), "h200-nvl"), (("h200",), "h200"),
+    (("h100", "nvl"), "h100-nvl"), (("h100", "pcie"), "h100-pcie"), (("h100",), "h100"), (("a100",), "a100"),
+)
 
-def detect_accelerator(device: torch.device) -> str:
-    """The peak-table row of `device` ('cpu' on CPU); raises KeyError for an unknown GPU."""
+
+def accelerator_row(name: str) -> str | None:
+    """The peak-table row of a CUDA device name; None for a GPU the table does not know (H800, B200, L40S...)."""
+    low = name.lower()
+    return next((row for keys, row in _NAME_ROWS if all(k in low for k in keys)), None)
+
+
+def detect_accelerator(device: torch.device) -> str | None:
+    """The peak-table row of `device` ('cpu' on CPU, None for an unknown GPU)."""
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    for key in ("h200", "a100"):
-        if key in name:
-            return key
-    if "h100" in name:
-        return "h100-pcie" if "pcie" in name else "h100"
-    raise KeyError(name)
+    return accelerator_row(torch.cuda.get_device_name(device))
 
 
 @functools.lru_cache(maxsize=4)
@@ -72,11 +82,19 @@ def measure_cpu_peak_tflops(size: int = 512, seconds: float = 0.3, threads: int 
         torch.set_num_threads(old)
 
 
-def peak_tflops(device: torch.device, accelerator: str = "auto", override: float | None = None) -> float:
-    """Peak TFLOP/s per device: `override`, else the table row (detected when 'auto'), else measured on CPU."""
+def peak_tflops(device: torch.device, accelerator: str = "auto", override: float | None = None) -> float | None:
+    """Peak TFLOP/s per device: `override`, else the table row (detected when 'auto'), else measured on CPU.
+
+    None (MFU off, with a warning naming the device and the fix) for a GPU the table does not know."""
     if override is not None:
         return override
     key = detect_accelerator(device) if accelerator == "auto" else accelerator
+    if key is None:
+        logging.getLogger(__name__).warning(
+            "no peak-FLOPs figure for GPU %r: MFU/HFU are off; set observe.peak_tflops (dense bf16 TFLOP/s per "
+            "device) or observe.accelerator (one of %s) to turn them on", torch.cuda.get_device_name(device),
+            ", ".join(PEAK_TFLOPS))
+        return None
     if key == "cpu":
         return measure_cpu_peak_tflops()
     return PEAK_TFLOPS[key]
@@ -115,7 +133,7 @@ class FlopsMeter:
                 selective (recomputes the attention core: the forward third of the attention term).
             recompute_fraction: share of the layers that recompute (parallel.recompute_every).
         """
-        common = flops_per_token(model, seq_len)
+        common = mfu_flops_per_token(model, seq_len)
         causal = flops_per_token(model, seq_len, causal=True)
         if recompute == "full":
             extra = flops_per_token(model, seq_len, recompute=True) - common

@@ -45,11 +45,12 @@ class Observer:
                  device: torch.device) -> None:
         self.meter: FlopsMeter | None = None
         if obs.mfu:
-            peak = peak_tflops(device, obs.accelerator, obs.peak_tflops)
+            peak = peak_tflops(device, obs.accelerator, obs.peak_tflops)  # None: unknown GPU, warned, MFU off
             mode = "full" if obs.recompute else parallel.recompute
             every = max(1, parallel.recompute_every)
             fraction = len(range(0, model.n_layers, every)) / model.n_layers  # layers with i % k == 0
-            self.meter = FlopsMeter.for_model(model, seq_len, world, peak, mode, fraction)
+            if peak is not None:
+                self.meter = FlopsMeter.for_model(model, seq_len, world, peak, mode, fraction)
         self._n_steps, self._peak_mb = 0, 0.0
         self._last: dict[str, Any] | None = None
         self._sums: dict[str, float] = {}

@@ -48,7 +48,7 @@ from framework.plan.memory import (
     rank_params,
 )
 from models.config import ModelConfig
-from models.flops import flops_per_token
+from models.flops import flops_per_token, mfu_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
         optimizer_s += 2 * states["optimizer"] / (hw.hbm_gbps * 1e9)
     step = pipeline + pp.seconds + dp_exposed + optimizer_s + nvme_s
     tokens = work.global_batch * s
-    model_flops = _flops(cfg, s, False) * tokens
+    model_flops = mfu_flops_per_token(cfg, s) * tokens  # the MFU convention shared with the observer
     hw_flops = _flops(cfg, s, full_rc) * tokens
     denom = step * lay.world * hw.peak_flops
     comm = {"tp": _scaled(tp_c, m), "cp": _scaled(cp_c, m), "ep": _scaled(ep_c, m), "pp": pp,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,3 +64,50 @@ def test_peak_table_and_cpu_measurement() -> None:
         torch.mm(a, a)
         best = min(best, time.perf_counter() - t0)
     assert 0 < 2 * 256**3 / best / 1e12 < 3 * measured
+
+
+@pytest.mark.parametrize(("name", "row"), [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-nvl"),
+    ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA GH200 480GB", "h100"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100 80GB PCIe", "a100"),
+    ("NVIDIA H800", None), ("NVIDIA B200", None), ("NVIDIA L40S", None),
+])
+def test_peak_table_tells_gpus_apart_by_name(name: str, row: str | None) -> None:
+    from framework.observe.mfu import accelerator_row
+
+    assert accelerator_row(name) == row
+    assert row is None or PEAK_TFLOPS[row] in (312.0, 989.0, 835.0, 756.0)
+
+
+def test_unknown_gpu_turns_mfu_off_with_a_named_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Fake CUDA (torch.cuda.get_device_name monkeypatched): no CPU path names a GPU. An H800 starts the observer
+    (no KeyError) with MFU off and a warning naming the device and the fix."""
+    from framework.config import load_config
+    from framework.observe.observer import Observer
+    from framework.testing.tiny import TINY
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H800")
+    cfg = load_config(TINY)
+    with caplog.at_level("WARNING"):
+        observer = Observer.for_config(cfg, tmp_path, 1, 8, torch.device("cuda", 0))
+    assert observer.meter is None
+    assert "'NVIDIA H800'" in caplog.text and "observe.peak_tflops" in caplog.text
+    pinned = Observer.for_config(load_config(TINY, ["observe.peak_tflops=900"]), tmp_path, 1, 8,
+                                 torch.device("cuda", 0))
+    assert pinned.meter is not None and pinned.meter.peak_tflops == 900
+
+
+def test_one_mfu_convention_for_observer_and_planner() -> None:
+    """The observer's `mfu` and the planner's MFU count FLOPs through models.flops.mfu_flops_per_token."""
+    from framework.plan.estimate import estimate
+    from framework.plan.hardware import get_hardware
+    from framework.plan.layout import Layout, Workload
+    from models.flops import mfu_flops_per_token
+
+    cfg = model_config("llama3-8b")
+    meter = FlopsMeter.for_model(cfg, 4096, n_devices=8, peak=989.0)
+    assert meter.flops_common == mfu_flops_per_token(cfg, 4096) == flops_per_token(cfg, 4096)  # non-causal
+    est = estimate(Workload(cfg, 4096, 64), Layout(dp=8), get_hardware("h100-80g"))
+    assert est.flops[0] == pytest.approx(mfu_flops_per_token(cfg, 4096) * 4096 * 64)
+    assert meter.metrics(est.tokens_per_s)["mfu"] == pytest.approx(est.mfu)
