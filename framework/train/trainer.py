@@ -86,6 +86,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)
     if deterministic:
+        # cuBLAS is deterministic only with a fixed workspace (CUDA docs, "Results reproducibility"); it is read
+        # when the first cuBLAS handle is made, so it must be set before any matmul. A value already set is kept.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from framework.testing.tiny import tiny_config
@@ -75,3 +77,21 @@ def test_logged_lr_follows_schedule(tmp_path: Path) -> None:
 def test_mixed_precision_runs(tmp_path: Path, precision: str) -> None:
     res = Trainer(_cfg(tmp_path, precision, f"train.precision={precision}", "train.steps=4")).train()
     assert all(v == v for v in res.losses.values())  # finite (not NaN)
+
+
+def test_deterministic_sets_the_cublas_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.deterministic=true without CUBLAS_WORKSPACE_CONFIG would leave cuBLAS matmuls nondeterministic (and
+    torch warns at each); a value the user exported is kept."""
+    from framework.train.trainer import seed_everything
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seed_everything(1, deterministic=False)
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    try:
+        seed_everything(1, deterministic=True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        seed_everything(1, deterministic=True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
