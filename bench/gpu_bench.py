@@ -1,10 +1,15 @@
-"""GPU check (run by bench/gpu_check.sh): what users will see on one GPU, in one prepared run of at most 5 minutes.
+"""GPU check (run by bench/gpu_check.sh): what users will see on one GPU, in one prepared run of at most 8 minutes.
 
 Phases, in this order (cheapest and most telling first, so a cut run keeps them), each row written to `--out`
 (a JSON object, rewritten after every row so a cut run still reports):
+  meta        torch, the device, its peak-FLOPs row (framework/observe/mfu.py: SXM / PCIe / NVL / H200 / A100 told
+              apart; an unknown GPU: a named warning and MFU off) and the MFU convention (models.flops)
+  kernels     torch._grouped_mm (aligned groups) against the per-expert loop on unaligned counts with empty experts
+  checkpoint  an async save (staged in host memory) of a trained engine and its reload, compared bitwise
   parity      the 1-process engine and the parallel engine (world 1; recompute none/full/selective), eager, on
               the GPU against the CPU eager reference (fp32, TF32 off; 5 steps, tiny model)
-  throughput  eager, then compiled, tokens/s, MFU and peak memory of a ~1B model and an 8B-shaped one (Llama-3 8B
+  throughput  eager, then compiled, tokens/s, MFU (non-causal, as the observer and the planner count it) and peak
+              memory (freed between rows) of a ~1B model and an 8B-shaped one at seq 4096 (Llama-3 8B
               width, fewer layers to fit), bf16 autocast with fp32 master weights, fused AdamW; beside each, the
               planner's predicted peak memory for the same workload
   calibration `mm_efficiency` for the planner (`tessera plan --calibration FILE`): the achieved hardware FLOP/s of
@@ -34,12 +39,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework.config import load_config
+from framework.observe.mfu import PEAK_TFLOPS, accelerator_row
 from framework.train.local_engine import LocalEngine
 from framework.train.lr_schedule import lr_at
-from models.flops import flops_per_token, num_params
+from models.flops import MFU_CAUSAL, mfu_flops_per_token, num_params
 
 TINY = ["train.grad_clip=0.5", "train.warmup_steps=1", "train.lr=3.0e-3"]
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 class Report:
@@ -47,7 +52,8 @@ class Report:
 
     def __init__(self, path: Path, meta: dict[str, Any]) -> None:
         self.path, self.t0 = path, time.perf_counter()
-        self.data: dict[str, Any] = {"meta": meta, "parity": [], "throughput": [], "calibration": None}
+        self.data: dict[str, Any] = {"meta": meta, "kernels": [], "checkpoint": [], "parity": [], "throughput": [],
+                                     "calibration": None}
 
     def add(self, phase: str, row: Any) -> None:
         if isinstance(self.data[phase], list):
@@ -127,7 +133,7 @@ def _predicted_peak(cfg: Any, seq: int, micro: int) -> float:
 
 
 def throughput(report: Report, device: torch.device, case: dict[str, Any], compiled: bool, backend: str,
-               steps: int, peak_tflops: float) -> dict[str, Any]:
+               steps: int, peak_tflops: float | None) -> dict[str, Any]:
     """Steady-state tokens/s, MFU and peak memory of one model, eager or compiled, on one device."""
     seq, micro = case["seq"], case["micro"]
     overrides = [f"model.preset={case['preset']}", *case.get("model", []), f"data.seq_len={seq}",
@@ -156,25 +162,92 @@ def throughput(report: Report, device: torch.device, case: dict[str, Any], compi
     steady = sorted(times[2:] or times)[: max(1, len(times[2:]) - 1)]  # drop warm-up and the slowest step
     step_s = sum(steady) / len(steady)
     tok_s = micro * seq / step_s
-    flops = flops_per_token(cfg.model, seq, causal=True)
+    flops = mfu_flops_per_token(cfg.model, seq)  # the observer's and the planner's convention
     row = {"model": case["name"], "compiled": compiled, "params": num_params(cfg.model), "seq": seq,
-           "micro_batch": micro, "tokens_per_s": tok_s, "mfu": tok_s * flops / (peak_tflops * 1e12),
+           "micro_batch": micro, "tokens_per_s": tok_s,
+           "mfu": tok_s * flops / (peak_tflops * 1e12) if peak_tflops else None,
            "flops_per_token": flops, "first_step_s": times[0], "step_s": step_s,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "planner_peak_gib": _predicted_peak(cfg, seq, micro) / 2**30}
     if row["peak_mem_gib"] is not None:
         row["measured_over_planner"] = row["peak_mem_gib"] / row["planner_peak_gib"]
-    del engine
+    del engine, batch
+    free_memory(device)  # the next row's peak is its own
     report.add("throughput", row)
     return row
+
+
+def free_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def grouped_gemm(report: Report, device: torch.device) -> None:
+    """torch._grouped_mm (groups padded to aligned starts) against the per-expert loop on unaligned counts with
+    empty experts: forward and gradients, and the time of each."""
+    from models.moe.experts import GroupedExperts, grouped_mm_available
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    row: dict[str, Any] = {"case": "grouped_gemm_vs_loop", "dtype": str(dtype),
+                           "available": grouped_mm_available(device, dtype)}
+    counts = torch.tensor([0, 301, 77, 0, 513, 5, 1024, 3], device=device)
+    x0 = torch.randn(int(counts.sum()), 256, device=device, dtype=dtype)
+    out = {}
+    for impl in ("loop", "grouped_mm") if row["available"] else ("loop",):
+        torch.manual_seed(0)
+        layer = GroupedExperts(len(counts), 256, 512, impl=impl).to(device)  # type: ignore[arg-type]
+        for w in (layer.w1, layer.w2, layer.w3):
+            torch.nn.init.normal_(w, std=0.05)
+        x = x0.clone().requires_grad_(True)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            y = layer(x, counts)
+            y.float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row[f"{impl}_s"] = (time.perf_counter() - t0) / 3
+        out[impl] = [y.float(), x.grad.float(), layer.w1.grad.float()]  # type: ignore[union-attr]
+    if "grouped_mm" in out:
+        row["max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                                  for a, b in zip(out["grouped_mm"], out["loop"], strict=True))
+        row["ok"] = row["max_rel_diff"] < (5e-2 if dtype == torch.bfloat16 else 1e-5)
+    report.add("kernels", row)
+
+
+def async_checkpoint(report: Report, device: torch.device, root: Path) -> None:
+    """An async save of a trained engine's state (staged in host memory) and its reload, compared bitwise."""
+    from framework.checkpoint.async_save import AsyncSaver
+    from framework.checkpoint.dcp import load_checkpoint, training_state
+    from framework.checkpoint.staging import _leaves
+
+    cfg = load_config("configs/smoke/tiny.yaml", TINY)
+    engine = LocalEngine(cfg.model, cfg.train, device)
+    data = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.global_batch_size, cfg.data.seq_len + 1))
+    _train(engine, cfg, data.to(device))
+    want = {p: t.detach().cpu().clone() for p, t in _leaves(training_state(engine.model_parts, engine.optimizers))}
+    saver = AsyncSaver(None, pin_budget_bytes=1 << 30)
+    t0 = time.perf_counter()
+    saver.save(root, 2, training_state(engine.model_parts, engine.optimizers), {}, keep_last=1, keep_every=0)
+    staged_s = time.perf_counter() - t0
+    saver.wait()
+    fresh = LocalEngine(cfg.model, cfg.train, device)
+    load_checkpoint(root / "step_2", fresh.model_parts, fresh.optimizers, restore_rng=False)
+    got = {p: t.detach().cpu() for p, t in _leaves(training_state(fresh.model_parts, fresh.optimizers))}
+    same = sorted(got) == sorted(want) and all(torch.equal(got[p], want[p]) for p in want)
+    report.add("checkpoint", {"case": "async_save_reload", "staged_s": staged_s, "bitwise": same, "ok": same,
+                              "host_bytes": saver.stager.host_bytes, "pinned_bytes": saver.stager.pinned_bytes})
 
 
 def cases(dry: bool) -> list[dict[str, Any]]:
     if dry:
         return [{"name": "tiny", "preset": "test-tiny", "model": ["model.n_layers=2"], "seq": 32, "micro": 2}]
-    return [{"name": "llama-1b", "preset": "llama-1b", "seq": 2048, "micro": 4},
+    return [{"name": "llama-1b", "preset": "llama-1b", "seq": 4096, "micro": 2},
             {"name": "llama3-8b-shaped (4 of 32 layers)", "preset": "llama3-8b", "model": ["model.n_layers=4"],
-             "seq": 2048, "micro": 2}]
+             "seq": 4096, "micro": 1}]
 
 
 ESTIMATE_S = {"eager": 30.0, "compiled": 100.0, "parity": 60.0}
@@ -188,19 +261,25 @@ def main() -> int:
     ap.add_argument("--calibration", type=Path, default=Path("gpu_calibration.json"))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=0.0,
-                    help="skip the phases that would not fit; 0: 265 s on the GPU, 560 s dry (a loaded CI CPU)")
-    ap.add_argument("--peak-tflops", type=float, default=0.0, help="0: from the device name (H200: 989 bf16)")
+                    help="skip the phases that would not fit; 0: 450 s on the GPU, 560 s dry (a loaded CI CPU)")
+    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="0: from the device name (framework/observe/mfu.py table); unknown GPU: MFU off")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, aot_eager: the CI run of this script")
     args = ap.parse_args()
     if args.dry:
         args.steps = min(args.steps, 3)
-    args.budget_s = args.budget_s or (560.0 if args.dry else 265.0)
+    args.budget_s = args.budget_s or (560.0 if args.dry else 450.0)
     device = torch.device("cpu" if args.dry else "cuda")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
+    row = accelerator_row(name) if device.type == "cuda" else None
+    peak = args.peak_tflops or (PEAK_TFLOPS[row] if row else None) or (989.0 if args.dry else None)
     backend = "aot_eager" if args.dry else "inductor"
     report = Report(args.out, {"torch": torch.__version__, "device": name, "peak_tflops": peak, "backend": backend,
-                               "dry": args.dry, "budget_s": args.budget_s})
+                               "dry": args.dry, "budget_s": args.budget_s, "peak_row": row,
+                               "mfu_convention": {"causal": MFU_CAUSAL, "flops": "models.flops.mfu_flops_per_token"}})
+    if peak is None:
+        report.data["meta"]["warning"] = (f"no peak-FLOPs figure for GPU {name!r}: MFU off (pass --peak-tflops)")
+        print(f"gpu_check: warning: {report.data['meta']['warning']}", file=sys.stderr)
     table = next((v for k, v in {"H200": "h200", "H100": "h100-80g", "A100-SXM4-80GB": "a100-80g"}.items()
                   if k in name), name)
     rows: list[dict[str, Any]] = []
@@ -215,6 +294,8 @@ def main() -> int:
         if not shaped:
             return
         best = max(shaped, key=lambda r: r["tokens_per_s"])
+        if peak is None:
+            return
         calib = {"gpu": table, "mm_efficiency": best["tokens_per_s"] * best["flops_per_token"] / (peak * 1e12),
                  "peak_tflops": peak, "from": {k: best[k] for k in ("model", "compiled", "seq", "micro_batch",
                                                                     "tokens_per_s", "mfu")},
@@ -224,6 +305,13 @@ def main() -> int:
 
     # Cheapest and most telling first, so a cut run keeps them: eager parity, eager throughput (and the
     # calibration), then the compiled runs, whose first steps compile.
+    for phase in (lambda: grouped_gemm(report, device), lambda: async_checkpoint(report, device, args.out.parent
+                                                                                 / "gpu_check_ckpt")):
+        try:
+            phase()
+        except Exception as exc:  # report and go on
+            report.add("kernels", {"error": f"{type(exc).__name__}: {exc}"[:2000]})
+        free_memory(device)
     names = DRY_PARITY if args.dry else tuple(PARITY_CASES)
     parity(report, device, backend, names, compiled=False, steps=3 if args.dry else 5)
     for compiled in (False, True):
@@ -241,7 +329,8 @@ def main() -> int:
         parity(report, device, backend, DRY_PARITY, compiled=True, steps=3 if args.dry else 5)
     else:
         report.add("parity", {"engine": ", ".join(DRY_PARITY), "compiled": True, "skipped": "time budget"})
-    failed = [r for phase in ("parity", "throughput") for r in report.data[phase] if "error" in r]
+    failed = [r for phase in ("kernels", "checkpoint", "parity", "throughput") for r in report.data[phase]
+              if "error" in r or r.get("ok") is False]
     return 1 if failed else 0
 
 

@@ -29,8 +29,13 @@ def test_gpu_check_dry_run_reports_every_phase(tmp_path: Path) -> None:
     assert not skipped, f"phases skipped for time ({report['meta']['elapsed_s']} s; the machine is loaded?): {skipped}"
     assert [row["compiled"] for row in report["parity"]] == [False, False, True, True], report["parity"]
     assert len(report["parity"]) == 4 and all(row["ok"] for row in report["parity"]), report["parity"]
+    (kernel,) = report["kernels"]
+    assert kernel["available"] and kernel["ok"] and kernel["max_rel_diff"] < 1e-5, kernel
+    (ckpt,) = report["checkpoint"]
+    assert ckpt["bitwise"] and ckpt["host_bytes"] > 0, ckpt
     runs = report["throughput"]
     assert {(r["model"], r["compiled"]) for r in runs} == {("tiny", False), ("tiny", True)}
+    _assert_planner_flop_convention(report, runs)
     assert all(r["tokens_per_s"] > 0 and r["planner_peak_gib"] > 0 for r in runs)
     calib = json.loads((tmp_path / "gpu_calibration.json").read_text())
     assert report["calibration"] == calib and 0 < calib["mm_efficiency"] <= 1
@@ -76,3 +81,23 @@ def test_a_failing_case_is_reported_and_the_run_goes_on(tmp_path: Path, monkeypa
     assert report["throughput"][0] == {"model": "tiny", "compiled": False,
                                        "error": "RuntimeError: CUDA out of memory (simulated)"}
     assert report["calibration"]["from"]["compiled"] is True
+
+
+def _assert_planner_flop_convention(report: dict, runs: list[dict]) -> None:
+    """The check's MFU counts FLOPs as the planner (and the observer) do: non-causal, one function."""
+    from framework.config import load_config
+    from framework.plan.estimate import estimate
+    from framework.plan.hardware import get_hardware
+    from framework.plan.layout import Layout, Precision, Workload
+    from models.flops import MFU_CAUSAL, flops_per_token
+
+    assert report["meta"]["mfu_convention"] == {"causal": MFU_CAUSAL, "flops": "models.flops.mfu_flops_per_token"}
+    assert MFU_CAUSAL is False
+    for r in runs:
+        cfg = load_config(ROOT / "configs/smoke/tiny.yaml", ["model.preset=test-tiny", "model.n_layers=2",
+                                                             f"data.seq_len={r['seq']}", "data.vocab_size=512"])
+        tokens = r["seq"] * r["micro_batch"]
+        planned = estimate(Workload(cfg.model, r["seq"], r["micro_batch"], Precision.named("fp32")), Layout(),
+                           get_hardware("h100-80g"))
+        assert r["flops_per_token"] == planned.flops[0] / tokens == flops_per_token(cfg.model, r["seq"])
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * planned.flops[0] / tokens / (989.0 * 1e12))
