@@ -126,15 +126,19 @@ def moe_layer_extra_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int,
     probabilities (r·E each) and a logsumexp (r); integer routing metadata (sort values and indices, slot ids, the
     gather index: 4 int64 per routed copy) and the fp32 top-k weights; the dispatched copies, the experts' output
     and the combine slots (3 x R·h); the routed experts' MLP tensors on R rows (experts are not TP-sharded) and
-    the shared experts' on r rows.
+    the shared experts' on r rows. The grouped GEMM pads every expert's group to a 16-byte-aligned start
+    (`models/moe/experts.py::pad_groups`, at most E·(16/act - 1) zero rows): its padded input copy (R + pad rows)
+    and row index (one int64 per routed copy) are saved, and the experts' MLP tensors span the padded rows.
     """
     moe = cfg.moe
     rows = seq * micro_batch // tp
     routed = moe.top_k * rows
     ffn = moe.expert_hidden or cfg.ffn
+    pad = moe.n_experts * (max(1, 16 // act) - 1)
     extra = FP32 * rows * (2 * moe.n_experts + 1) + INT64 * 4 * routed + FP32 * routed
     extra += act * cfg.hidden * 3 * routed
     extra += sum(t.nbytes for t in mlp_terms(cfg, routed, ffn, act))
+    extra += act * cfg.hidden * (routed + pad) + INT64 * routed + act * 4 * pad * ffn
     if moe.n_shared_experts:
         extra += sum(t.nbytes for t in mlp_terms(cfg, seq * micro_batch, moe.n_shared_experts * ffn // tp, act))
     return extra - sum(t.nbytes for t in mlp_terms(cfg, seq * micro_batch, cfg.ffn // tp, act))
