@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_pipeline.build.filters import PROFILES, FiltersConfig, apply_filters
+from data_pipeline.build.filters import PROFILES, FiltersConfig, apply_filters, binary_reason
 from data_pipeline.build.filters import kept_lines as filters_kept_lines
 from data_pipeline.build.normalize import NormalizeConfig, normalize
 
@@ -124,7 +124,9 @@ def score(docs: list[LabelledDoc], filters: tuple[str, ...], cfg: FiltersConfig 
         text = normalize(d.text, norm)
         if text != d.text and not norm.boilerplate:
             raise ValueError(f"{d.id}: the fixture text is not normalized; re-cut it with make_sample.py")
-        out, reason = apply_filters(text, filters, cfg) if text.strip() else (None, "empty")
+        reason = binary_reason(d.text, cfg.binary)
+        out, reason = (None, reason) if reason else apply_filters(text, filters, cfg) if text.strip() \
+            else (None, "empty")
         kept = kept_lines(d.text, normalize(out, NormalizeConfig()) if out is not None and out.strip() else None)
         lens = [len(ln) for ln in d.text.split("\n")]
         wd = sum(n for n, k, lab in zip(lens, kept, d.keep, strict=True) if lab and not k)

@@ -245,6 +245,8 @@ def read_jsonl(path: Path, field: str, span: tuple[int, int] | None = None,
             if not line.strip():
                 continue
             read += 1
+            if line.startswith(_BOM):  # files concatenated with `cat` carry each one's BOM into the middle
+                line = line[len(_BOM):]
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError:

@@ -33,7 +33,7 @@ from typing import Any
 
 from data_pipeline.build.cache import write_json_atomic
 from data_pipeline.build.config import BuildConfig, SourceConfig
-from data_pipeline.build.filters import apply_filters, resolve_filters
+from data_pipeline.build.filters import apply_filters, binary_reason, resolve_filters
 from data_pipeline.build.ingest import (
     COMPRESSED,
     Record,
@@ -83,6 +83,10 @@ def _filter_chunk(texts: list[str]) -> list[Result]:
     out: list[Result] = []
     for text in texts:
         try:
+            binary = binary_reason(text, cfg.filters.binary)  # before normalization strips the control characters
+            if binary is not None:
+                out.append((None, binary, len(text), {}, {}))
+                continue
             norm = normalize(text, _W["norm"])
             if not norm.strip():
                 out.append((None, "empty", len(text), {}, {}, None))

@@ -33,10 +33,11 @@ from data_pipeline.build.quality import model_files
 from framework.base.yaml_config import to_dict
 
 STAMPS = "stamps.json"
-INGEST_VERSION = 5
+INGEST_VERSION = 6
 """Bump when ingest's output for the same settings changes (a new filter rule, the per-document `where`; 3: ingest
 units and sorted hashes; 4: byte-range units of a jsonl file, row-group and row-range units; 5: words of scripts
-without spaces counted per character, data_pipeline/text_units.py)."""
+without spaces counted per character, data_pipeline/text_units.py; 6: the binary
+rule before normalization, templated headers kept as code, docs word lengths without URLs and markup)."""
 MERGE_VERSION = 1
 """Bump when the merge stage's files under work/merge change (1: units writing in place,
 data_pipeline/build/merge.py)."""
@@ -61,7 +62,7 @@ def stage_keys(cfg: BuildConfig) -> dict[str, str]:
         own = {k: v for k, v in to_dict(src).items() if k not in ("priority", "normalize")}
         keys[f"ingest/{src.name}"] = config_key({
             "v": INGEST_VERSION, "source": own, "filters": names, "shard_docs": cfg.shard_docs,
-            "unit_bytes": cfg.unit_bytes, "params": {n: to_dict(getattr(cfg.filters, n)) for n in names},
+            "unit_bytes": cfg.unit_bytes, "params": {n: to_dict(getattr(cfg.filters, n)) for n in (*names, "binary")},
             "normalize": to_dict(cfg.source_normalize(src)), "units": to_dict(cfg.filters.units),
             **({"decontaminate": decontam} if decontam else {}),
             **({"quality_model": [file_sha256(f) for f in model_files(cfg.filters.quality.model)]}
