@@ -43,7 +43,8 @@ class Record:
 
     text: str | None
     where: str
-    """file:line (or file:row, or the file of a text tree) — kept with the document, in rejects and errors."""
+    """file:line (from 1, as editors count), file:row (parquet and HF datasets: from 0, as `dataset[i]` reads it), or
+    the file of a text tree — kept with the document, in rejects and errors."""
     reason: str | None = None
     raw: str | None = None
     note: str | None = None
@@ -294,7 +295,7 @@ def parquet_spans(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
 def read_parquet(path: Path, field: str, batch_rows: int = 1024,
                  row_groups: tuple[int, int] | None = None) -> Iterator[Record]:
     """One record per row of a parquet file (or of its row groups [a, b)), read batch by batch (only the text
-    column); `where` is the file's row number, counted from its first row."""
+    column); `where` is the file's row index, from 0 as pyarrow and pandas count."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -312,23 +313,30 @@ def read_parquet(path: Path, field: str, batch_rows: int = 1024,
                 return
         for batch in pf.iter_batches(batch_size=batch_rows, columns=[field], row_groups=groups):
             for value in batch.column(0).to_pylist():
-                row += 1
                 yield _field_text({field: value}, field, f"{path}:{row}", repr(value)[:2000])
+                row += 1
     except (pa.ArrowException, OSError) as err:
         yield Record(None, str(path), "corrupt_file" if row > first else "unreadable_file",
                      f"{path}: {err}; {row - first} rows read before it")
 
 
 def _hf_split(path: Path, split: str) -> Any:
+    """One split of a saved dataset; of a DatasetDict only that split's directory is opened (another split's
+    missing or damaged directory does not matter)."""
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
-    if not isinstance(ds, datasets.DatasetDict):
-        return ds
-    if split not in ds:
-        raise ConfigError(f"{path} is a DatasetDict with splits {sorted(ds)}; the source's split={split!r} is not "
-                          f"one of them — set split to the one to train on")
-    return ds[split]
+    index = path / "dataset_dict.json"
+    if index.is_file():
+        splits = json.loads(index.read_text()).get("splits") or []
+        if split not in splits:
+            raise ConfigError(f"{path} is a DatasetDict with splits {sorted(splits)}; the source's split={split!r} "
+                              f"is not one of them — set split to the one to train on")
+        path = path / split
+    try:
+        return datasets.load_from_disk(str(path))
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise DataError(f"the saved dataset {path} cannot be opened ({err}); its directory is missing or incomplete "
+                        f"— save it again with save_to_disk, or point the source at another split") from err
 
 
 def hf_columns(path: Path, split: str) -> list[str]:
@@ -346,7 +354,7 @@ def hf_spans(path: Path, split: str, unit_bytes: int) -> list[tuple[int, int]]:
 
 def read_hf(path: Path, field: str, split: str = "train", rows: tuple[int, int] | None = None) -> Iterator[Record]:
     """Records of one split of a Hugging Face dataset saved with `save_to_disk` (a plain Dataset: all of it), or
-    of its rows [a, b); `where` is the row number, counted from the split's first row."""
+    of its rows [a, b); `where` is the row index, from 0 as `dataset[i]` reads it."""
     ds = _hf_split(path, split)
     if field not in ds.column_names:
         raise DataError(f"{path} has no column {field!r} (columns: {ds.column_names}); set text_field")
@@ -356,7 +364,7 @@ def read_hf(path: Path, field: str, split: str = "train", rows: tuple[int, int] 
         ds = ds.select(range(first, min(rows[1], len(ds))))
     for i, batch in enumerate(ds.select_columns([field]).iter(batch_size=256)):
         for j, v in enumerate(batch[field]):
-            yield _field_text({field: v}, field, f"{path}:{first + 256 * i + j + 1}", repr(v)[:2000])
+            yield _field_text({field: v}, field, f"{path}:{first + 256 * i + j}", repr(v)[:2000])
 
 
 def read_hf_files(path: Path, field: str, builder: str, split: str = "train") -> Iterator[Record]:
@@ -365,7 +373,7 @@ def read_hf_files(path: Path, field: str, builder: str, split: str = "train") ->
 
     ds = datasets.load_dataset(builder, data_files=str(path), split=split, streaming=True)
     for i, row in enumerate(ds):
-        yield _field_text(row, field, f"{path}:{i + 1}", repr(row)[:2000])
+        yield _field_text(row, field, f"{path}:{i}", repr(row)[:2000])
 
 
 def _strip_compressed(name: str) -> str:

@@ -15,12 +15,12 @@ import pytest
 from data_pipeline.build.config import BuildConfig, SourceConfig, TokenizerConfig
 from data_pipeline.build.dedup import DedupConfig
 from data_pipeline.build.filters import FiltersConfig, apply_filters, resolve_filters
-from data_pipeline.build.ingest import detect_format
+from data_pipeline.build.ingest import detect_format, read_records
 from data_pipeline.build.normalize import NormalizeConfig, normalize
 from data_pipeline.build.run import run_build
 from data_pipeline.build.shard_files import read_shard_texts, read_shard_where
 from data_pipeline.cli import format_stats
-from framework.base.errors import ConfigError
+from framework.base.errors import ConfigError, DataError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 PROSE = ("README", "docs/guide.rst", "docs/changelog")
@@ -68,6 +68,7 @@ def corpora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, list[
         "validation": datasets.Dataset.from_dict({"text": ["held out validation text " * 20] * 2}),
         "test": datasets.Dataset.from_dict({"text": ["held out test text " * 20] * 3}),
     }).save_to_disk(str(root / "hf"))
+    shutil.rmtree(root / "hf" / "test")  # a split deleted to save space: training reads train only
     sources = [
         SourceConfig(name="tree", path=str(tree), profile="docs"),
         SourceConfig(name="folder", path=str(folder), profile="docs"),
@@ -123,9 +124,13 @@ def test_boilerplate_removal_never_touches_code(corpora) -> None:  # type: ignor
 
 
 def test_a_datasetdict_source_reads_its_train_split_only(corpora) -> None:  # type: ignore[no-untyped-def]
-    _, manifest, _, entries = corpora
+    root, manifest, _, entries = corpora
     d = manifest["sources"]["hf"]["documents"]
     assert d["in"] == len(entries) == 3 and d["kept"] == 3
+    # Rows are named as `dataset[i]` reads them, from 0.
+    assert sorted(w.rsplit(":", 1)[1] for w in _kept_texts(root / "out", "hf")) == ["0", "1", "2"]
+    with pytest.raises(DataError, match=r"hf/test cannot be opened .*save it again with save_to_disk"):
+        list(read_records(root / "hf", split="test"))  # the deleted split itself: a typed error, not datasets'
 
 
 def test_stats_show_characters_per_source_and_filter(corpora) -> None:  # type: ignore[no-untyped-def]
