@@ -6,8 +6,9 @@ It reads only what every run writes (config.yaml, metrics.jsonl, train.log and a
 stacks/rank_R.txt from the hang watchdog, checkpoints/) and checks, in order: a hang (which collective or
 pipeline transfer, which rank is behind), refused or unusual resumes, checkpoint health (manifests), loss
 (NaN/inf, spikes and the guard's skips and rollbacks, plateau), memory growing across steps, a data-bound loop,
-and throughput drops. Findings are `error` (the run failed or will), `warning` (it is wasting time or
-diverging) or `info` (worth knowing, not a fault). Exit code 1 when there is an error or a warning.
+throughput drops, damaged metrics lines and deliberate stops (Ctrl-C, SIGTERM). Findings are `error` (the run
+failed or will), `warning` (it is wasting time or diverging) or `info` (worth knowing, not a fault). Exit code 1
+when there is an error or a warning.
 See docs/TROUBLESHOOTING.md for each diagnosis at length.
 """
 
@@ -54,15 +55,31 @@ def _num(value: Any) -> float:
         return math.nan  # strict-JSON writers put NaN/inf as null or a string
 
 
-def read_records(run_dir: Path) -> list[dict[str, Any]]:
+def read_records(run_dir: Path, damaged: list[str] | None = None) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl that are JSON objects with an integer `step` where they have one; every other
+    line (cut by a kill, binary bytes, an array, `"step": "seven"`) is skipped and, when `damaged` is given,
+    listed there as "line N: why"."""
     path = run_dir / "metrics.jsonl"
     out: list[dict[str, Any]] = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill; the rest still reads
+    if not path.is_file():
+        return out
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            why = "not JSON"
+        else:
+            step = record.get("step", 0) if isinstance(record, dict) else None
+            if isinstance(step, int) and not isinstance(step, bool):
+                out.append(record)
+                continue
+            why = "not a JSON object" if not isinstance(record, dict) else f"step {step!r} is not a whole number"
+        if damaged is not None:
+            last = " (the last line: cut by a kill)" if n == len(lines) and why == "not JSON" else ""
+            damaged.append(f"line {n}{last}: {why}: {line[:80]!r}")
     return out
 
 
@@ -188,8 +205,8 @@ def check_loss(records: list[dict[str, Any]]) -> list[Finding]:
                            "look for a bad sample in the skipped window"))
     if spikes:
         out.append(Finding("warning", "loss", f"{len(spikes)} loss spike(s) skipped by the guard",
-                           [f"step {r['step']}: loss {_num(r['loss']):.4g} (z-score {_num(r.get('guard_zscore')):.1f})"
-                            for r in spikes[:8]],
+                           [f"step {r['step']}: loss {_num(r.get('loss')):.4g} "
+                            f"(z-score {_num(r.get('guard_zscore')):.1f})" for r in spikes[:8]],
                            "isolated spikes are absorbed by the guard; repeated ones mean the LR is too high for the "
                            "batch size, or bad data: lower train.lr, raise train.warmup_steps, inspect the batches"))
     if rollbacks:
@@ -277,15 +294,50 @@ def check_throughput(records: list[dict[str, Any]]) -> list[Finding]:
     return out
 
 
+_STOPPED = re.compile(r"stopping at step (\d+) on (\S+): checkpoint committed; exit code (\d+)")
+
+
+def check_stops(logs: list[tuple[str, int, str]]) -> list[Finding]:
+    """Runs stopped on purpose: Ctrl-C (SIGINT), a scheduler's SIGTERM/SIGUSR1, a second Ctrl-C without a save."""
+    out: list[Finding] = []
+    for f, n, line in logs:
+        if (m := _STOPPED.search(line)):
+            step, sig, code = m.groups()
+            how = "interrupted (Ctrl-C)" if sig == "SIGINT" else f"stopped by {sig} (preemption, scancel, time limit)"
+            out.append(Finding("info", "stop", f"{how} at step {step}, checkpoint committed, exit code {code}",
+                               [f"{f}:{n}"], "run the same command again to resume from that step"))
+        elif "second interrupt: aborting now" in line:
+            out.append(Finding("warning", "stop", "aborted by a second Ctrl-C without a checkpoint", [f"{f}:{n}"],
+                               "the run resumes from its last committed checkpoint; the steps after it are redone"))
+    return out
+
+
+def check_metrics_file(damaged: list[str]) -> list[Finding]:
+    if not damaged:
+        return []
+    only_last_cut = len(damaged) == 1 and "(the last line" in damaged[0]
+    return [Finding("info" if only_last_cut else "warning", "metrics",
+                    f"{len(damaged)} line(s) of metrics.jsonl are damaged and were skipped",
+                    damaged[:8], "a last line cut by a kill is harmless; damage elsewhere means something else wrote "
+                    "into the file (two runs sharing run.name, a disk error): give each run its own run.name")]
+
+
 def diagnose(run_dir: Path, checksums: bool = False) -> list[Finding]:
     """Every finding for one run directory, most severe topics first."""
     from framework.base.errors import ConfigError
 
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a run directory; pass runs/<run.name> (it holds metrics.jsonl)")
-    records, logs = read_records(run_dir), read_logs(run_dir)
+    damaged: list[str] = []
+    records, logs = read_records(run_dir, damaged), read_logs(run_dir)
+    if not records and not logs and not damaged and not (run_dir / "config.yaml").exists() \
+            and not (run_dir / "checkpoints").is_dir():
+        return [Finding("error", "run", f"{run_dir} holds no run: no metrics.jsonl, config.yaml, logs or checkpoints",
+                        [], "pass the run's directory (runs/<run.name>); if it is that, the run never started: "
+                        "look at the job's own output (SLURM's slurm-JOBID.out) for why")]
     return [*check_hang(run_dir), *check_resumes(run_dir, logs), *check_checkpoints(run_dir, checksums),
-            *check_loss(records), *check_memory(records), *check_throughput(records)]
+            *check_metrics_file(damaged), *check_loss(records), *check_memory(records),
+            *check_throughput(records), *check_stops(logs)]
 
 
 def register(subparsers: Any) -> None:

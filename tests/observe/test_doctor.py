@@ -137,3 +137,34 @@ def test_healthy_run_stopped_and_resumed_reports_nothing_wrong(tmp_path: Path) -
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["doctor", str(tmp_path)]) == 1
     assert [f.topic for f in _problems(diagnose(tmp_path), noisy=False)] == ["checkpoint"]
+
+
+def test_damaged_metrics_an_empty_directory_and_a_ctrl_c_stop(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _trainer(run, "train.steps=6").train()
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_bytes().splitlines(keepends=True)
+    # What other writers and disks leave in a metrics file: an array, a step that is not a number, binary bytes,
+    # and a last line cut by a kill.
+    metrics.write_bytes(b"".join([lines[0], b'[1, 2, 3]\n', b'{"type": "train", "step": "seven", "loss": 1}\n',
+                                  b"\x00\x89PNG\xff\xfe\x00" * 20 + b"\n", *lines[1:], lines[-1][:20]]))
+    (run / "train.log").write_text((run / "train.log").read_text() + "12:00:00 [WARNING] stopping at step 6 on "
+                                   "SIGINT: checkpoint committed; exit code 130 (interrupted: not requeued); run "
+                                   "the same command again to resume\n")
+    findings = diagnose(run)
+    damaged = next(f for f in findings if f.topic == "metrics")
+    assert damaged.level == "warning" and len(damaged.evidence) == 4, damaged
+    assert "step 'seven' is not a whole number" in damaged.evidence[1] and "not a JSON object" in damaged.evidence[0]
+    assert "(the last line: cut by a kill)" in damaged.evidence[3]
+    stop = next(f for f in findings if f.topic == "stop")
+    assert "interrupted (Ctrl-C) at step 6" in stop.summary and stop.level == "info"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["doctor", str(run)]) == 1
+    assert "6 train records, last step 6" in out.getvalue()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["doctor", str(empty)]) == 1
+    assert "holds no run" in out.getvalue() and "no problems found" not in out.getvalue()
