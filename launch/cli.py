@@ -33,6 +33,7 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     from launch.slurm import (
         SlurmSpec,
         check_cluster,
+        data_warnings,
         node_cpus,
         node_local_paths,
         render_sbatch,
@@ -55,11 +56,15 @@ def cmd_slurm(args: argparse.Namespace) -> int:
             print("tessera: note: sinfo could not tell the node's cores; the job shares the node's cores among its "
                   "ranks when it starts (SLURM_CPUS_ON_NODE; set --cpus-per-rank to fix the count)", file=sys.stderr)
     if args.nodes > 1:
-        paths = {"run.dir": cfg.run.path, "data.cache_dir": Path(cfg.data.cache_dir)}
+        # The interpreter too: the script runs this one on every node (a venv on the submit host's local disk
+        # is not there).
+        paths = {"run.dir": cfg.run.path, "data.cache_dir": Path(cfg.data.cache_dir), "python": Path(sys.prefix)}
         if cfg.data.build_dir:
             paths["data.build_dir"] = Path(cfg.data.build_dir)
         for warning in node_local_paths(paths):
             print(f"tessera: warning: {warning}", file=sys.stderr)
+    for warning in data_warnings(cfg, args.nodes, refuse=not args.dry_run):
+        print(f"tessera: warning: {warning}", file=sys.stderr)
     spec = SlurmSpec(nodes=args.nodes, procs_per_node=procs, gpus_per_node=gpus, cpus_per_rank=cpus_per_rank,
                      time=args.time, partition=args.partition, account=args.account, mode=args.mode,
                      signal_lead_s=args.signal_lead, extra_sbatch=tuple(args.sbatch_arg))

@@ -43,10 +43,9 @@ def validate(config: str, overrides: Sequence[str], nproc: int) -> Config:
         raise ParallelismError(f"--nproc {nproc} must be >= 1 (the number of ranks on this node); for this config "
                                f"use --nproc {layout_world(config, overrides)}")
     cfg = load_config(config, overrides)
-    if cfg.data.kind == "build" and cfg.data.build_dir:
-        from data_pipeline.read.prepare import read_manifest
+    from data_pipeline.read.prepare import check_build_vocab
 
-        read_manifest(cfg.data.build_dir)  # DataError now, not in every rank after launch
+    check_build_vocab(cfg.data, cfg.model.vocab_size)  # DataError / ConfigError now, not in every rank after launch
     micro_batches(ParallelDims.from_config(cfg.parallel, nproc, cfg.model), cfg.train, cfg.parallel.pp_schedule)
     return cfg
 

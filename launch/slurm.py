@@ -173,6 +173,29 @@ def node_local_paths(paths: dict[str, Path], mounts: str | None = None) -> list[
     return warnings
 
 
+def data_warnings(cfg: Config, nodes: int, refuse: bool) -> list[str]:
+    """What the job would train on, when that is likely not what was meant: the embedded stdlib corpus (a smoke
+    test's) or synthetic tokens on a multi-node job; a build directory that holds no finished build (refused with
+    the DataError when `refuse`: a job submitted that way fails on every rank); a build whose tokenizer does not fit
+    model.vocab_size is refused (ConfigError)."""
+    data = cfg.data
+    if data.kind in ("stdlib", "synthetic") and nodes > 1:
+        what = "the embedded standard-library corpus (a smoke test's)" if data.kind == "stdlib" else "random tokens"
+        return [f"data.kind={data.kind}: this {nodes}-node job trains on {what}; set data.kind=build and "
+                f"data.build_dir to the output of `tessera data build`"]
+    if data.kind == "build" and data.build_dir and not (Path(data.build_dir) / "manifest.json").is_file():
+        if refuse:
+            from data_pipeline.read.prepare import read_manifest
+
+            read_manifest(data.build_dir)  # raises the DataError naming the directory and the fix
+        return [f"data.build_dir={data.build_dir} holds no finished build (no manifest.json): set it to the output "
+                f"of `tessera data build` before submitting (submission refuses it)"]
+    from data_pipeline.read.prepare import check_build_vocab
+
+    check_build_vocab(data, cfg.model.vocab_size)  # a tokenizer larger than the model: refused before submission
+    return []
+
+
 def node_cpus(partition: str | None) -> int | None:
     """CPUs per node of `partition` (the smallest node), from `sinfo`; None when SLURM cannot say."""
     if shutil.which("sinfo") is None:

@@ -65,6 +65,20 @@ def read_manifest(build_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def check_vocab(tokenizer_vocab: int, model_vocab: int) -> None:
+    """The tokenizer's ids must fit the model's embedding: ConfigError naming the fix otherwise."""
+    if tokenizer_vocab > model_vocab:
+        raise ConfigError(f"model.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab}); set model.vocab_size={tokenizer_vocab} or larger")
+
+
+def check_build_vocab(cfg: DataConfig, model_vocab: int) -> None:
+    """Before any rank starts or any mixture is drawn: a finished build's tokenizer (data.kind=build, from its
+    manifest) must fit model.vocab_size. Other kinds are checked once prepared."""
+    if cfg.kind == "build" and cfg.build_dir:
+        check_vocab(int(read_manifest(cfg.build_dir)["tokenizer"]["vocab_size"]), model_vocab)
+
+
 BatchHistory = Sequence[tuple[int, int, int]]
 """`(from_step, at_sample, global_batch_size)` per batch size a run has trained with, the first `(0, 0, gbs)`: a
 resume with a new `train.global_batch_size` appends `(resumed step, consumed samples, new gbs)`."""

@@ -1,7 +1,9 @@
 """Write a planned layout as a ready Tessera YAML config (`tessera plan --write-config PATH`).
 
 Only keys that exist in the config dataclasses are written (so the file loads with
-`framework.config.load_config`); the planner's estimates go into a comment header.
+`framework.config.load_config`); the planner's estimates go into a comment header. The layout is written whole
+(cp included: the world size the launcher checks is the planned one), and the data section names a placeholder
+build directory that the launchers refuse until it is set.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import yaml
 from framework.plan.hardware import Hardware
 from framework.plan.layout import Layout, Workload
 from models.config import PRESETS, ModelConfig
+
+DATA_PLACEHOLDER = "/shared/SET_ME/data_build"
+"""data.build_dir of a written config: the output of `tessera data build` on the cluster's shared filesystem."""
 
 
 def _diff(full: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +54,7 @@ def config_dict(work: Workload, lay: Layout) -> dict[str, Any]:
     from framework.train.config import TrainConfig
 
     parallel: dict[str, Any] = {
-        "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "zero_stage": lay.zero_stage,
+        "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero_stage": lay.zero_stage,
         "dp_shard": 1 if lay.zero_stage == 0 else lay.dp, "dp_replicate": lay.dp if lay.zero_stage == 0 else 1,
         "sequence_parallel": lay.sp, "pp_schedule": lay.schedule, "pp_virtual_stages": lay.virtual,
         "recompute": lay.recompute, "fsdp_prefetch": lay.prefetch,
@@ -62,7 +67,9 @@ def config_dict(work: Workload, lay: Layout) -> dict[str, Any]:
     known_train = {f.name for f in dataclasses.fields(TrainConfig)}
     return {
         "model": _model_section(work.model),
-        "data": {"seq_len": work.seq_len},
+        # The corpus is the site's: a placeholder that launch refuses (no manifest there) until it names a real
+        # build, rather than the embedded stdlib corpus a missing data section would mean.
+        "data": {"kind": "build", "build_dir": DATA_PLACEHOLDER, "seq_len": work.seq_len},
         "train": {k: v for k, v in train.items() if k in known_train},
         "parallel": {k: v for k, v in parallel.items() if k in known_parallel},
     }

@@ -173,3 +173,28 @@ def test_without_sinfo_the_job_shares_the_nodes_cores_at_start(capsys: pytest.Ca
         got = subprocess.run(["bash", "-c", shell], env={**os.environ, "SLURM_CPUS_ON_NODE": str(cores)},
                              capture_output=True, text=True, check=True).stdout.split()
         assert got == [str(want)], (cores, got)
+
+
+def test_a_planned_context_parallel_layout_launches_as_planned(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`tessera plan --write-config` for a long-context layout (cp > 1) gives a config `launch slurm` accepts on
+    the planned nodes, with cp in the script; its data section names a placeholder build, which dry-run warns
+    about and submission refuses, and a stdlib corpus on many nodes is warned about."""
+    from framework.cli import main
+
+    written = tmp_path / "plan.yaml"
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "64", "--seq", "65536", "--global-batch", "64",
+                 "--top", "1", "--write-config", str(written)]) == 0
+    planned = capsys.readouterr().out
+    assert " CP8 " in planned and "cp: 8" in written.read_text()
+    args = ["launch", "slurm", str(written), "--nodes", "8", "--gpus-per-node", "8", "--cpus-per-rank", "8",
+            "--time", "1-00:00:00"]
+    assert main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "= 64 ranks = tp 1 x pp 1 x dp_replicate 1 x dp_shard 8 x cp 8." in out.out, out.out
+    assert "data.build_dir=/shared/SET_ME/data_build holds no finished build" in out.err
+    assert main(args) == 2  # submitting it: refused before sbatch, naming the directory
+    assert "SET_ME/data_build/manifest.json does not exist" in capsys.readouterr().err
+    assert main([*args, "--dry-run", "data.kind=stdlib"]) == 0
+    assert "data.kind=stdlib: this 8-node job trains on the embedded standard-library corpus" in \
+        capsys.readouterr().err
