@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", choices=("tessera", "korthikanti"), default="tessera",
                    help="activation model: Tessera's block, or Korthikanti et al. 2022 (Megatron-LM's GPT block)")
     p.add_argument("--kernel", choices=("flash", "math"), default="flash")
+    p.add_argument("--moe-imbalance", type=float, default=1.25,
+                   help="MoE: tokens on the busiest expert-parallel rank over the mean (1: perfect balance); "
+                        "its expert matmuls and all-to-all set the step's pace")
     p.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
                    help=f"comma-separated pipeline schedules to consider, of {', '.join(SCHEDULES)}")
     p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to consider")
@@ -167,6 +170,11 @@ def report(work: Workload, result: PlanResult, hw: Hardware, space: SearchSpace,
         lines.append("  time per step: " + ", ".join(f"{k} {v:.3f}s" for k, v in est.time.items() if v))
         lines.append("  communication per rank per step: " + ", ".join(
             f"{axis} {c.wire_bytes / 1e9:.2f} GB in {c.seconds:.3f}s" for axis, c in est.comm.items() if c.messages))
+    if work.model.moe.enabled:
+        lines.append(f"  MoE assumptions: expert all-to-alls on the critical path (the engine overlaps them with "
+                     f"no compute, DualPipeV included); the busiest expert rank routes {work.moe_imbalance:g}x the "
+                     f"mean tokens (--moe-imbalance); expert matmuls at the same mm_efficiency "
+                     f"{hw.mm_efficiency:g} as dense ones (calibrate with --calibration)")
     lines.append("\nrejected:")
     lines += rejection_lines(result)
     return "\n".join(lines)
@@ -194,8 +202,10 @@ def run(args: argparse.Namespace) -> int:
         overrides = {**load_calibration(args.calibration, args.gpu), **overrides}
     hw = get_hardware(args.gpu, overrides)
     space = space_from_args(args)
+    if args.moe_imbalance < 1:
+        raise ConfigError(f"--moe-imbalance {args.moe_imbalance} must be >= 1 (the busiest rank over the mean)")
     work = Workload(cfg, args.seq, args.global_batch, Precision.named(args.precision), args.kernel,
-                    args.activations)
+                    args.activations, moe_imbalance=args.moe_imbalance)
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be >= 1")
     result = plan_or_explain(work, args.gpus, hw, space, progress=sys.stderr.isatty())

@@ -77,11 +77,12 @@ def cp_comm_per_micro(work: Workload, lay: Layout, hw: Hardware, n_layers: int) 
 
 
 def ep_comm_per_micro(work: Workload, lay: Layout, hw: Hardware, n_moe_layers: int) -> AxisComm:
-    """Expert-parallel all-to-all traffic of one micro-batch through `n_moe_layers` MoE layers on one rank."""
+    """Expert-parallel all-to-all traffic of one micro-batch through `n_moe_layers` MoE layers on the busiest
+    rank (`Workload.moe_imbalance` times the mean)."""
     if lay.ep == 1 or n_moe_layers == 0:
         return AxisComm(0.0, 0, 0.0)
     tokens = work.seq_len // lay.cp * lay.micro_batch // (lay.tp if lay.sp else 1)
-    buf = work.model.moe.top_k * tokens * work.model.hidden * work.precision.act
+    buf = work.model.moe.top_k * tokens * work.model.hidden * work.precision.act * work.moe_imbalance
     n_coll = (4 + (2 if lay.recompute != "none" else 0)) * n_moe_layers
     return _axis(hw, lay.ep <= hw.gpus_per_node, n_coll * ring_factor("all_to_all", lay.ep) * buf, n_coll,
                  lay.ep)

@@ -2,8 +2,11 @@
 
 Step time on the slowest pipeline rank:
     t_micro   = FLOPs of its layers (and head) for one micro-batch / (peak x mm_efficiency)
-                + its tensor-parallel and expert-parallel collectives (on the critical path; DualPipeV overlaps
-                the expert all-to-alls with compute)
+                + its tensor-parallel and expert-parallel collectives, on the critical path: the engine runs
+                DualPipeV's overlapped forward/backward pairs one after the other (torch's schedule does, unless
+                a custom overlap function is registered), so no schedule hides the expert all-to-alls
+                + under ep > 1, the busiest expert rank's extra routed tokens (`Workload.moe_imbalance`): its
+                expert matmuls and all-to-all bytes scale with it
     pipeline  = m · t_micro / (1 - bubble)
     step      = pipeline + pipeline p2p + exposed data-parallel traffic + optimizer step (HBM-bound)
 Data-parallel traffic overlaps with compute: the once-per-step gradient reduction with the last micro-batch's
@@ -83,6 +86,14 @@ def _layer_and_head_flops(cfg: ModelConfig, seq: int, recompute: bool) -> tuple[
     return (total - head) / cfg.n_layers, head
 
 
+def _routed_flops(cfg: ModelConfig, recompute: bool) -> float:
+    """FLOPs per token of the routed experts of one MoE layer (top_k of them), forward + backward (6N; 8N with
+    full recompute, as `flops_per_token` counts)."""
+    n_mats = 3 if cfg.mlp == "swiglu" else 2
+    params = cfg.moe.top_k * n_mats * cfg.hidden * (cfg.moe.expert_hidden or cfg.ffn)
+    return (8 if recompute else 6) * params
+
+
 def zero3_pass_exposed(gathers: Sequence[float], reduces: Sequence[float], computes: Sequence[float],
                        prefetch: int, blocking_reduce: bool = False) -> float:
     """Exposed communication of one ZeRO-3 pass over FSDP units in execution order (the planner's overlap model).
@@ -156,13 +167,13 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
             # The recomputed norms, RoPE and activations are memory-bound: rewrite what they produce.
             redo = layer_bytes(work, lay, "none") - layer_bytes(work, lay, "selective")
             compute += n_layers * 2 * max(0.0, redo) / (hw.hbm_gbps * 1e9)
+        if lay.ep > 1 and params.n_moe:  # the busiest expert rank's surplus tokens through its experts
+            compute += (work.moe_imbalance - 1) * params.n_moe * _routed_flops(cfg, full_rc) * tokens_micro \
+                / lay.tp / rate
         tp = tp_comm_per_micro(work, lay, hw, n_layers)
         ep = ep_comm_per_micro(work, lay, hw, params.n_moe)
         cp = cp_comm_per_micro(work, lay, hw, n_layers)  # K/V all-gathers: on the critical path
-        # DualPipeV runs a forward and a backward chunk together, hiding the expert all-to-alls behind compute
-        # (DeepSeek-V3 report); elsewhere they sit on the critical path.
-        overlapped_ep = lay.schedule == "DualPipeV" and lay.pp > 1
-        t = tp.seconds + cp.seconds + (max(compute, ep.seconds) if overlapped_ep else compute + ep.seconds)
+        t = tp.seconds + cp.seconds + compute + ep.seconds
         if worst is None or t > worst[0]:
             worst = (t, compute, tp, ep, cp, params)
     assert worst is not None

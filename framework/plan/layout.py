@@ -49,6 +49,10 @@ class Workload:
     kernel: AttnKernel = "flash"
     activations: Literal["tessera", "korthikanti"] = "tessera"
     """Activation model: Tessera's own block, or Korthikanti et al. 2022 (how Megatron-LM runs a GPT block)."""
+    moe_imbalance: float = 1.25
+    """MoE: tokens routed to the busiest expert-parallel rank over the mean. Dropless routing under a balancing
+    loss is uneven (Switch Transformer trains with capacity factor 1.25 for it, Fedus et al. 2021); that rank's
+    expert matmuls and all-to-all set the pace of every rank."""
 
 
 @dataclass(frozen=True)
