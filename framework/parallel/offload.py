@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from framework.base.errors import ConfigError
+from framework.base.errors import CheckpointError, ConfigError
 from framework.parallel.config import NVMeOffloadConfig
 
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "glusterfs",
@@ -196,9 +196,18 @@ class NVMeAdamW(torch.optim.Optimizer):
         for k in range(2):  # exp_avg, then exp_avg_sq
             view, offset, done = _bytes(buf[k * g.numel:(k + 1) * g.numel]), (k * self.numel + g.start) * 4, 0
             while done < len(view):
-                n = op(self._fd, [view[done:]], offset + done)
+                try:
+                    n = op(self._fd, [view[done:]], offset + done)
+                except OSError as err:  # ENOSPC, EIO: a typed error, one line, not a traceback
+                    raise CheckpointError(f"the NVMe optimizer-state file {self.file}: {err.strerror} at byte "
+                                          f"{offset + done}; free or replace the drive under parallel.nvme_offload"
+                                          f".path, then rerun the same command: it resumes from the last "
+                                          f"checkpoint") from err
                 if n <= 0:
-                    raise OSError(f"{op.__name__} on {self.file} moved {done} of {len(view)} bytes at {offset}")
+                    raise CheckpointError(f"the NVMe optimizer-state file {self.file} ends at byte {offset + done}, "
+                                          f"before the {self.numel * STATE_BYTES} bytes it holds: it was truncated "
+                                          f"(or the drive failed); rerun the same command: it resumes from the last "
+                                          f"checkpoint and writes the file anew")
                 done += n
 
     def _read(self, g: _Group, buf: torch.Tensor) -> torch.Tensor:

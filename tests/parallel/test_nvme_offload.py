@@ -195,3 +195,18 @@ def test_offload_keys_are_validated_and_the_one_process_engine_checks_before_ste
     engine = build_engine(make_config((f"parallel.nvme_offload.path={tmp_path}",)), torch.device("cpu"))
     assert type(engine.optimizers[0]).__name__ == "NVMeAdamW"
     assert NVMeOffloadConfig().enabled is False
+
+
+def test_a_truncated_states_file_is_a_one_line_error_naming_it(tmp_path: Path) -> None:
+    from framework.base.errors import CheckpointError
+    from framework.train.trainer import build_engine
+
+    engine = build_engine(make_config((f"parallel.nvme_offload.path={tmp_path}",)), torch.device("cpu"))
+    opt = engine.optimizers[0]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    os.truncate(opt.file, os.path.getsize(opt.file) // 2)  # a drive that lost the file's tail
+    with pytest.raises(CheckpointError, match=rf"{opt.file} ends at byte \d+, before the \d+ bytes.*rerun"):
+        opt.step()
