@@ -144,7 +144,9 @@ def dcp_cause(err: BaseException) -> str:
         detail = (text.partition("WeightsUnpickler error:")[2].strip().splitlines() or ["unpickling failed"])[0]
         return (f"{prefix}the tensor data is corrupt or not plain tensors ({detail}); Tessera only loads tensors "
                 f"safely: restore the file or resume from another checkpoint")
-    return f"{prefix}{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+    if not text.strip() and isinstance(err, EOFError):
+        text = "a file ends early (truncated)"
+    return f"{prefix}{type(err).__name__}: {text.splitlines()[0] if text.strip() else '(no message)'}"
 
 
 def write_shards(state: dict[str, Any], tmp: Path, pg: ProcessGroup = None) -> None:
@@ -159,8 +161,13 @@ def write_shards(state: dict[str, Any], tmp: Path, pg: ProcessGroup = None) -> N
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
             dcp.save(state, checkpoint_id=str(tmp), process_group=pg, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as err:
-        raise CheckpointError(f"could not save checkpoint {tmp}: {dcp_cause(err)}; check free space and "
-                              f"permissions under {tmp.parent}; the previous checkpoint stays `latest`") from err
+        cause = dcp_cause(err)
+        if "unexpected pos" in cause or "No space left" in cause:  # torch's zip writer after a short write
+            free = shutil.disk_usage(tmp.parent).free
+            cause = (f"no space left on device (or a file-size limit): a shard file could not be written whole, "
+                     f"{free / 2**30:.2f} GiB free under {tmp.parent} now [{cause}]")
+        raise CheckpointError(f"could not save checkpoint {tmp}: {cause}; check free space and permissions under "
+                              f"{tmp.parent}; the previous checkpoint stays `latest`") from err
 
 
 def commit(root: Path, step: int, meta: dict[str, Any], pg: ProcessGroup = None, keep_last: int = 0,
@@ -250,6 +257,8 @@ def read_meta(path: Path) -> dict[str, Any]:
 def load_state(path: Path, state: dict[str, Any]) -> None:
     """Fill `state` (tensors in the current layout) in place from checkpoint `path` (DCP reshards)."""
     try:
+        # Read (and refuse) the metadata here first: torch's loader logs a traceback per fallback it tries.
+        SafeFileSystemReader(str(path)).read_metadata()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),

@@ -24,14 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.base.errors import CheckpointError, TesseraError
-from framework.base.logs import get_logger
+from framework.base.errors import CheckpointError
 from framework.base.yaml_config import from_dict, to_dict
 from framework.checkpoint import dcp as ckpt
+from framework.checkpoint.run_tokenizer import checkpoint_tokenizer
 from models.config import ModelConfig
 from models.decoder import build_model
-
-log = get_logger("checkpoint")
 
 SAFETENSORS = "model.safetensors"
 
@@ -118,8 +116,9 @@ MOE_NAMES = {"router": ("feed_forward.router.weight", "block_sparse_moe.gate.wei
 """Mixtral: the router, and each stacked expert weight k in w1/w2/w3 as one HF tensor per expert e."""
 
 
-def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None) -> dict[str, Any]:
-    """config.json for the HF model (written for both the transformers 4.x and 5.x field names)."""
+def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
+    """config.json for the HF model (written for both the transformers 4.x and 5.x field names); the special-token
+    ids are the tokenizer's, null where it has none (or no tokenizer is known)."""
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "MixtralForCausalLM"], "model_type": arch,
         **{key: getattr(cfg, attr) for _, key, attr, _ in CONFIG_KEYS}, "head_dim": cfg.head_dim,
@@ -127,7 +126,7 @@ def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None) -> dict[st
         "hidden_act": "silu", "rope_theta": cfg.rope_theta, "rope_parameters": rope_parameters(cfg),
         "rope_scaling": rope_scaling_4x(cfg), "attention_bias": False, "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
-        "bos_token_id": 1, "eos_token_id": 2 if eos_id is None else eos_id,
+        "bos_token_id": bos_id, "eos_token_id": eos_id,
     }
     if arch == "llama":
         out["mlp_bias"] = False
@@ -308,19 +307,35 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def resolve_checkpoint(path: Path, step: int | None = None) -> Path:
-    """A checkpoint directory from a run dir, a checkpoints dir or a step_N dir (`step`: that step)."""
+def resolve_checkpoint(path: Path, step: int | None = None, verify: bool = True) -> Path:
+    """A checkpoint directory from a run dir, a checkpoints dir or a step_N dir (`step`: that step).
+
+    With `verify`, its files are checked against its manifest (sizes) before anything reads them: a named
+    checkpoint that fails raises a CheckpointError naming the file; the latest one that fails is passed over for
+    the newest valid earlier step, with a warning, as `tessera train` resumes.
+    """
+    from framework.checkpoint.manager import find_valid_checkpoint, verify_checkpoint
+
     for root in (path / "checkpoints", path):
         if step is not None and (root / ckpt.step_dir_name(step) / "meta.json").exists():
-            return root / ckpt.step_dir_name(step)
+            found = root / ckpt.step_dir_name(step)
+            break
         if step is None and (root / ckpt.LATEST).exists():
-            latest = ckpt.latest_checkpoint(root)
-            assert latest is not None
-            return latest
-    if (path / "meta.json").exists() and step is None:
-        return path
-    raise CheckpointError(f"no checkpoint{f' of step {step}' if step is not None else ''} under {path}; pass a run "
-                          f"directory, its checkpoints/ or a step_N directory (tessera ckpt inspect lists them)")
+            failures: list[tuple[Path, str]] = []
+            valid = find_valid_checkpoint(root, "size", failures) if verify else ckpt.latest_checkpoint(root)
+            if valid is None:
+                raise CheckpointError(f"no checkpoint under {root} passes its manifest check: "
+                                      + "; ".join(f"{p.name}: {why}" for p, why in failures))
+            return valid
+    else:
+        if not ((path / "meta.json").exists() and step is None):
+            raise CheckpointError(f"no checkpoint{f' of step {step}' if step is not None else ''} under {path}; pass "
+                                  f"a run directory, its checkpoints/ or a step_N directory (tessera ckpt inspect "
+                                  f"lists them)")
+        found = path
+    if verify:
+        verify_checkpoint(found, "size")
+    return found
 
 
 def load_model(path: Path) -> tuple[nn.Module, dict[str, Any]]:
@@ -374,23 +389,6 @@ def export_tokenizer(model_file: Path, out: Path) -> None:
     shutil.copy(model_file, out / "tokenizer.model")
 
 
-def find_tokenizer(meta: dict[str, Any]) -> Path | None:
-    """The tokenizer file of the checkpoint's data build (`meta`'s config), found from the build's manifest without
-    opening the data; None, with a warning that says why, when the run trained on synthetic data or the build is
-    gone."""
-    data = (meta.get("config") or {}).get("data") or {}
-    if data.get("kind") == "synthetic":
-        return None
-    from data_pipeline.config import DataConfig
-    from data_pipeline.read.prepare import tokenizer_path
-
-    try:
-        return tokenizer_path(from_dict(DataConfig, data, "data"))
-    except TesseraError as err:
-        log.warning("no tokenizer for this checkpoint (pass one explicitly): %s", err)
-        return None
-
-
 def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | None = None) -> Path:
     """Write checkpoint `src` (run dir or step dir; `step` picks one) as an HF model directory `out`."""
     from safetensors.torch import save_file
@@ -403,15 +401,15 @@ def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | N
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SAFETENSORS), metadata={"format": "pt", "tessera_checkpoint": str(path),
                                                           "tessera_step": str(meta.get("step"))})
-    tok = tokenizer or find_tokenizer(meta)
-    eos = None
+    tok = tokenizer or checkpoint_tokenizer(meta, path)
+    bos = eos = None
     if tok is not None:
         export_tokenizer(tok, out)
         from data_pipeline.tokenizer import Tokenizer
 
-        eos = Tokenizer(tok).eos_id  # sentencepiece .model or tokenizer.json
-
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, arch, eos), indent=2))
+        loaded = Tokenizer(tok)  # sentencepiece .model or tokenizer.json; -1: the tokenizer has no such token
+        bos, eos = (i if i >= 0 else None for i in (loaded.bos_id, loaded.eos_id))
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, arch, eos, bos), indent=2))
     return out
 
 

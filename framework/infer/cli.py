@@ -70,20 +70,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from framework.base.errors import ConfigError
-    from framework.checkpoint.hf import find_tokenizer
+    from framework.checkpoint.run_tokenizer import checkpoint_tokenizer
     from framework.infer.generate import SamplingConfig, generate, load_generator
 
     prompts = read_prompts(args)
     model, meta = load_generator(args.checkpoint, args.step, args.device, getattr(torch, _DTYPES[args.dtype]))
-    tok_path = args.tokenizer or (None if args.ids else find_tokenizer(meta))
+    tok_path = args.tokenizer or (None if args.ids else checkpoint_tokenizer(meta, args.checkpoint))
     sp = None
     if tok_path is not None:
         from data_pipeline.tokenizer import Tokenizer
 
         sp = Tokenizer(tok_path)  # sentencepiece .model or tokenizer.json, as the run's data build
     elif not args.ids:
-        raise ConfigError(f"no tokenizer for {args.checkpoint}: the run trained on synthetic data or its data "
-                          f"build is gone; pass --tokenizer tokenizer.model, or --ids with token-id prompts")
+        raise ConfigError(f"no tokenizer for {args.checkpoint}: the run trained on synthetic data; pass --ids with "
+                          f"token-id prompts, or --tokenizer PATH")
     try:
         encoded = [sp.encode(p) if sp is not None else [int(x) for x in p.split()] for p in prompts]
     except ValueError as err:

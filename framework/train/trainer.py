@@ -149,17 +149,15 @@ class Trainer:
 
     # --- setup ---------------------------------------------------------------------------------------------
     def _prepare_data(self) -> Any:
-        from data_pipeline.read.prepare import prepare_data
+        from data_pipeline.read.prepare import check_build_vocab, check_vocab, prepare_data
 
+        check_build_vocab(self.cfg.data, self.cfg.model.vocab_size)  # before the mixture is drawn
         # One builder per node: node-local cache dirs work, and on a shared filesystem builders serialize on a lock.
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         data = prepare_data(self.cfg.data, is_builder=local_rank == 0,
                             global_batch_size=self.cfg.train.global_batch_size,
                             batch_history=self.batch_history)  # places data.schedule phases
-        if data.vocab_size > self.cfg.model.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={self.cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({data.vocab_size}); set model.vocab_size={data.vocab_size} or larger")
+        check_vocab(data.vocab_size, self.cfg.model.vocab_size)
         return data
 
     def _make_loader(self) -> Any:
@@ -198,6 +196,13 @@ class Trainer:
         if manifest is None or not manifest.is_file():
             return None
         return str(json.loads(manifest.read_text()).get("fingerprint"))
+
+    def _tokenizer_paths(self) -> dict[str, str | None]:
+        """Absolute paths of the tokenizer and the data build, so that export and generate find the tokenizer from
+        any directory without preparing the data (framework/checkpoint/run_tokenizer.py)."""
+        tok, build_dir = self.data.tokenizer_path, getattr(self.data, "build_dir", None)
+        return {"tokenizer": str(Path(tok).resolve()) if tok else None,
+                "data_build_dir": str(Path(build_dir).resolve()) if build_dir else None}
 
     def resume(self) -> bool:
         """Load the newest valid checkpoint (and checkpoint.resume); truncate metrics after it. True if resumed."""
@@ -327,6 +332,7 @@ class Trainer:
         meta = {"loader": self.loader.state_dict(), "config": to_dict(self.cfg),
                 "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict(),
                 "data_build": self._data_build(), "engine": self.engine.extra_state(),
+                **self._tokenizer_paths(),
                 "batch_history": [list(h) for h in self.batch_history]}
         if self.ft.guard.skipping:  # taken right after a skipped step: never `latest`, never a rollback target
             meta["guard_suspect"] = True
