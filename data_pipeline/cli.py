@@ -142,7 +142,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
                       f"{masked.get(b, 0):,} characters of lines masked")
             rows = [r for r in rows if r["reason"].startswith("decontaminate.")]
         for r in rows if args.reason is None else [r for r in rows if r["reason"] == args.reason]:
-            print(f"{r['reason']}: {r['where']} ({r['chars']:,} characters)")
+            text = r.get("text") or ""
+            cut = "" if len(text) <= args.chars else f"\n[... {r['chars'] - args.chars:,} more characters]"
+            print(f"=== {r['reason']}: {r['where']} ({r['chars']:,} characters) ===\n{text[:args.chars]}{cut}")
         return 0
     tok = Tokenizer(build / Path(manifest["tokenizer"]["path"]).name)
     docs = IndexedTokens(build / args.source)
@@ -222,8 +224,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("-n", type=int, default=3, help="documents to show (random, by --seed)")
     p.add_argument("--chars", type=int, default=2000, help="characters shown per document")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--filtered", action="store_true", help="list the documents each filter rule removed (where "
-                                                            "they came from), kept in work/ingest/SOURCE")
+    p.add_argument("--filtered", action="store_true", help="show the first documents each filter rule removed "
+                                                            "(where they came from and their text, up to --chars), "
+                                                            "kept in work/ingest/SOURCE")
     p.add_argument("--reason", help="with --filtered: only this rule, e.g. c4.too_few_sentences")
     p.add_argument("--decontaminated", action="store_true", help="per benchmark, the documents removed and the "
                                                                   "characters masked, and where they came from")

@@ -2,6 +2,7 @@
 
     tessera train CONFIG [a.b.c=value ...]   train (or resume) a run; under torchrun/SLURM every rank runs this
     tessera smoke [overrides]                the end-to-end smoke job on the embedded corpus
+    tessera presets                          the model presets, with their shapes and sizes
     tessera <other>                          subcommands registered by subsystems (data, plan, launch, ckpt ...)
 
 Subsystems register their subcommands through a `register(subparsers)` function in the modules listed in
@@ -116,6 +117,22 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return run_smoke(args.config, args.overrides, nproc=args.nproc)
 
 
+def cmd_presets(args: argparse.Namespace) -> int:
+    """Every model preset with its shape and parameter count (what `model.preset` and `plan --model` accept)."""
+    from models.config import PRESETS, model_config
+    from models.flops import num_params
+
+    print(f"{'preset':<16} {'params':>9}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'vocab':>7}  experts")
+    for name in PRESETS:
+        c = model_config(name)
+        experts = f"{c.moe.n_experts} (top {c.moe.top_k})" if c.moe.enabled else "-"
+        n = num_params(c)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        print(f"{name:<16} {size:>9}  {c.n_layers:>6} {c.hidden:>6} {c.n_heads:>5} "
+              f"{c.kv_heads:>3} {c.vocab_size:>7}  {experts}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM pretraining framework")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -130,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks (default: what the config's layout needs; 1 trains in this process)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_smoke)
+    p = sub.add_parser("presets", help="list the model presets (model.preset=NAME, plan --model NAME)")
+    p.set_defaults(func=cmd_presets)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)  # every subsystem is part of every build
     return parser
@@ -137,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from framework.base.errors import TesseraError
+    from framework.base.logs import say_error
 
     args = build_parser().parse_args(argv)
     # SIGTERM/SIGUSR1/SIGINT end every command with one line and the right code (requeue / 130); the training
@@ -145,10 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except TesseraError as err:
-        print(f"tessera: error: {type(err).__name__}: {err}", file=sys.stderr)
+        say_error(f"tessera: error: {type(err).__name__}: {err}")  # once per job, not once per rank
         return 2
     except stop_signals.RunStopped as stop:
-        print(f"tessera: {stop}", file=sys.stderr)
+        say_error(f"tessera: {stop}")
         return stop.exit_code
     finally:
         handlers.restore()

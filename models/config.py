@@ -274,7 +274,7 @@ def _resolve_preset(name: str) -> dict[str, object]:
         raise ConfigError(
             f"model.preset={name!r} is not a known preset; "
             + (f"did you mean {', '.join(close)}? " if close else "")
-            + f"known: {', '.join(sorted(PRESETS))}")
+            + f"known: {', '.join(sorted(PRESETS))} (`tessera presets` shows their shapes)")
     return dict(PRESETS[name])
 
 

@@ -54,11 +54,14 @@ from data_pipeline.build.progress import Progress, log
 from data_pipeline.build.quality_scores import UnitScores, finish_scores
 from data_pipeline.build.removed_tokens import RemovedSample
 from data_pipeline.build.shard_files import UNITS, _rebase, _ShardWriter
-from data_pipeline.build.workers import die_with_parent
+from data_pipeline.build.workers import pool_worker
 
 _CHUNK = 256  # records per worker task
 FILTERED_SAMPLES = 20
 """Documents kept per filter rule in ingest/<source>/filtered.jsonl, to see what a rule removes."""
+FILTERED_TEXT = 4000
+"""Characters of each such document's normalized text kept with it (`tessera data sample --filtered` shows them;
+binary.* rules keep none)."""
 REMOVED_SAMPLE = "removed_sample*.jsonl"
 """ingest/<source>/: seeded samples of the removed text per rule (data_pipeline/build/removed_tokens.py); one file per
 ingest unit (removed_sample-unit-U.jsonl): they add up."""
@@ -68,7 +71,7 @@ _W: dict[str, Any] = {}  # per-worker state set by the pool initializer (fork st
 
 
 def _init_filter_worker(norm: NormalizeConfig, cfg: BuildConfig, names: tuple[str, ...]) -> None:
-    die_with_parent()
+    pool_worker()
     _W["norm"], _W["cfg"], _W["names"] = norm, cfg, names
 
 
@@ -288,7 +291,8 @@ def _ingest_unit(cfg: BuildConfig, src: SourceConfig, out: Path, u: int, unit: U
                     counts["filtered"][reason] += 1
                     chars["filtered"][reason] += n_chars
                     if counts["filtered"][reason] <= FILTERED_SAMPLES:
-                        samples.write(json.dumps({"reason": reason, "where": where, "chars": n_chars},
+                        samples.write(json.dumps({"reason": reason, "where": where, "chars": n_chars,
+                                                  "text": removed.get(str(reason), "")[:FILTERED_TEXT]},
                                                  ensure_ascii=False) + "\n")
                 else:
                     counts["kept"] += 1

@@ -9,12 +9,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from framework.base.logs import speaks
+
 LOG_EVERY_S = 30.0
 
 
 def log(msg: str) -> None:
-    """One line on stderr, flushed (logs read while the build runs)."""
-    print(f"[data {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    """One line on stderr, flushed (logs read while the build runs); in a training job only rank 0's, as every
+    rank prepares the same data (framework/base/logs.py decides which rank speaks)."""
+    if speaks():
+        print(f"[data {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 class Progress:

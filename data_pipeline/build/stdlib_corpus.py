@@ -105,7 +105,9 @@ def iter_stdlib_documents(workers: int = 2, root: Path | None = None) -> Iterato
     """
     items = [(d, str(p)) for d, p in list_stdlib_files(root)]
     if workers > 1:
-        with get_context("fork").Pool(workers) as pool:
+        from data_pipeline.build.workers import pool_worker
+
+        with get_context("fork").Pool(workers, initializer=pool_worker) as pool:  # its exit SIGTERMs the workers
             results = list(pool.imap(_extract_file, items, chunksize=16))
     else:
         results = [_extract_file(it) for it in items]

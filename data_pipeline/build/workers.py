@@ -30,6 +30,17 @@ def die_with_parent() -> None:
         pass
 
 
+def pool_worker() -> None:
+    """Pool initializer: die with the parent (`die_with_parent`), and take the stop signals' default actions: the
+    parent handles a stop, and a pool ends its workers with SIGTERM (the handler inherited through fork printed
+    "stopped by SIGTERM" from every worker of a passing run)."""
+    import signal
+
+    die_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def run_pool(fn: Any, jobs: list[Any], workers: int, desc: str, unit: str = "unit", isolate: bool = False) -> None:
     """Run a stage's units in worker processes; a worker that dies (e.g. OOM-killed) fails the stage loudly
     (BrokenProcessPool) instead of hanging, and the rerun redoes only the unfinished units.
@@ -47,7 +58,7 @@ def run_pool(fn: Any, jobs: list[Any], workers: int, desc: str, unit: str = "uni
             bar.update()
     else:
         with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("fork"),
-                                 initializer=die_with_parent) as pool:
+                                 initializer=pool_worker) as pool:
             futures = [pool.submit(fn, job) for job in jobs]
             for fut in as_completed(futures):
                 fut.result()

@@ -59,3 +59,17 @@ def test_data_build_stats_and_tokenizer_train(tmp_path: Path, capsys: pytest.Cap
                  "300", "--type", "hf_bpe"]) == 0
     hf = Tokenizer(tmp_path / "bpe/tokenizer.json")
     assert hf.kind == "hf" and hf.vocab_size == 300 and hf.decode(hf.encode("river stone")) == "river stone"
+
+
+def test_data_sample_filtered_shows_what_a_rule_removed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _corpus(tmp_path)
+    with open(src, "a") as f:  # a cookie banner scraped as a document of its own
+        f.write(json.dumps({"text": "We use cookies. Accept all?"}) + "\n")
+    cfg = tmp_path / "build.yaml"
+    cfg.write_text(f"output_dir: {tmp_path / 'out'}\nsources:\n  - {{name: words, path: {src}, profile: minimal}}\n"
+                   f"filters: {{length: {{min_chars: 40}}}}\ntokenizer: {{vocab_size: 300, sample_chars: 100000}}\n")
+    assert main(["data", "build", str(cfg), "workers=1"]) == 0
+    capsys.readouterr()
+    assert main(["data", "sample", str(tmp_path / "out"), "--source", "words", "--filtered"]) == 0
+    shown = capsys.readouterr().out
+    assert f"=== length.too_short: {src}:42 (27 characters) ===\nWe use cookies. Accept all?\n" in shown, shown

@@ -48,3 +48,15 @@ def test_counts_match_meta_module(preset: str) -> None:
 
 def test_gpt3_175b() -> None:
     assert abs(num_params(model_config("gpt3-175b")) / 1e9 - 175) < 0.5
+
+
+def test_presets_are_listed_with_their_published_sizes(capsys) -> None:  # type: ignore[no-untyped-def]
+    from framework.cli import main
+    from models.config import PRESETS
+
+    assert main(["presets"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(rows) == set(PRESETS)
+    # Published sizes: Mixtral 8x7B 46.7B parameters (Jiang et al. 2024), Llama 3 8B 8.03B, GPT-3 175B.
+    assert rows["mixtral-8x7b"][1] == "46.70B" and rows["mixtral-8x7b"][-3:] == ["8", "(top", "2)"]
+    assert rows["llama3-8b"][1] == "8.03B" and rows["gpt3-175b"][1].startswith("175.")

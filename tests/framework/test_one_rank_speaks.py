@@ -1,0 +1,58 @@
+"""What every rank would print alike is printed once (framework/base/logs.py decides which rank speaks): a 4-rank run's
+console holds each mixture line, each warning and the error that stops it once; pool workers leave a stop signal
+to their parent instead of each printing it."""
+
+from __future__ import annotations
+
+import collections
+import re
+from pathlib import Path
+
+import pytest
+
+from framework.testing.tiny import TINY, tiny_config
+from framework.train.trainer import Trainer
+
+
+@pytest.mark.distributed
+def test_a_four_rank_console_holds_each_line_once(stdlib_build: object, tmp_path: Path) -> None:
+    from launch.local import run_local
+
+    run = tmp_path / "run"
+    data = ["data.kind=stdlib", f"data.cache_dir={stdlib_build.cfg.cache_dir}",  # type: ignore[attr-defined]
+            "model.vocab_size=4096", "data.warn_epochs=0.0"]
+    Trainer(tiny_config(run, *data, "train.steps=1", "checkpoint.interval=1")).train()
+    # The same run restarted on 4 ranks with another model shape: every rank prepares the data (mixture lines and
+    # a warning per source), then every rank refuses the checkpoint with the same CheckpointError.
+    console = tmp_path / "console.txt"
+    with open(console, "w") as out:
+        code = run_local(4, TINY, [f"run.dir={run}", *data, "model.n_layers=3", "train.steps=2"], threads=1,
+                         output=out, grace_s=30)
+    text = console.read_text()
+    assert code == 2, text
+    lines = [re.sub(r"^\[data \d\d:\d\d:\d\d\] |^\d\d:\d\d:\d\d ", "", ln) for ln in text.splitlines()]
+    counts = collections.Counter(lines)
+    mixture = [ln for ln in lines if ln.startswith("mixture ")]
+    warnings = [ln for ln in lines if ln.startswith("WARNING: source")]
+    errors = [ln for ln in lines if "tessera: error: CheckpointError" in ln]
+    assert len(mixture) == 3 and len(warnings) == 3, text  # the stdlib build's three sources
+    assert all(counts[ln] == 1 for ln in mixture + warnings), text
+    assert len(errors) == 1 and "model.n_layers" in errors[0], text
+
+
+def test_pool_workers_leave_a_stop_signal_to_their_parent(tmp_path: Path, capfd: pytest.CaptureFixture[str]) \
+        -> None:
+    from data_pipeline.build.stdlib_corpus import iter_stdlib_documents
+    from framework.checkpoint.signals import StopSignals
+
+    for i in range(6):
+        (tmp_path / f"mod{i}.py").write_text(f'"""Module {i}: a docstring long enough to keep as prose."""\n'
+                                             f"def f{i}(x):\n    return x + {i}\n")
+    handlers = StopSignals(armed=False).install()  # as `tessera` installs them for every command
+    try:
+        docs = list(iter_stdlib_documents(workers=2, root=tmp_path))  # the pool's exit SIGTERMs its workers
+    finally:
+        handlers.restore()
+    assert len(docs) >= 6
+    err = capfd.readouterr().err
+    assert "stopped by SIGTERM" not in err and "Traceback" not in err, err
