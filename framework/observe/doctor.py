@@ -294,6 +294,8 @@ def check_throughput(records: list[dict[str, Any]]) -> list[Finding]:
     return out
 
 
+RUN_FILES = ("metrics.jsonl", "config.yaml", "checkpoints", "stacks")
+"""What a run directory holds besides its logs (any one of them is something to diagnose)."""
 _STOPPED = re.compile(r"stopping at step (\d+) on (\S+): checkpoint committed; exit code (\d+)")
 
 
@@ -330,9 +332,9 @@ def diagnose(run_dir: Path, checksums: bool = False) -> list[Finding]:
         raise ConfigError(f"{run_dir} is not a run directory; pass runs/<run.name> (it holds metrics.jsonl)")
     damaged: list[str] = []
     records, logs = read_records(run_dir, damaged), read_logs(run_dir)
-    if not records and not logs and not damaged and not (run_dir / "config.yaml").exists() \
-            and not (run_dir / "checkpoints").is_dir():
-        return [Finding("error", "run", f"{run_dir} holds no run: no metrics.jsonl, config.yaml, logs or checkpoints",
+    if not records and not logs and not damaged and not any((run_dir / name).exists() for name in RUN_FILES):
+        return [Finding("error", "run", f"{run_dir} holds no run: no metrics.jsonl, config.yaml, logs, stack dumps "
+                        f"or checkpoints",
                         [], "pass the run's directory (runs/<run.name>); if it is that, the run never started: "
                         "look at the job's own output (SLURM's slurm-JOBID.out) for why")]
     return [*check_hang(run_dir), *check_resumes(run_dir, logs), *check_checkpoints(run_dir, checksums),
