@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
@@ -44,6 +45,8 @@ def speaks(rank: int | None = None) -> bool:
 
 
 _SAID: list[str] = []
+STORE_GRACE_S = 5.0
+"""How long rank 0, which hosts the store, waits for the other ranks to report their error before it exits."""
 
 
 def _first_to_say(message: str) -> bool:
@@ -58,8 +61,15 @@ def _first_to_say(message: str) -> bool:
             # Keyed by this process's count of errors too: a later identical error of the same rank is new.
             _SAID.append(message)
             key = f"tessera/said/{len(_SAID)}/{hashlib.sha1(message.encode()).hexdigest()}"
-            return int(store.add(key, 1)) == 1
-        except Exception:  # the store lives in rank 0's process, which may be gone: say it rather than lose it
+            first = int(store.add(key, 1)) == 1
+            reported = int(store.add(f"tessera/said/{len(_SAID)}", 1))
+            if dist.get_rank() == 0:  # the store lives in this process: keep it up while the others ask it
+                deadline = time.monotonic() + STORE_GRACE_S
+                while reported < dist.get_world_size() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    reported = int(store.add(f"tessera/said/{len(_SAID)}", 0))
+            return first
+        except Exception:  # the store (rank 0's process) is gone: say it rather than lose it
             return True
     return speaks()  # before the process group: every rank runs the same config checks
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import data_pipeline.read.prepare
+from framework.checkpoint.manifest import write_manifest
 from framework.cli import main
 from framework.testing.tiny import tiny_config
 from framework.train.trainer import Trainer
@@ -27,9 +27,9 @@ def test_export_and_generate_find_the_tokenizer_from_another_directory(
         stdlib_build: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) \
         -> None:
     cache = Path(stdlib_build.cfg.cache_dir)  # type: ignore[attr-defined]
-    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work, elsewhere = tmp_path / "work", tmp_path / "home" / "user"  # a different depth: the relative path misses
     work.mkdir()
-    elsewhere.mkdir()
+    elsewhere.mkdir(parents=True)
     monkeypatch.chdir(work)
     # The run names its cache relative to where it was started, as configs/ do (.cache/tessera).
     Trainer(tiny_config("runs/r", "data.kind=stdlib", f"data.cache_dir={os.path.relpath(cache, work)}",
@@ -52,6 +52,7 @@ def test_export_and_generate_find_the_tokenizer_from_another_directory(
     meta.pop("tokenizer")
     meta.pop("data_build_dir")
     meta_file.write_text(json.dumps(meta))
+    write_manifest(meta_file.parent)  # as that older save committed it
     assert main(["generate", str(run / "checkpoints" / "step_2"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "CheckpointError: the tokenizer of" in err and "pass --tokenizer" in err and "manifest.json" in err

@@ -21,12 +21,14 @@ def test_a_four_rank_console_holds_each_line_once(stdlib_build: object, tmp_path
     run = tmp_path / "run"
     data = ["data.kind=stdlib", f"data.cache_dir={stdlib_build.cfg.cache_dir}",  # type: ignore[attr-defined]
             "model.vocab_size=4096", "data.warn_epochs=0.0"]
-    Trainer(tiny_config(run, *data, "train.steps=1", "checkpoint.interval=1")).train()
+    Trainer(tiny_config(run, *data, "train.steps=1", "train.warmup_steps=0",
+                        "checkpoint.interval=1")).train()
     # The same run restarted on 4 ranks with another model shape: every rank prepares the data (mixture lines and
     # a warning per source), then every rank refuses the checkpoint with the same CheckpointError.
     console = tmp_path / "console.txt"
     with open(console, "w") as out:
-        code = run_local(4, TINY, [f"run.dir={run}", *data, "model.n_layers=3", "train.steps=2"], threads=1,
+        code = run_local(4, TINY, [f"run.dir={run}", *data, "model.n_layers=3", "train.steps=2",
+                                       "train.warmup_steps=0"], threads=1,
                          output=out, grace_s=30)
     text = console.read_text()
     assert code == 2, text
@@ -56,3 +58,17 @@ def test_pool_workers_leave_a_stop_signal_to_their_parent(tmp_path: Path, capfd:
     assert len(docs) >= 6
     err = capfd.readouterr().err
     assert "stopped by SIGTERM" not in err and "Traceback" not in err, err
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_any_rank_starts(
+        stdlib_build: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from framework.cli import main
+
+    build = f"data.build_dir={stdlib_build.build_dir}"  # type: ignore[attr-defined]
+    # tiny.yaml's model has 512 ids; the build's tokenizer 4,096: refused by the launcher, not by 2 ranks after
+    # they drew the mixture.
+    assert main(["launch", "local", "--nproc", "2", TINY, "data.kind=build", build, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size=512 is smaller than the tokenizer's vocabulary (4096)" in err, err
+    assert main(["launch", "local", "--nproc", "2", TINY, "data.kind=build", build, "model.vocab_size=4096",
+                 "--dry-run"]) == 0
