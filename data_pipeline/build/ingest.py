@@ -246,8 +246,7 @@ def read_jsonl(path: Path, field: str, span: tuple[int, int] | None = None,
             if not line.strip():
                 continue
             read += 1
-            if line.startswith(_BOM):  # files concatenated with `cat` carry each one's BOM into the middle
-                line = line[len(_BOM):]
+            line = line.removeprefix(_BOM)  # files joined with `cat` carry each one's BOM into the middle
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError:
@@ -321,13 +320,11 @@ def read_parquet(path: Path, field: str, batch_rows: int = 1024,
 
 
 def _hf_split(path: Path, split: str) -> Any:
-    """One split of a saved dataset; of a DatasetDict only that split's directory is opened (another split's
-    missing or damaged directory does not matter)."""
+    """One split of a saved dataset; of a DatasetDict only that split's directory is opened (not the others)."""
     import datasets
 
-    index = path / "dataset_dict.json"
-    if index.is_file():
-        splits = json.loads(index.read_text()).get("splits") or []
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
         if split not in splits:
             raise ConfigError(f"{path} is a DatasetDict with splits {sorted(splits)}; the source's split={split!r} "
                               f"is not one of them — set split to the one to train on")

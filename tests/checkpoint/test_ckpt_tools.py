@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import data_pipeline.read.prepare
 from framework.checkpoint.manifest import write_manifest
 from framework.cli import main
 from framework.testing.tiny import tiny_config
