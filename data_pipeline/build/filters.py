@@ -51,8 +51,7 @@ Verdict = tuple[str | None, str | None]
 
 @dataclass(kw_only=True, frozen=True)
 class BinaryFilter:
-    """Binary files read as text (a text tree's `encoding_fallback` decodes any bytes): checked on every source's
-    text as read, before normalization, whatever the profile."""
+    """Binary data read as text (`encoding_fallback` decodes any bytes): every source, before normalization."""
 
     max_nul_frac: float = 0.001
     """Share of NUL characters (executables, images, UTF-16 read as Latin-1 are full of them; text has none)."""
@@ -190,8 +189,7 @@ class FiltersConfig:
     units: UnitsConfig = field(default_factory=UnitsConfig)
     """What every rule counts as a word (data_pipeline/text_units.py): whitespace tokens, and runs of scripts
     written without spaces (Chinese, Japanese, Thai, Lao, Khmer, Myanmar) per character or by a named segmenter."""
-    binary: BinaryFilter = field(default_factory=BinaryFilter)
-    """Run on every source before normalization (not part of a profile)."""
+    binary: BinaryFilter = field(default_factory=BinaryFilter)  # every source, before normalization: no profile
 
 
 PROFILES: dict[str, tuple[str, ...]] = {

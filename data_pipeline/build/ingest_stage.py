@@ -88,7 +88,7 @@ def _filter_chunk(texts: list[str]) -> list[Result]:
         try:
             binary = binary_reason(text, cfg.filters.binary)  # before normalization strips the control characters
             if binary is not None:
-                out.append((None, binary, len(text), {}, {}))
+                out.append((None, binary, len(text), {}, {}, None))
                 continue
             norm = normalize(text, _W["norm"])
             if not norm.strip():
