@@ -94,6 +94,7 @@ class StopSignals:
         self.received: int | None = None
         self.kind = NO_STOP
         self.agreed = NO_STOP
+        self.agreed_signal = 0
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> StopSignals:
@@ -126,12 +127,14 @@ class StopSignals:
         import torch
         import torch.distributed as dist
 
-        flag = self.kind
+        flag, signum = self.kind, self.received or 0
         if dist.is_available() and dist.is_initialized():
-            t = torch.tensor([flag], dtype=torch.int32, device=device)
+            # The signal number travels with the vote, so the rank that logs the stop (rank 0) can name a signal
+            # that only a peer caught.
+            t = torch.tensor([flag, signum], dtype=torch.int32, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = int(t.item())
-        self.agreed = flag
+            flag, signum = int(t[0].item()), int(t[1].item())
+        self.agreed, self.agreed_signal = flag, signum
         return flag > NO_STOP
 
     @property
@@ -143,4 +146,6 @@ class StopSignals:
     def signal_name(self) -> str:
         if self.received is not None and stop_kind(self.received) == self.agreed:
             return signal.Signals(self.received).name
+        if self.agreed_signal and stop_kind(self.agreed_signal) == self.agreed:
+            return f"{signal.Signals(self.agreed_signal).name} (caught by a peer rank)"
         return "a peer rank's signal"
