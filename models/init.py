@@ -138,10 +138,15 @@ def _ravel(coords: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor | int:
 
 def copy_initial_into(cfg: ModelConfig, fqn: str, param: torch.Tensor, seed: int) -> None:
     """Initialize `param` (a DTensor: only its local shard, drawn as such; see `initial_shard`)."""
+    from torch._subclasses.fake_tensor import is_fake
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape = tuple(param.shape)  # DTensor.shape: the global shape
+    if is_fake(param.to_local() if isinstance(param, DTensor) else param):
+        # A dry run's rank (`tessera dryrun`, FakeTensorMode): there are no values to draw, and the chunked draw's
+        # data-dependent indexing has no fake implementation. The shard's storage exists; leave it as it is.
+        return
     if isinstance(param, DTensor) and all(type(p) is Shard or isinstance(p, Replicate) for p in param.placements):
         local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
         value = initial_shard(cfg, fqn, shape, seed, tuple(offset), tuple(local_shape))
