@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -54,12 +55,26 @@ def _is_collective_error(exc: BaseException, text: str) -> bool:
     return any(m in head for m in _COLLECTIVE_MARKERS)
 
 
+def _compile_in_process() -> None:
+    """Make inductor compile inside this forked rank instead of through the parent's worker pool.
+
+    A pytest process that compiled with inductor before forking owns a pool of compile workers; the fork copies the
+    pool's handles but not its threads, so a rank that submits to it waits forever (seen on a cold compile cache:
+    the rank hung in `AsyncCompile.wait` until the harness killed it). One compile thread means no pool.
+    """
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.compile_threads = 1  # type: ignore[attr-defined]
+
+
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, timeout_s: float,
            threads: int, env: dict[str, str], kwargs: dict[str, Any], queue: Any) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(threads)
+    _compile_in_process()
     outcome: _RankOutcome
     try:
         if backend == "nccl":
