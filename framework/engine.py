@@ -3,21 +3,17 @@
 The loop (framework/train/trainer.py) only talks to an `Engine`: it hands over this rank's micro-batches for
 one optimizer step and gets back the global mean loss. Two engines implement it, side by side in
 framework/train: `LocalEngine` (one process, the reference) and `ParallelEngine` (any layout, over the model
-framework/parallel/parallelize.py builds). The loss, autocast and dtype helpers here are used by both and by
-framework/parallel, which is why they live in neither.
+framework/parallel/parallelize.py builds). The loss helper here is used by both and by framework/parallel, which is
+why it lives in neither; dtypes, autocast and loss scaling are framework/numerics.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""`train.precision` -> the compute dtype."""
 
 
 class Engine(Protocol):
@@ -76,12 +72,6 @@ class Engine(Protocol):
 def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy, computed in fp32."""
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(0, 1))
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
 def resolve_device(name: str) -> torch.device:

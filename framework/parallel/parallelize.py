@@ -14,7 +14,8 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
   6. `to_empty` + per-FQN init (models/init.py): after sharding, so a rank allocates and draws only its shards, and
      bitwise the 1-process values under any layout; a tied head is re-tied (to_empty gives it its own storage)
   7. activation checkpointing on every k-th block (recompute.py)
-  8. torch.compile per block (compile.py): after TP and recompute, before FSDP, whose hooks stay outside
+  8. the model transforms (framework/numerics/transforms.py: torch.compile per block, compile.py), the same
+     list at the same point as LocalEngine: after TP and recompute, before FSDP, whose hooks stay outside
   9. FSDP (zero.py): experts over the edp ranks first, then the blocks and the root over `zero.fsdp_mesh`
      (dp_shard, with cp folded in), moving the dtypes `zero.fsdp_mp_policy` chooses
   after all stages:
@@ -28,14 +29,15 @@ count, so the engine builds one per count at its first use.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from framework.engine import DTYPES
-from framework.parallel.compile import compile_blocks
+from framework.numerics.precision import DTYPES
+from framework.numerics.transforms import ModelTransform, Site, apply_model_transforms
 from framework.parallel.config import ParallelConfig
 from framework.parallel.context import ContextParallel
 from framework.parallel.expert import MoEParallel
@@ -70,14 +72,15 @@ class ParallelModel:
 
 
 def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh,
-                device: torch.device, *, seed: int, precision: str, compile_backend: str | None = None
+                device: torch.device, *, seed: int, precision: str, transforms: Sequence[ModelTransform] = ()
                 ) -> ParallelModel:
     """Build and parallelize this rank's part of `model_cfg` on `mesh` (a 5-axis mesh over the layout's ranks).
 
     Args:
         seed: the run seed of the per-FQN initialization (train.seed).
         precision: train.precision (fp32, bf16 or fp16): FSDP's all-gather dtype and the cp mask dtype.
-        compile_backend: torch.compile each block with this backend (train.compile), or None.
+        transforms: the run's model transforms (framework/numerics/transforms.py `model_transforms`: compile and
+            the like), applied to every stage at step 8, where `LocalEngine` applies them to its model.
     """
     coord = dict(zip(AXES, mesh.get_coordinate() or ()))
     moe = MoEParallel(model_cfg, pcfg, dims, mesh)
@@ -106,8 +109,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
             part.output.weight = part.tok_embeddings.weight
         part.init_weights(seed)
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 7
-        if compile_backend is not None:  # 8
-            compile_blocks(part.layers, compile_backend, tensor_parallel=dims.tp > 1)
+        apply_model_transforms(part, transforms, Site(tensor_parallel=dims.tp > 1))  # 8
         moe.shard(part, mp_policy=mp_policy)  # 9: experts over edp (before FSDP wraps their blocks), or hand-synced
         if shard_mesh is not None:
             apply_fsdp(part, shard_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)

@@ -1,9 +1,8 @@
-"""Mixed precision and gradient clipping across every parallel axis.
+"""Gradient clipping and the gradient reductions precision needs, across every parallel axis.
 
-fp32 master weights always (parameters and optimizer states stay fp32; forward/backward run under autocast).
-fp16 uses dynamic loss scaling (Micikevicius et al. 2018): scale the loss, skip the step when any gradient
-overflowed anywhere (the check is global), halve the scale on overflow and double it after `growth_interval`
-clean steps. bf16 needs no scaling.
+The dtypes, autocast and the fp16 loss scaler both engines use are framework/numerics/precision.py; here is what
+only a layout needs: the exact global norm of sharded gradients (which is also the fp16 overflow check), partial
+TP gradients summed, and sharded gradients scaled in place.
 """
 
 from __future__ import annotations
@@ -14,42 +13,6 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement, Replicate
-
-
-class LossScaler:
-    """Dynamic loss scale; `enabled=False` makes it the identity (scale 1, never skips).
-
-    The same rule and state as torch's `GradScaler` (the 1-process engine's): `good_steps` is its growth tracker.
-    """
-
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
-        self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.good_steps = 0
-
-    def update(self, found_inf: bool) -> None:
-        if not self.enabled:
-            return
-        if found_inf:
-            self.scale *= self.backoff_factor
-            self.good_steps = 0
-            return
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            self.scale *= self.growth_factor
-            self.good_steps = 0
-
-    def state_dict(self) -> dict[str, float | int]:
-        """{"scale", "growth_tracker"} (empty when disabled): what a resume needs to continue bitwise."""
-        return {"scale": self.scale, "growth_tracker": self.good_steps} if self.enabled else {}
-
-    def load_state_dict(self, state: dict[str, float | int] | None) -> None:
-        if self.enabled and state:
-            self.scale, self.good_steps = float(state["scale"]), int(state["growth_tracker"])
 
 
 def _is_shard(placement: Placement) -> bool:

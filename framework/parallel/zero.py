@@ -31,12 +31,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from framework.numerics.precision import low_precision_dtype
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import ParallelDims
 from framework.parallel.quant import QuantizedReduceScatter, plain_state_dict_hook, wrap_quantized_weights
 from models.decoder import Decoder
-
-_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh | None:
@@ -62,9 +61,10 @@ def fsdp_mp_policy(cfg: ParallelConfig, precision: str) -> MixedPrecisionPolicy:
     scales, and `param_dtype` is only what they are dequantized into (`apply_fsdp` installs it per parameter).
     """
     on = cfg.fsdp_mixed_precision if cfg.fsdp_mixed_precision is not None else precision == "bf16"
-    if not on or precision not in _LOW_PRECISION:
+    dtype = low_precision_dtype(precision)
+    if not on or dtype is None:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=_LOW_PRECISION[precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, cfg: ParallelConfig, *, mp_policy: MixedPrecisionPolicy,

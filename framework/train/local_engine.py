@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.engine import autocast, cross_entropy
-from framework.parallel.compile import compile_blocks
+from framework.engine import cross_entropy
+from framework.numerics.precision import LossScaler, autocast, finish_step
+from framework.numerics.transforms import Site, apply_model_transforms, model_transforms
 from framework.parallel.memory import model_state_report
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
@@ -37,15 +38,14 @@ class LocalEngine:
         self.train_cfg = train_cfg
         self.documents = documents
         self.model = build_model(model_cfg, seed=train_cfg.seed, device=device)
-        if train_cfg.compile:
-            compile_blocks(self.model.layers, train_cfg.compile_backend)
+        # The one list of model transforms (framework/numerics/transforms.py), at the point parallelize applies it.
+        apply_model_transforms(self.model, model_transforms(train_cfg), Site())
         self.model_parts: list[nn.Module] = [self.model]
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(self.model_parts, train_cfg, device)]
         self.dp_rank, self.dp_size = 0, 1
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=train_cfg.loss_scale_init,
-                                           growth_interval=train_cfg.loss_scale_growth_interval,
-                                           enabled=train_cfg.precision == "fp16")
-        self._unscaled = False
+        self.scaler = LossScaler(train_cfg.precision == "fp16", init_scale=train_cfg.loss_scale_init,
+                                 growth_interval=train_cfg.loss_scale_growth_interval)
+        self._found_inf: bool | None = None  # after this step's unscale: whether a gradient overflowed
         self.is_moe = model_cfg.moe.enabled
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -57,22 +57,20 @@ class LocalEngine:
         n_micro = batch.shape[0]
         total = torch.zeros((), device=self.device)
         if self.is_moe:  # MoE (docs/MOE.md): aux losses join the gradients via each layer's output, scaled as the loss
-            loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
-            set_aux_loss_scale(self.model_parts, loss_scale / n_micro)
+            set_aux_loss_scale(self.model_parts, self.scaler.scale / n_micro)
         for mb in batch:
             inputs, labels = mb[:, :-1], mb[:, 1:]
             with autocast(self.device, self.train_cfg.precision):
                 logits = self.model(inputs, **model_kwargs(self.documents, inputs))
             loss = cross_entropy(logits, labels) / n_micro
-            self.scaler.scale(loss).backward()
+            self.scaler.scale_loss(loss).backward()
             total += loss.detach()
         return float(total)
 
-    def _unscale(self) -> None:
-        if not self._unscaled:  # once per step: GradScaler refuses a second unscale_ before update()
-            for opt in self.optimizers:
-                self.scaler.unscale_(opt)
-            self._unscaled = True
+    def _unscale(self) -> bool:
+        if self._found_inf is None:  # once per step
+            self._found_inf = self.scaler.unscale_(p.grad for p in self.parameters() if p.grad is not None)
+        return self._found_inf
 
     def clip_grad_norm(self, max_norm: float) -> float:
         self._unscale()
@@ -81,41 +79,21 @@ class LocalEngine:
         return float(norm)
 
     def grads_overflowed(self) -> bool:
-        if not self.scaler.is_enabled():
-            return False
-        self._unscale()
-        # The inf/NaN flags unscale_ recorded: the very check GradScaler.step() skips on.
-        return any(bool(flag.item()) for opt in self.optimizers
-                   for flag in self.scaler._found_inf_per_device(opt).values())
+        return self.scaler.enabled and self._unscale()
 
     def optimizer_step(self, lr: float, apply: bool = True) -> bool:
-        overflow = self.grads_overflowed()
-        applied = apply and not overflow
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
-            if applied:
-                self.scaler.step(opt)
-            opt.zero_grad(set_to_none=True)
-        if applied or overflow:
-            self.scaler.update()  # growth count on a clean step, backoff on an overflow
-        else:
-            self.scaler.update(new_scale=self.scaler.get_scale())  # a guard skip: scale and growth tracker stay
-        self._unscaled = False
+        applied = finish_step(self.optimizers, self.scaler, lr, apply=apply, overflow=self.grads_overflowed())
+        self._found_inf = None
         if self.is_moe:  # MoE (docs/MOE.md): auxiliary-loss-free balancing moves the routing bias after the step
             (update_routing_bias if applied else discard_routing_counts)(self.model_parts)
         return applied
 
     def extra_state(self) -> dict[str, Any]:
         sd = self.scaler.state_dict()
-        return {"loss_scale": {"scale": sd["scale"], "growth_tracker": sd["_growth_tracker"]}} if sd else {}
+        return {"loss_scale": sd} if sd else {}
 
     def load_extra_state(self, state: dict[str, Any] | None) -> None:
-        saved = (state or {}).get("loss_scale")
-        if saved and self.scaler.is_enabled():
-            sd = self.scaler.state_dict()
-            sd.update(scale=float(saved["scale"]), _growth_tracker=int(saved["growth_tracker"]))
-            self.scaler.load_state_dict(sd)
+        self.scaler.load_state_dict((state or {}).get("loss_scale"))
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
@@ -132,7 +110,7 @@ class LocalEngine:
         return model_state_report(self.model_parts, self.optimizers)
 
     def extra_metrics(self) -> dict[str, float]:
-        out = {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+        out: dict[str, float] = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
         if self.is_moe:  # MoE (docs/MOE.md): per-layer load, drops, aux and z losses of the step
             out.update(moe_metrics(self.model_parts))
         return out

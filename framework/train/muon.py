@@ -91,9 +91,6 @@ class Muon(torch.optim.AdamW):
     def __init__(self, groups: list[dict[str, Any]], cfg: TrainConfig, **adamw_flags: bool) -> None:
         super().__init__(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_flags)
         self.muon_cfg = cfg.muon
-        # GradScaler must unscale the gradients first (as for foreach AdamW), never hand a fused kernel its scale:
-        # the Muon half has no fused path.
-        self._step_supports_amp_scaling = False
         from framework.parallel.whole_matrix import WholeMatrices
 
         # Built now, on every rank of the layout at once (its plan exchanges flat positions once).

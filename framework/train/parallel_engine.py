@@ -27,7 +27,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.base.errors import ParallelismError
-from framework.engine import autocast, cross_entropy
+from framework.engine import cross_entropy
+from framework.numerics.precision import LossScaler, autocast, finish_step
+from framework.numerics.transforms import model_transforms
 from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.config import ParallelConfig
 from framework.parallel.memory import model_state_report, unsharded_bytes
@@ -36,12 +38,7 @@ from framework.parallel.offload import io_metrics, offload_optimizers
 from framework.parallel.parallelize import parallelize
 from framework.parallel.pipeline import build_schedule, run_schedule
 from framework.parallel.pipeline_schedules import min_micro_batches, schedule_micro_batch_problem
-from framework.parallel.precision import (
-    LossScaler,
-    global_grad_norm,
-    resolve_partial_grads,
-    scale_grads,
-)
+from framework.parallel.precision import global_grad_norm, resolve_partial_grads, scale_grads
 from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
@@ -93,7 +90,7 @@ class ParallelEngine:
         self.scaler = LossScaler(train_cfg.precision == "fp16", init_scale=train_cfg.loss_scale_init,
                                  growth_interval=train_cfg.loss_scale_growth_interval)
         pm = parallelize(model_cfg, pcfg, dims, mesh, device, seed=train_cfg.seed, precision=train_cfg.precision,
-                         compile_backend=train_cfg.compile_backend if train_cfg.compile else None)
+                         transforms=model_transforms(train_cfg))
         self.model_parts: list[nn.Module] = pm.parts
         self.stage_ids, self.n_stages = pm.stage_ids, pm.n_stages
         self.moe, self.context, self.tied, self.replica_sync = pm.moe, pm.context, pm.tied, pm.replica_sync
@@ -243,16 +240,7 @@ class ParallelEngine:
             return self._optimizer_step(lr, apply)
 
     def _optimizer_step(self, lr: float, apply: bool) -> bool:
-        overflow = self.grads_overflowed()
-        applied = apply and not overflow
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
-            if applied:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-        if applied or overflow:
-            self.scaler.update(overflow)  # a guard skip leaves the scale and its growth tracker alone
+        applied = finish_step(self.optimizers, self.scaler, lr, apply=apply, overflow=self.grads_overflowed())
         # MoE (docs/MOE.md): routing-bias update from this step's counts, or the counts dropped with the step
         self.moe.after_optimizer_step(self.model_parts, applied)
         self._found_inf = self._unscaled = False

@@ -7,8 +7,8 @@ biases) and the next steps train; an fp16 overflow is the loss scaler's skip (it
 fp16 resume: the runs start at a loss scale that overflows, so the scale backs off twice before the step-4
 checkpoint and the growth tracker is mid-count there (growth every 3 clean steps): a resume that restarted the
 tracker (or the scale) would grow at another step. Stopped at 4 and resumed, a run logs losses and loss scales
-bitwise equal to the uninterrupted run — on one process (torch's GradScaler) and on two FSDP ranks (the
-parallel LossScaler). The 2-rank spawn also checks the parallel engine's skipped steps.
+bitwise equal to the uninterrupted run — on one process and on two FSDP ranks (both engines' LossScaler,
+framework/numerics/precision.py). The 2-rank spawn also checks the parallel engine's skipped steps.
 """
 
 from __future__ import annotations

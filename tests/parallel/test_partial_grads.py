@@ -36,8 +36,8 @@ def test_partial_gradients_become_replicas_and_others_stay() -> None:
 
 
 def test_loss_scaler_defaults_and_growth_follow_torch_grad_scaler() -> None:
-    """The parallel engine's scaler must grow and back off as the 1-process engine's torch GradScaler does."""
-    from framework.parallel.precision import LossScaler
+    """The engines' one loss scaler must grow and back off as torch's GradScaler does."""
+    from framework.numerics.precision import LossScaler
 
     ref = torch.amp.GradScaler("cpu")
     ours = LossScaler(True)

@@ -1,0 +1,91 @@
+"""The one ordered list of model transforms, applied by both engines at the same point of building a model.
+
+A transform changes how a built, initialized model computes without changing its parameters' values or FQNs'
+meaning: torch.compile today, FP8 linears beside it. `LocalEngine` applies the list to its whole model right
+after initialization; `parallelize` applies it to each pipeline stage at the same point of the recipe (after
+TP/EP/CP, init and activation checkpointing, before FSDP wraps the blocks), so the 1-process reference runs
+exactly the transforms a layout runs. Adding one is a `register_transform` call:
+
+    register_transform("fp8", lambda s: fp8_transform(s.fp8) if s.fp8 else None, before="compile")
+
+Each entry builds its transform from the run's `TransformSettings` (the train section satisfies it) or returns
+None when the run does not ask for it; `model_transforms` lists the ones a run applies, in table order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from models.decoder import Decoder
+
+
+class TransformSettings(Protocol):
+    """What a transform may read of the run (framework/train/config.py `TrainConfig` is one)."""
+
+    @property
+    def compile(self) -> bool: ...
+
+    @property
+    def compile_backend(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a transform runs: the 1-process model or one stage of a parallel layout."""
+
+    tensor_parallel: bool = False
+    """The stage's linears are TP-sharded DTensors (compile then compiles sub-layer regions)."""
+
+
+@dataclass(frozen=True)
+class ModelTransform:
+    name: str
+    apply: Callable[[Decoder, Site], Any]
+    """Transform a Decoder (or pipeline stage) in place."""
+
+
+Builder = Callable[[TransformSettings], ModelTransform | None]
+TRANSFORMS: dict[str, Builder] = {}
+"""Every known transform by name, in the order they are applied (fill it through `register_transform`)."""
+
+
+def register_transform(name: str, build: Builder, *, before: str | None = None) -> None:
+    """Add `name` to the list, at the end or just before the entry `before`."""
+    if name in TRANSFORMS:
+        raise ValueError(f"model transform {name!r} is already registered")
+    items = list(TRANSFORMS.items())
+    at = [k for k, _ in items].index(before) if before is not None else len(items)
+    items.insert(at, (name, build))
+    TRANSFORMS.clear()
+    TRANSFORMS.update(items)
+
+
+def unregister_transform(name: str) -> None:
+    TRANSFORMS.pop(name)
+
+
+def model_transforms(settings: TransformSettings) -> list[ModelTransform]:
+    """The transforms `settings` asks for, in the order the list applies them."""
+    built = (build(settings) for build in TRANSFORMS.values())
+    return [t for t in built if t is not None]
+
+
+def apply_model_transforms(model: Decoder, transforms: Sequence[ModelTransform], site: Site) -> None:
+    for transform in transforms:
+        transform.apply(model, site)
+
+
+def _compile(settings: TransformSettings) -> ModelTransform | None:
+    """`train.compile`: each block compiled (framework/parallel/compile.py)."""
+    if not settings.compile:
+        return None
+    from framework.parallel.compile import compile_blocks
+
+    backend = settings.compile_backend
+    return ModelTransform("compile", lambda model, site: compile_blocks(
+        model.layers, backend, tensor_parallel=site.tensor_parallel))
+
+
+register_transform("compile", _compile)
