@@ -76,6 +76,14 @@ def param_checksums(engine: Any) -> Checksums:
     return out
 
 
+def kept_outputs(engine: Any) -> int:
+    """Micro-batch outputs (logits) the engine's pipeline schedules still hold after a step: the engine reads
+    only the losses, so none should be kept (framework/parallel/pipeline.py `outputs_not_kept`)."""
+    schedules = getattr(engine, "_schedules", {}).values()
+    stages = [st for s in schedules for st in getattr(s, "_stages", None) or [s._stage]]
+    return sum(len(st.output_chunks) for st in stages)
+
+
 def train_engine(engine: Any, cfg: Config, steps: int = STEPS) -> tuple[Steps, Checksums]:
     from framework.train.lr_schedule import lr_at
 
@@ -84,6 +92,7 @@ def train_engine(engine: Any, cfg: Config, steps: int = STEPS) -> tuple[Steps, C
     for step in range(steps):
         batch = rank_batch(data[step], engine.dp_rank, engine.dp_size, cfg.train.micro_batch_size)
         loss = engine.forward_backward(batch)
+        assert not kept_outputs(engine), f"the last pipeline stage kept {kept_outputs(engine)} micro-batch outputs"
         norm = engine.clip_grad_norm(cfg.train.grad_clip)
         engine.optimizer_step(lr_at(cfg.train, step))
         out.append((loss, norm))
