@@ -139,17 +139,43 @@ def _ravel(coords: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor | int:
 def copy_initial_into(cfg: ModelConfig, fqn: str, param: torch.Tensor, seed: int) -> None:
     """Initialize `param` (a DTensor: only its local shard, drawn as such; see `initial_shard`)."""
     from torch._subclasses.fake_tensor import is_fake
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor
 
     shape = tuple(param.shape)  # DTensor.shape: the global shape
     if is_fake(param.to_local() if isinstance(param, DTensor) else param):
         # A dry run's rank (`tessera dryrun`, FakeTensorMode): there are no values to draw, and the chunked draw's
         # data-dependent indexing has no fake implementation. The shard's storage exists; leave it as it is.
         return
-    if isinstance(param, DTensor) and all(type(p) is Shard or isinstance(p, Replicate) for p in param.placements):
-        local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
-        value = initial_shard(cfg, fqn, shape, seed, tuple(offset), tuple(local_shape))
+    box = local_box(param) if isinstance(param, DTensor) else None
+    if box is not None:
+        value = initial_shard(cfg, fqn, shape, seed, *box)
         param.to_local().copy_(value.to(param.device))
         return
-    copy_full_into(param, initial_value(cfg, fqn, shape, seed))  # plain tensors; other placements (_StridedShard)
+    copy_full_into(param, initial_value(cfg, fqn, shape, seed))  # plain tensors; other placements (Partial)
+
+
+def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offset, local shape) of a DTensor's local tensor in the global tensor, or None when it is not one box.
+
+    Shard placements split a dimension as torch.chunk does (ceil-sized pieces, trailing ones short or empty),
+    outer mesh dimensions first; a `_StridedShard` (FSDP2 over a tensor-parallel dimension: FSDP shards the
+    tp-local tensor) splits the piece the plain Shards left, so applying those after the others gives the box.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = param.placements  # type: ignore[attr-defined]
+    if not all(isinstance(p, Shard | Replicate | _StridedShard) for p in placements):  # not a Shard subclass
+        return None
+    coord = param.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+    if coord is None:
+        return None
+    offset, size = [0] * param.dim(), list(param.shape)
+    order = [i for i, p in enumerate(placements) if type(p) is Shard]
+    order += [i for i, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    for i in order:
+        d, n = placements[i].dim, param.device_mesh.size(i)  # type: ignore[attr-defined]
+        piece = -(-size[d] // n)
+        start = min(coord[i] * piece, size[d])
+        offset[d], size[d] = offset[d] + start, min(piece, size[d] - start)
+    return tuple(offset), tuple(size)

@@ -44,12 +44,12 @@ _LABELS = {
     "collective_buffers": "FSDP all-gather / reduce-scatter buffers",
     "pipeline_recv": "pipeline receive buffers",
     "all_to_all": "MoE all-to-all buffers",
-    "setup": "tensors from building the model (weights materialized before FSDP shards them)",
+    "setup": "tensors from building the model (each rank's shards of the weights, drawn after FSDP shards them)",
 }
 _ADVICE = {
-    "setup": "building the model passes the budget: the recipe materializes each rank's TP/PP-local weights in "
-             "full before FSDP shards them (parallelize step 6 before 9), so raise tp or pp (smaller local "
-             "weights) or initialize sharded",
+    "setup": "building the model passes the budget: this rank's shards of the weights do not fit (with qwZ, "
+             "parallel.zero_quantized_weights, its TP/PP-local weights are materialized before FSDP shards them), "
+             "so raise tp or pp (smaller local weights) or the FSDP group",
     "forward": "activations dominate: set parallel.recompute=full (or selective), lower train.micro_batch_size, "
                "or spread the sequence with a larger tp (sequence parallel) or cp",
     "backward": "backward working memory dominates: set parallel.recompute=selective/full or lower "

@@ -11,13 +11,17 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
   3. TP + SP: the plans of models/plans.py make the parameters DTensors over `tp` (tensor.py)
   4. EP: experts over `ep`, routing on the tp sequence shards (expert.py)
   5. CP: attention exchanges K/V over `cp` (context.py)
-  6. `to_empty` + per-FQN init (models/init.py): after sharding, so a rank allocates and draws only its shards, and
-     bitwise the 1-process values under any layout; a tied head is re-tied (to_empty gives it its own storage)
-  7. activation checkpointing on every k-th block (recompute.py)
-  8. the model transforms (framework/numerics/transforms.py: torch.compile per block, compile.py), the same
+  6. activation checkpointing on every k-th block (recompute.py)
+  7. the model transforms (framework/numerics/transforms.py: torch.compile per block, compile.py), the same
      list at the same point as LocalEngine: after TP and recompute, before FSDP, whose hooks stay outside
-  9. FSDP (zero.py): experts over the edp ranks first, then the blocks and the root over `zero.fsdp_mesh`
-     (dp_shard, with cp folded in), moving the dtypes `zero.fsdp_mp_policy` chooses
+  8. FSDP (zero.py), on the meta device when it can: experts over the edp ranks first, then the blocks and the
+     root over `zero.fsdp_mesh` (dp_shard, with cp folded in), moving the dtypes `zero.fsdp_mp_policy` chooses
+  9. `to_empty` + per-FQN init (models/init.py): after every sharding, so a rank allocates and draws only its
+     shards (FSDP's included), bitwise the 1-process values under any layout; a tied head is re-tied (to_empty
+     gives it its own storage). Under cpu_offload the parameters materialize on the host (FSDP's offload wants
+     them there), the buffers on the device. Two things need real weights before FSDP and materialize them
+     before step 6 instead (TP/EP shards still drawn as such, FSDP's not): qwZ, which wraps the weights before
+     fully_shard, and the model transforms, whose contract is initialized weights (a compiled run).
   after all stages:
  10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients
  11. ZeRO-0 / DDP over dp_replicate without FSDP: the replica gradient all-reduce after backward
@@ -103,16 +107,16 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         moe.parallelize(part)  # 4
         if context is not None:  # 5
             context.install(part)
-        part.to_empty(device=device)  # 6
-        if model_cfg.tied_embeddings and part.tok_embeddings is not None and part.output is not None:
-            # to_empty gives each module its own storage: without this a pp=1 run of a tied model trains untied.
-            part.output.weight = part.tok_embeddings.weight
-        part.init_weights(seed)
-        apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 7
-        apply_model_transforms(part, transforms, Site(tensor_parallel=dims.tp > 1))  # 8
-        moe.shard(part, mp_policy=mp_policy)  # 9: experts over edp (before FSDP wraps their blocks), or hand-synced
+        early = pcfg.zero_quantized_weights or bool(transforms)  # they need values before FSDP
+        if early:
+            materialize(part, model_cfg, device, seed)
+        apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 6
+        apply_model_transforms(part, transforms, Site(tensor_parallel=dims.tp > 1))  # 7
+        moe.shard(part, mp_policy=mp_policy)  # 8: experts over edp (before FSDP wraps their blocks), or hand-synced
         if shard_mesh is not None:
             apply_fsdp(part, shard_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
+        if not early:
+            materialize(part, model_cfg, device, seed, params_on_host=pcfg.cpu_offload)  # 9
 
     tied = None  # 10
     if model_cfg.tied_embeddings and dims.pp > 1:
@@ -122,3 +126,19 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         replica_sync = ReplicatedGradSync([p for part in parts for p in part.parameters()],
                                           mesh["dp_replicate"].get_group(), dims.dp_replicate)
     return ParallelModel(list(parts), stage_ids, n_stages, moe, context, tied, replica_sync)
+
+
+def materialize(part: nn.Module, model_cfg: ModelConfig, device: torch.device, seed: int, *,
+                params_on_host: bool = False) -> None:
+    """Allocate a meta-device stage (its parameters already in their final sharding) and draw its initial values."""
+    part.to_empty(device=torch.device("cpu") if params_on_host else device)
+    if params_on_host:
+        for module in part.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+    if model_cfg.tied_embeddings and part.tok_embeddings is not None and part.output is not None:
+        # to_empty gives each module its own storage: without this a pp=1 run of a tied model trains untied.
+        part.output.weight = part.tok_embeddings.weight
+    assert isinstance(part, Decoder)
+    part.init_weights(seed, device=device)

@@ -110,39 +110,43 @@ def _async_tp_checkpoint(root: Path) -> dict[str, Any]:
     return out
 
 
-def _sharded_init() -> dict[str, Any]:
-    """Build the TP2 engine with every normal_ draw recorded (DRAW_CHUNK lowered to 64 elements)."""
+def _sharded_init(layout: tuple[str, ...]) -> dict[str, Any]:
+    """Build the engine of `layout` with every normal_ draw and every parameter-sized allocation recorded
+    (DRAW_CHUNK lowered to 64 elements)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     import models.init as init
     from framework.train.parallel_engine import build_parallel_engine
 
-    cfg = make_config(TP2)
+    cfg = make_config(layout)
     draws: list[int] = []
-    real, chunk = torch.Tensor.normal_, init.DRAW_CHUNK
+    real, chunk, empty_like = torch.Tensor.normal_, init.DRAW_CHUNK, torch.empty_like
+    allocated: list[int] = []  # to_empty allocates every parameter and buffer through torch.empty_like
 
     def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not self.is_meta:  # nn.Embedding's own reset on the meta model allocates nothing
             draws.append(self.numel())
         return real(self, *args, **kwargs)
 
-    torch.Tensor.normal_, init.DRAW_CHUNK = spy, 64  # type: ignore[method-assign]
+    def spy_empty_like(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = empty_like(t, *args, **kwargs)
+        allocated.append(out.to_local().numel() if isinstance(out, DTensor) else out.numel())
+        return out
+
+    torch.Tensor.normal_, init.DRAW_CHUNK, torch.empty_like = spy, 64, spy_empty_like  # type: ignore[method-assign, assignment]
     try:
         engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
     finally:
-        torch.Tensor.normal_, init.DRAW_CHUNK = real, chunk  # type: ignore[method-assign]
+        torch.Tensor.normal_, init.DRAW_CHUNK, torch.empty_like = real, chunk, empty_like  # type: ignore[method-assign]
     sharded, mismatched = [], []
     for fqn, p in engine.model_parts[0].named_parameters():
-        if not isinstance(p, DTensor) or p.to_local().numel() == p.numel():
+        if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
             continue
         sharded.append(p.numel())
-        local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        full = init.initial_value(cfg.model, fqn, tuple(p.shape), cfg.train.seed)
-        box = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]
-        if not torch.equal(p.to_local(), box):
+        if not torch.equal(p.full_tensor(), init.initial_value(cfg.model, fqn, tuple(p.shape), cfg.train.seed)):
             mismatched.append(fqn)
-    return {"sharded": sharded, "largest_draw": max(draws), "mismatched": mismatched}
+    return {"sharded": sharded, "largest_draw": max(draws), "mismatched": mismatched,
+            "largest_allocation": max(allocated)}
 
 
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -151,7 +155,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"parity": [run_round(rank, world, [FUSED_TP_NO_SP])]}
     out["comm_fn"] = _compiled_under_comm_log()
-    out["init"] = _sharded_init()
+    out["init"] = {"tp": _sharded_init(TP2), "fsdp": _sharded_init(FSDP2)}
     out["ckpt"] = _async_tp_checkpoint(Path(root))
     out["comm_engine"] = {name: [_engine_comm(layout, False), _engine_comm(layout, True)]
                           for name, layout in (("tp", TP2), ("fsdp", FSDP2))}
@@ -165,9 +169,13 @@ def test_gpu_paths_on_two_ranks(tmp_path: Path) -> None:
     bad = compare([[FUSED_TP_NO_SP]], [r["parity"] for r in results])
     assert not bad, "\n".join(bad)
     for r in results:
-        init = r["init"]
-        assert len(init["sharded"]) >= 6 and not init["mismatched"], init
-        assert init["largest_draw"] <= 64 + 16 < min(init["sharded"]), init  # never a sharded parameter whole
+        for name, init in r["init"].items():
+            assert len(init["sharded"]) >= 6 and not init["mismatched"], (name, init)
+            assert init["largest_draw"] <= 64 + 16, (name, init)  # never a sharded parameter drawn whole
+        assert 64 + 16 < min(r["init"]["tp"]["sharded"]), r["init"]["tp"]
+        # FSDP-only: every parameter is allocated as its shard (init follows fully_shard on the meta device)
+        fsdp = r["init"]["fsdp"]
+        assert 64 + 16 < max(fsdp["sharded"]) and fsdp["largest_allocation"] <= (max(fsdp["sharded"]) + 1) // 2, fsdp
         assert all(r["ckpt"].values()) and len(r["ckpt"]) == 6, r["ckpt"]
     for r in results:
         eager = r["comm_fn"]["None"]
