@@ -118,6 +118,21 @@ def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[
     return out
 
 
+def resident_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> float:
+    """Model-state bytes Tessera keeps on one rank *between* steps (what `model_state_bytes` splits differently).
+
+    Tessera's ZeRO-1/2/3 all run on FSDP2: between steps a rank holds the shard of each parameter in its storage
+    dtype (the fp32 master under mixed precision), the shard of its fp32 gradient and the AdamW shard; the
+    compute-dtype copies and the unsharded gradients of ZeRO-1/2 exist only during the step (gathered units,
+    gradients accumulated before the reduce-scatter), inside `model_state_bytes`' totals. Without FSDP (ZeRO-0,
+    DDP) the fp32 parameters, gradients and AdamW states are whole and there is no stored compute copy: autocast
+    casts per op during the step. The dry run's "states" measure exactly this (docs/PLANNER.md).
+    """
+    per_param = (prec.master or prec.param) + prec.grad + prec.optimizer
+    groups = [(params.dense, lay.shard_group), (params.experts, lay.dp * lay.tp // lay.ep)]
+    return sum(psi * per_param / (n if lay.zero_stage > 0 else 1) for psi, n in groups)
+
+
 def moe_layer_extra_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, act: int) -> int:
     """Activations of an MoE MLP (models/moe) beyond the dense MLP it replaces, on one rank and micro-batch.
 
@@ -249,4 +264,5 @@ __all__ = [
     "rank_chunks",
     "rank_memory",
     "rank_params",
+    "resident_state_bytes",
 ]
