@@ -45,7 +45,8 @@ def layout_of(cfg: Config, world_size: int) -> tuple[Workload, Layout]:
     work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, Precision.named(cfg.train.precision))
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_size, ep=dims.ep, cp=dims.cp, zero_stage=p.zero_stage,
                  recompute=p.recompute, micro_batch=cfg.train.micro_batch_size, schedule=p.pp_schedule,
-                 virtual=p.virtual_stages if dims.pp > 1 else 1, prefetch=p.fsdp_prefetch)
+                 virtual=p.virtual_stages if dims.pp > 1 else 1, prefetch=p.fsdp_prefetch,
+                 layer_split=tuple(p.pp_layer_split) if dims.pp > 1 and p.pp_layer_split else None)
     return work, lay
 
 

@@ -83,6 +83,8 @@ class Layout:
     ZeRO-3's backward all-gathers stay inside them. 1: off."""
     qgz: bool = False
     """ZeRO++ int8 all-to-all gradient reduce-scatter (parallel.zero_quantized_gradients), two hops with hpz."""
+    layer_split: tuple[int, ...] | None = None
+    """Layers of each pipeline chunk (parallel.pp_layer_split); None: n_layers // (pp x virtual) each."""
 
     @property
     def sp(self) -> bool:

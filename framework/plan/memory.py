@@ -78,14 +78,16 @@ def rank_chunks(lay: Layout, rank: int) -> list[int]:
 
 def rank_params(cfg: ModelConfig, lay: Layout, rank: int) -> RankParams:
     """Parameters on pipeline rank `rank` (any tp/dp rank within it holds the same count)."""
-    return _rank_params(cfg, lay.tp, lay.pp, lay.ep, lay.virtual, tuple(rank_chunks(lay, rank)))
+    return _rank_params(cfg, lay.tp, lay.pp, lay.ep, lay.virtual, tuple(rank_chunks(lay, rank)), lay.layer_split)
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_params(cfg: ModelConfig, tp: int, pp: int, ep: int, virtual: int, chunks: tuple[int, ...]) -> RankParams:
+def _rank_params(cfg: ModelConfig, tp: int, pp: int, ep: int, virtual: int, chunks: tuple[int, ...],
+                 split: tuple[int, ...] | None = None) -> RankParams:
     n_chunks = pp * virtual
     per_chunk = cfg.n_layers // n_chunks
-    layers = tuple(i for c in chunks for i in range(c * per_chunk, (c + 1) * per_chunk))
+    bounds = [sum(split[:c]) for c in range(n_chunks + 1)] if split else [c * per_chunk for c in range(n_chunks + 1)]
+    layers = tuple(i for c in chunks for i in range(bounds[c], bounds[c + 1]))
     dense = experts = largest = 0
     for i in layers:
         d, e = layer_params(cfg, i, tp, ep)

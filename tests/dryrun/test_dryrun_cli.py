@@ -31,11 +31,12 @@ def test_rank_classes_of_the_reference_layouts() -> None:
 @pytest.mark.slow
 def test_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "dry.json"
-    rc = main(["dryrun", TINY, "parallel.tp=2", "parallel.pp=2", "--world", "8", "--json", str(out), "--vs-planner"])
+    rc = main(["dryrun", TINY, "parallel.tp=2", "parallel.pp=2", "parallel.pp_layer_split=[1,3]", "--world", "8",
+               "--json", str(out), "--vs-planner"])
     text = capsys.readouterr().out
     assert rc == 0, text
     # The planner's states held between steps (ZeRO-1 on FSDP2: fp32 shards of parameters, gradients, AdamW)
-    # equal what the engine holds, on both stages.
+    # equal what the engine holds, on both stages of an uneven split.
     rows = [line.split(" model states ")[1].split() for line in text.splitlines() if " model states " in line]
     ratios = [float(row[2]) for row in rows]
     assert len(ratios) == 2 and all(abs(r - 1.0) <= 0.02 for r in ratios), text
