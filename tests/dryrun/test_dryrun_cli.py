@@ -71,6 +71,11 @@ def test_405b_at_tp1_pp1_on_2048_ranks_is_refused_with_its_cause(capsys: pytest.
     assert "DOES NOT FIT" in text and "raise tp or pp" in text
 
 
+def test_muon_is_refused_in_words(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["dryrun", TINY, "train.optimizer=muon", "--world", "2"])
+    assert rc == 2 and "train.optimizer=adamw" in capsys.readouterr().err
+
+
 def test_launch_slurm_refuses_before_submitting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     from framework.dryrun import cli as dryrun_cli
