@@ -146,8 +146,7 @@ def copy_initial_into(cfg: ModelConfig, fqn: str, param: torch.Tensor, seed: int
         # A dry run's rank (`tessera dryrun`, FakeTensorMode): there are no values to draw, and the chunked draw's
         # data-dependent indexing has no fake implementation. The shard's storage exists; leave it as it is.
         return
-    box = local_box(param) if isinstance(param, DTensor) else None
-    if box is not None:
+    if isinstance(param, DTensor) and (box := local_box(param)) is not None:
         value = initial_shard(cfg, fqn, shape, seed, *box)
         param.to_local().copy_(value.to(param.device))
         return

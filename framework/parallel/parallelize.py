@@ -128,7 +128,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
     return ParallelModel(list(parts), stage_ids, n_stages, moe, context, tied, replica_sync)
 
 
-def materialize(part: nn.Module, model_cfg: ModelConfig, device: torch.device, seed: int, *,
+def materialize(part: Decoder, model_cfg: ModelConfig, device: torch.device, seed: int, *,
                 params_on_host: bool = False) -> None:
     """Allocate a meta-device stage (its parameters already in their final sharding) and draw its initial values."""
     part.to_empty(device=torch.device("cpu") if params_on_host else device)
@@ -140,5 +140,4 @@ def materialize(part: nn.Module, model_cfg: ModelConfig, device: torch.device, s
     if model_cfg.tied_embeddings and part.tok_embeddings is not None and part.output is not None:
         # to_empty gives each module its own storage: without this a pp=1 run of a tied model trains untied.
         part.output.weight = part.tok_embeddings.weight
-    assert isinstance(part, Decoder)
     part.init_weights(seed, device=device)

@@ -84,7 +84,7 @@ def run_schedule(schedule: _PipelineSchedule, stage_ids: Sequence[int], n_stages
     return losses
 
 
-def outputs_not_kept(schedule: _PipelineSchedule) -> dict[str, bool]:
+def outputs_not_kept(schedule: _PipelineSchedule) -> dict[str, Any]:
     """The `step` argument that stops the last stage from keeping every micro-batch's output (the logits).
 
     By default torch's schedules append each micro-batch's output to `output_chunks` and merge them when the
