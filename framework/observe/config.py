@@ -75,6 +75,45 @@ class PreflightConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class StragglerConfig:
+    """Per-rank step sections and the slow-rank detector (framework/observe/straggler.py)."""
+
+    enabled: bool = True
+    interval: int = 10
+    """Steps per window: the per-rank section means are all-gathered once per window (one small collective)."""
+    threshold: float = 6.0
+    """Robust z-score ((x - median) / (1.4826 MAD) over the ranks) above which a rank is slow in a window."""
+    min_ratio: float = 1.3
+    """...and its section time must be at least this multiple of the median."""
+    persist: int = 3
+    """Windows in a row the same rank and section must be slow before it is named."""
+    inject: str = ""
+    """Fault injection for tests and drills: "RANK:SECTION:SECONDS" sleeps that long in that section
+    (forward, backward or optimizer) of that rank every step; empty: none."""
+
+    def parse_inject(self) -> tuple[int, str, float] | None:
+        if not self.inject:
+            return None
+        rank, section, seconds = self.inject.split(":")
+        return int(rank), section, float(seconds)
+
+    def validate(self) -> None:
+        if self.interval < 1 or self.persist < 1 or self.threshold <= 0 or self.min_ratio < 1:
+            raise ConfigError(f"observe.straggler: interval={self.interval} and persist={self.persist} must be >= 1, "
+                              f"threshold={self.threshold} > 0 and min_ratio={self.min_ratio} >= 1; e.g. 10, 3, 6, 1.3")
+        if self.inject:
+            parts = self.inject.split(":")
+            ok = len(parts) == 3 and parts[0].isdigit() and parts[1] in ("forward", "backward", "optimizer")
+            try:
+                ok = ok and float(parts[2]) >= 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigError(f"observe.straggler.inject={self.inject!r} must read RANK:SECTION:SECONDS with "
+                                  f"SECTION forward, backward or optimizer; e.g. '2:forward:0.05'")
+
+
+@dataclass(kw_only=True, frozen=True)
 class ObserveConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: bool = False
@@ -90,6 +129,7 @@ class ObserveConfig:
     """Count full activation recomputation in HFU even when parallel.recompute does not say so (an engine that
     recomputes on its own); otherwise HFU follows parallel.recompute and parallel.recompute_every."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
     def validate(self) -> None:
         from framework.observe.mfu import PEAK_TFLOPS

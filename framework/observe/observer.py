@@ -3,7 +3,8 @@
 The trainer calls, in order:
 
     obs = Observer.for_config(cfg, run_dir, rank, world, device)   # wandb/TensorBoard sinks on rank 0
-    record.update(obs.on_step(record))                   # per train step: tokens/s per device, MFU, HFU
+    obs.attach(engine.model_parts, engine.optimizers)    # the straggler detector's section hooks
+    record.update(obs.on_step(record))                   # per train step: tokens/s per device, MFU, HFU, straggler/*
     out.update(obs.eval_metrics(out))                     # per evaluation: val_ppl/<domain>
     obs.summary(step, final_eval, checkpoint_time_s)      # once per start: a `summary` record
 """
@@ -18,6 +19,7 @@ import torch
 
 from framework.observe.config import ObserveConfig
 from framework.observe.mfu import FlopsMeter, peak_tflops
+from framework.observe.straggler import StragglerDetector
 from framework.parallel.config import ParallelConfig
 from models.config import ModelConfig
 
@@ -54,6 +56,7 @@ class Observer:
         self._n_steps, self._peak_mb = 0, 0.0
         self._last: dict[str, Any] | None = None
         self._sums: dict[str, float] = {}
+        self.straggler = StragglerDetector(obs.straggler, rank, world, device)
         self.sinks: list[Any] = []
         if rank == 0:
             from framework.observe.sinks import build_sinks
@@ -68,15 +71,22 @@ class Observer:
         return cls(cfg.observe, cfg.model, cfg.data.seq_len, cfg.parallel, run_dir, run_name=cfg.run.name,
                    run_config=to_dict(cfg), rank=rank, world=world, device=device)
 
-    def on_step(self, record: dict[str, Any]) -> dict[str, float]:
-        """Throughput per device, MFU (common and causal) and HFU of a train record; also feeds the summary."""
+    def attach(self, parts: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        """Hook the straggler detector's section timers (and any injected fault) into the engine's model parts."""
+        self.straggler.attach(parts, optimizers)
+
+    def on_step(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Throughput per device, MFU (common and causal) and HFU of a train record, and the straggler verdict every
+        observe.straggler.interval steps (a collective: every rank calls this every step); feeds the summary."""
         self._n_steps += 1
         self._last = record
         if self._n_steps > 1:  # steady state: the first step pays one-off allocation and warm-up costs
             for key in ("step_time_s", *BREAKDOWN):
                 self._sums[key] = self._sums.get(key, 0.0) + float(record[key])
         self._peak_mb = max(self._peak_mb, float(record["memory_mb"]))
-        return self.meter.metrics(record["tokens_per_s"]) if self.meter else {}
+        out: dict[str, Any] = dict(self.meter.metrics(record["tokens_per_s"])) if self.meter else {}
+        out.update(self.straggler.on_step(record))
+        return out
 
     @staticmethod
     def eval_metrics(out: dict[str, float]) -> dict[str, float]:

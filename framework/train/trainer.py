@@ -137,6 +137,7 @@ class Trainer:
         from framework.observe.observer import Observer
 
         self.observer = Observer.for_config(cfg, self.run_dir.path, self.rank, self.world, self.device)
+        self.observer.attach(self.engine.model_parts, self.engine.optimizers)
         self.sinks: list[MetricSink] = [JsonlSink(self.run_dir), *self.observer.sinks] if self.rank == 0 else []
         self.step = 0
         self._memory_due = False  # write the engine's memory report during this step (`train`)
