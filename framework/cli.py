@@ -54,6 +54,8 @@ def init_distributed(timeout_s: float | None = None) -> None:
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     timeout = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", timeout_s or 600))  # env overrides config
+    # torch's flight recorder (each rank's last collectives), on gloo too: the hang watchdog dumps it for doctor
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"))
     # device_id binds the communicator to this GPU at once (eager NCCL init: no guess of the device at the
     # first collective, and split groups share the connection)
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout),

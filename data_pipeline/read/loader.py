@@ -2,12 +2,18 @@
 
 Batch b covers global sample indices [b*G, (b+1)*G) (G = global batch size); data-parallel rank r takes the
 contiguous slice [r*G/dp, (r+1)*G/dp) and splits it into micro-batches in order. The loader's whole state is
-`consumed_samples`, so a restored loader yields exactly what an uninterrupted one would, at any world size.
+`consumed_samples` and the quarantine, so a restored loader yields exactly what an uninterrupted one would, at any
+world size.
+
+Quarantine: global sample indices the spike triage found to cause a loss spike (framework/train/triage.py). The
+loader's positions count the samples it hands out, so position p reads the p-th sample index not quarantined: a
+quarantined sample is skipped on this and every later start, and the run reads what a run whose data never held
+it would read from that point on. The list travels in the loader state (the checkpoint's meta.json).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -79,14 +85,34 @@ class BatchLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.n_micro = global_batch_size // per_step
         self.consumed_samples = consumed_samples
+        self.quarantine = np.zeros(0, dtype=np.int64)
+        """Sorted global sample indices never handed out (module docstring)."""
+
+    def indices_at(self, positions: np.ndarray) -> np.ndarray:
+        """Sample index of each loader position: the position-th index not in the quarantine (modulo the length)."""
+        out = positions.astype(np.int64)
+        for _ in range(len(self.quarantine) + 1):  # i = p + #{q <= i} climbs to its least fixed point
+            step = positions + np.searchsorted(self.quarantine, out, side="right")
+            if np.array_equal(step, out):
+                break
+            out = step
+        return out % len(self.samples)
 
     def rank_indices(self, consumed_samples: int | None = None) -> np.ndarray:
         """Global sample indices of this rank's next batch, shaped (n_micro, micro_batch_size)."""
         start = self.consumed_samples if consumed_samples is None else consumed_samples
         per_rank = self.global_batch_size // self.dp_size
         first = start + self.dp_rank * per_rank
-        idx = np.arange(first, first + per_rank, dtype=np.int64) % len(self.samples)
+        idx = self.indices_at(np.arange(first, first + per_rank, dtype=np.int64))
         return idx.reshape(self.n_micro, self.micro_batch_size)
+
+    def quarantine_batch(self, start: int) -> list[int]:
+        """Quarantine the global batch read from position `start` (the last one) and step back onto its position,
+        which now reads the next samples. Returns the quarantined indices."""
+        idx = self.indices_at(np.arange(start, start + self.global_batch_size, dtype=np.int64))
+        self.quarantine = np.union1d(self.quarantine, idx)
+        self.consumed_samples = start
+        return [int(i) for i in idx]
 
     def next_batch(self) -> torch.Tensor:
         """This rank's micro-batches of the next global batch: (n_micro, micro_batch_size, seq_len + 1) int64."""
@@ -96,13 +122,19 @@ class BatchLoader:
         self.consumed_samples += self.global_batch_size
         return batch
 
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"consumed_samples": self.consumed_samples}
+        if len(self.quarantine):
+            out["quarantine"] = [int(i) for i in self.quarantine]
+        return out
 
-    def load_state_dict(self, sd: dict[str, int]) -> None:
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Take the position; add the state's quarantine to this loader's (a rollback to a checkpoint older than a
+        quarantine keeps it)."""
         if "consumed_samples" not in sd:
             raise DataError(f"loader state {sd!r} lacks 'consumed_samples'; it is not a BatchLoader state_dict")
         self.consumed_samples = int(sd["consumed_samples"])
+        self.quarantine = np.union1d(self.quarantine, np.asarray(sd.get("quarantine", []), dtype=np.int64))
 
 
 __all__ = ["BatchLoader", "Samples", "SyntheticSamples"]

@@ -28,6 +28,10 @@ class GuardConfig:
     max_rollbacks: int = 3
     """Stop the run with an error (not the requeue code) after this many rollbacks, or at the second rollback to
     the same checkpoint: a divergence that survives skipping its data needs a person (lower the LR, fix data)."""
+    triage: bool = True
+    """Replay every skipped step (same ranks, then rows shifted one data rank on; two forward passes) to tell data
+    from hardware; data goes to the loader's quarantine (framework/train/triage.py). A rollback after a data
+    verdict resumes at the checkpoint's position, the quarantined samples skipped, instead of skipping the window."""
 
     def validate(self) -> None:
         if self.zscore < 0:

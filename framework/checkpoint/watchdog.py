@@ -5,7 +5,9 @@ the next collective waiting for it: every rank's watchdog fires, each writes `st
 directory with `faulthandler` (the stalled rank's stack names the culprit; the others show the collective they
 wait in), waits a short grace so slower peers can dump too, and exits with the requeue exit code. The training
 process group's collective timeout (checkpoint.collective_timeout_s) must be longer than the watchdog's, so a
-hang is reported by stacks rather than by a collective error.
+hang is reported by stacks rather than by a collective error. Beside the stacks, each rank writes torch's flight
+record (its last collectives per process group) to `nccl_trace/rank_R.watchdog`, from which `tessera doctor` names
+the collective, the group and the rank that never issued it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -20,6 +23,28 @@ from pathlib import Path
 from framework.base.logs import get_logger
 
 log = get_logger("watchdog")
+
+
+def dump_flight_record(path: Path) -> bool:
+    """Write torch's flight record of this rank (its last collectives; on gloo too) with the group table (name ->
+    description and global member ranks) beside it, for `tessera doctor` (framework/observe/flight.py). False when
+    the recorder is off (TORCH_FR_BUFFER_SIZE unset) or unavailable."""
+    try:
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        record = pickle.loads(_dump_fr_trace())
+        if not record.get("entries"):
+            return False
+        world = dist.distributed_c10d._world
+        record["groups"] = {name: {"desc": getattr(pg, "group_desc", ""), "ranks": dist.get_process_group_ranks(pg)}
+                            for pg, name in world.pg_names.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(record))
+        return True
+    except Exception as exc:  # forensics must never turn a hang into a crash
+        log.warning("no flight record written to %s: %s", path, exc)
+        return False
 
 
 class Watchdog:
@@ -71,6 +96,7 @@ class Watchdog:
                     f"(checkpoint.watchdog_timeout_s={self.timeout_s:g}); last completed step {self._step}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        dump_flight_record(self.dump_dir.parent / "nccl_trace" / f"rank_{self.rank}.watchdog")
         return self.dump_file
 
     def fire(self, idle_s: float) -> None:

@@ -92,10 +92,25 @@ def read_logs(run_dir: Path) -> list[tuple[str, int, str]]:
 
 
 # --- checks -----------------------------------------------------------------------------------------------------
+def check_flight(run_dir: Path) -> list[Finding]:
+    """The flight records (framework/observe/flight.py): the collective, group and rank(s) a hang waits for."""
+    from framework.observe.flight import describe, read_flight, stuck_collectives
+
+    stuck = stuck_collectives(read_flight(run_dir))
+    if not stuck:
+        return []
+    first = stuck[0]
+    missing = ", ".join(str(r) for r in first.missing)
+    return [Finding("error", "hang", f"hung in {first.op} on group {first.group}: rank(s) {missing} never issued it",
+                    [describe(s) for s in stuck],
+                    f"read the stack of rank(s) {missing} (stacks/rank_R.txt): what it does instead of {first.op}; a "
+                    f"rank dead or missing from every record points at its host (tessera doctor on its log)")]
+
+
 def check_hang(run_dir: Path) -> list[Finding]:
     stacks = read_dumps(run_dir)
     if not stacks:
-        return []
+        return check_flight(run_dir)
     late = behind(stacks)
     evidence = [f"rank {s.rank}: last completed step {s.last_step}, idle {s.idle_s:.0f} s, "
                 + (f"waiting in {s.collective} called from {s.where}" if s.collective else f"at {s.where}")
@@ -116,7 +131,7 @@ def check_hang(run_dir: Path) -> list[Finding]:
     if len(waiting) > 1:
         evidence.append(f"ranks wait in different collectives ({', '.join(waiting)}): the ranks' call orders "
                         f"diverged (a desync)")
-    return [Finding("error", "hang", summary, evidence, fix)]
+    return [*check_flight(run_dir), Finding("error", "hang", summary, evidence, fix)]
 
 
 _RESUMED = re.compile(r"resumed from (step_\d+)")
@@ -294,7 +309,7 @@ def check_throughput(records: list[dict[str, Any]]) -> list[Finding]:
     return out
 
 
-RUN_FILES = ("metrics.jsonl", "config.yaml", "checkpoints", "stacks")
+RUN_FILES = ("metrics.jsonl", "config.yaml", "checkpoints", "stacks", "nccl_trace")
 """What a run directory holds besides its logs (any one of them is something to diagnose)."""
 _STOPPED = re.compile(r"stopping at step (\d+) on (\S+): checkpoint committed; exit code (\d+)")
 

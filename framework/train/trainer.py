@@ -34,6 +34,7 @@ from framework.train.documents import resolve_documents
 from framework.train.local_engine import LocalEngine
 from framework.train.lr_schedule import lr_at, section_lr_at
 from framework.train.parallel_engine import build_parallel_engine
+from framework.train.triage import Triage, triage
 from models.documents import DocumentMasking
 
 log = get_logger("train")
@@ -140,6 +141,7 @@ class Trainer:
         self.observer.attach(self.engine.model_parts, self.engine.optimizers)
         self.sinks: list[MetricSink] = [JsonlSink(self.run_dir), *self.observer.sinks] if self.rank == 0 else []
         self.step = 0
+        self.triaged: Triage | None = None  # the spike triage of the last skipped step
         self._memory_due = False  # write the engine's memory report during this step (`train`)
         self.ft = FaultTolerance(cfg.checkpoint, self.run_dir.path, self.device, section_lr_at)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -253,7 +255,9 @@ class Trainer:
         guard.skipped_total, guard.rollbacks, guard.rollback_targets = counters  # cumulative over the run
         guard.rolled_back(target)
         window = [self.loader.consumed_samples, consumed]
-        self.loader.load_state_dict({"consumed_samples": consumed})  # continue after the offending samples
+        if self.triaged is not None and self.triaged.quarantined:  # the quarantine skips just the spike's samples
+            window[1] = window[0]
+        self.loader.load_state_dict({"consumed_samples": window[1]})  # continue after the offending samples
         log.warning("guard: %d bad steps in a row up to step %d; rolled back to %s and skipped samples [%d, %d)",
                     self.cfg.checkpoint.guard.max_consecutive, bad_step, path.name if path else "nothing (no "
                     "checkpoint yet: weights kept)", *window)
@@ -294,6 +298,10 @@ class Trainer:
                           guard_skipped_total=self.ft.guard.skipped_total)
             log.warning("guard: step %d skipped (%s, loss %s, grad_norm %s); %d skipped so far", self.step,
                         verdict.reason, loss, grad_norm, self.ft.guard.skipped_total)
+            if self.cfg.checkpoint.guard.triage:  # replay: data (quarantined) or hardware
+                self.triaged = triage(self.engine, self.loader, batch, self.loader.consumed_samples
+                                      - self.cfg.train.global_batch_size, self.ft.guard, self.device)
+                self.log_record(self.triaged.record(self.step, len(self.loader.quarantine)))
         record.update(self.engine.extra_metrics())
         record.update(self.observer.on_step(record))
         return record

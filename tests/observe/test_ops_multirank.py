@@ -11,13 +11,19 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
+from data_pipeline.read.loader import SyntheticSamples
 from framework.base.run_dir import RunDir
+from framework.checkpoint.watchdog import Watchdog
+from framework.observe.doctor import diagnose
 from framework.testing import run_distributed
 from framework.testing.tiny import tiny_config
 from framework.train.trainer import Trainer
@@ -35,9 +41,87 @@ def _straggler(rank: int, base: Path, name: str, steps: int, *extra: str) -> lis
     return RunDir(base / name).read_metrics("train") if rank == 0 else []
 
 
+VOCAB, POISON_TOKEN = 512, 511
+POISONED = range(40, 48)  # the global batch of step 6 (global batch 8)
+
+
+class _Clean:
+    """tiny.yaml's synthetic samples without the poison token; `drop` removes the poisoned indices altogether."""
+
+    def __init__(self, drop: bool) -> None:
+        self.base, self.drop = SyntheticSamples(VOCAB, 32, seed=1234), drop
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = int(i) + (len(POISONED) if self.drop and i >= POISONED.start else 0)
+        row = self.base[i]
+        return np.where(row == POISON_TOKEN, 0, row)
+
+
+class _Poisoned(_Clean):
+    def __getitem__(self, i: int) -> np.ndarray:
+        row = super().__getitem__(i)
+        if int(i) in POISONED:
+            row[5] = POISON_TOKEN
+        return row
+
+
+def _trainer(run: Path, samples: Any, steps: int, *extra: str) -> Trainer:
+    """A DP4 trainer on `samples` whose model turns the poison token's embedding into NaN: a model that
+    deterministically diverges on some data, as a real spike-inducing batch does."""
+    t = Trainer(tiny_config(run, *DP4, f"train.steps={steps}", "checkpoint.interval=4",
+                            "observe.straggler.enabled=false", *extra))
+    t.loader.samples = samples
+    emb = t.engine.model_parts[0].tok_embeddings
+    emb.register_forward_hook(lambda m, a, out: out.masked_fill((a[0] == POISON_TOKEN).unsqueeze(-1), float("nan")))
+    return t
+
+
+def _triage_cases(rank: int, base: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"reference": _trainer(base / "ref", _Clean(drop=True), 10).train().losses}
+    poisoned = _trainer(base / "poison", _Poisoned(drop=False), 10, "checkpoint.guard.max_consecutive=1")
+    out["poisoned"] = poisoned.train(stop_at=8).losses
+    out["quarantine"] = [int(i) for i in poisoned.loader.quarantine]
+    resumed = _trainer(base / "poison", _Poisoned(drop=False), 10)
+    out["resumed"] = resumed.train().losses
+    out["resumed_quarantine"] = [int(i) for i in resumed.loader.quarantine]
+    hw = _trainer(base / "hw", _Clean(drop=False), 5)
+    calls = [0]
+
+    def nan_once(m: Any, a: Any, y: torch.Tensor) -> torch.Tensor:  # rank 1, the third training forward only
+        calls[0] += 1
+        return y * float("nan") if rank == 1 and calls[0] == 3 else y
+
+    hw.engine.model_parts[0].tok_embeddings.register_forward_hook(nan_once)
+    out["hardware"] = hw.train().losses
+    out["hardware_quarantine"] = [int(i) for i in hw.loader.quarantine]
+    out["triage"] = {name: RunDir(base / name).read_metrics("triage") for name in ("poison", "hw")} if rank == 0 else {}
+    return out
+
+
+class _KeptWatchdog(Watchdog):
+    """The hang watchdog, firing once and keeping the process (the test's late rank arrives after the dumps)."""
+
+    def exit_now(self, after_s: float = 0.0) -> None:
+        self._stop.set()
+
+
+def _hang_case(rank: int, base: Path) -> None:
+    group = dist.new_group(list(range(4)), group_desc="dp")
+    dist.all_reduce(torch.ones(1), group=group)  # collective #1: every rank issued it
+    watchdog = _KeptWatchdog(1.0, base / "hang" / "stacks", rank, exit_code=42).start()
+    if rank == 3:
+        time.sleep(5.0)  # rank 3 is stuck outside any collective (a slow read) while its peers wait in #2
+    dist.all_reduce(torch.ones(1), group=group)
+    watchdog.stop()
+
+
 def _body(rank: int, world: int, base: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out: dict[str, Any] = {}
+    _hang_case(rank, base)
+    out: dict[str, Any] = _triage_cases(rank, base)
     out["slow_forward"] = _straggler(rank, base, "slow_fwd", 8, "observe.straggler.inject=2:forward:0.08")
     out["slow_optimizer"] = _straggler(rank, base, "slow_opt", 8, "observe.straggler.inject=1:optimizer:0.08")
     out["healthy"] = _straggler(rank, base, "healthy", 30)
@@ -47,7 +131,7 @@ def _body(rank: int, world: int, base: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def ops_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("ops")
-    results = run_distributed(_body, 4, timeout_s=300, base=base)
+    results = run_distributed(_body, 4, timeout_s=300, base=base, env={"TORCH_FR_BUFFER_SIZE": "64"})
     return {"base": base, "ranks": results}
 
 
@@ -70,3 +154,35 @@ def test_a_healthy_run_names_nobody(ops_results: dict[str, Any]) -> None:
     records = ops_results["ranks"][0]["healthy"]
     assert len(records) == 30 and sum("straggler/max_score" in r for r in records) == 30 // INTERVAL
     assert _named(records) is None, _named(records)
+
+
+def test_a_poisoned_batch_is_data_quarantined_and_skipped_after_rollback_and_resume(
+        ops_results: dict[str, Any]) -> None:
+    ranks = ops_results["ranks"]
+    ref = ranks[0]["reference"]
+    (tri,) = ranks[0]["triage"]["poison"]
+    assert (tri["step"], tri["verdict"], tri["quarantined"]) == (6, "data", list(POISONED))
+    assert all(r["quarantine"] == r["resumed_quarantine"] == list(POISONED) for r in ranks)  # every rank agrees
+    # after the rollback to step 4 and after a new Trainer's resume at step 8: the losses of a run without them
+    losses = {**ranks[0]["poisoned"], **ranks[0]["resumed"]}
+    assert sorted(losses) == sorted(ref) == list(range(1, 11))
+    torch.testing.assert_close(torch.tensor([losses[s] for s in ref]), torch.tensor(list(ref.values())),
+                               rtol=0, atol=1e-6)
+
+
+def test_a_one_rank_nan_that_does_not_come_back_is_hardware_and_quarantines_nothing(
+        ops_results: dict[str, Any]) -> None:
+    ranks = ops_results["ranks"]
+    (tri,) = ranks[0]["triage"]["hw"]
+    assert (tri["step"], tri["verdict"], tri["quarantined"]) == (3, "hardware", [])
+    assert tri["replay_same_loss"] == pytest.approx(ranks[0]["reference"][3], abs=0.5)  # a finite, ordinary loss
+    assert all(r["hardware_quarantine"] == [] for r in ranks)
+    assert all(repr(r["hardware"]) == repr(ranks[0]["hardware"]) for r in ranks)  # the same losses, NaN at step 3
+
+
+def test_doctor_names_the_hung_collective_its_group_and_the_missing_rank(ops_results: dict[str, Any]) -> None:
+    findings = [f for f in diagnose(ops_results["base"] / "hang") if f.topic == "hang"]
+    assert findings, "doctor found no hang"
+    assert findings[0].summary == "hung in all_reduce on group dp: rank(s) 3 never issued it", findings[0]
+    assert any("ranks [0, 1, 2] wait in it; never issued by rank 3 (last seq 1)" in e for e in findings[0].evidence)
+    assert any("rank 3" in f.summary and "behind" in f.summary for f in findings)  # the stacks agree
