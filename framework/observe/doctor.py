@@ -131,7 +131,9 @@ def check_hang(run_dir: Path) -> list[Finding]:
     if len(waiting) > 1:
         evidence.append(f"ranks wait in different collectives ({', '.join(waiting)}): the ranks' call orders "
                         f"diverged (a desync)")
-    return [*check_flight(run_dir), Finding("error", "hang", summary, evidence, fix)]
+    for f in check_flight(run_dir):  # the flight record names the collective, its group and who never issued it
+        summary, evidence = f"{summary}; flight record: {f.summary.removeprefix('hung ')}", [*f.evidence, *evidence]
+    return [Finding("error", "hang", summary, evidence, fix)]
 
 
 _RESUMED = re.compile(r"resumed from (step_\d+)")
