@@ -48,12 +48,12 @@ class Outlier:
     """Its time over the median of its peers."""
 
 
-def robust_outliers(times: list[list[float]], threshold: float, min_ratio: float,
+def robust_outliers(times: list[list[float]], threshold: float, min_ratio: float, names: tuple[str, ...] = SECTIONS,
                     floor_s: float = 1e-3) -> list[Outlier]:
     """Rows (ranks or hosts) whose section time is a high outlier among the rows, worst first.
 
     Args:
-        times: times[row][section] in seconds, sections in SECTIONS order.
+        times: times[row][section] in seconds, sections in `names` order.
         threshold: robust z-score above which a row is an outlier.
         min_ratio: and its time must be at least this multiple of the median.
         floor_s: the MAD is floored at this many seconds (identical rows have MAD 0): a difference under a
@@ -68,7 +68,7 @@ def robust_outliers(times: list[list[float]], threshold: float, min_ratio: float
     scale = torch.clamp(MAD_TO_SIGMA * mad, min=floor_s)
     score = (t - median) / scale
     for row in range(t.shape[0]):
-        for col, name in enumerate(SECTIONS[: t.shape[1]]):
+        for col, name in enumerate(names):
             ratio = float(t[row, col] / median[col]) if median[col] > 0 else float("inf")
             if score[row, col] > threshold and ratio >= min_ratio and t[row, col] > floor_s:
                 out.append(Outlier(row, name, float(score[row, col]), ratio))

@@ -5,6 +5,7 @@
 - spike triage: a planted poisoned batch is classified as data, quarantined, skipped after the rollback and after a
   resume in a new Trainer, and the losses equal a run whose data never held it; a NaN injected once on one rank is
   classified as hardware, nothing is quarantined, and every rank holds the same verdicts;
+- sniff: the rank whose GEMM is slowed is named with its figure, the same on every rank;
 - hang: one rank late to a collective; the hang watchdog's flight-recorder dumps let `doctor` name the collective,
   the group and the missing rank.
 """
@@ -24,6 +25,7 @@ from data_pipeline.read.loader import SyntheticSamples
 from framework.base.run_dir import RunDir
 from framework.checkpoint.watchdog import Watchdog
 from framework.observe.doctor import diagnose
+from framework.observe.sniff import sniff
 from framework.testing import run_distributed
 from framework.testing.tiny import tiny_config
 from framework.train.trainer import Trainer
@@ -122,6 +124,8 @@ def _body(rank: int, world: int, base: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     _hang_case(rank, base)
     out: dict[str, Any] = _triage_cases(rank, base)
+    out["sniff"] = sniff(torch.device("cpu"), gemm_n=128, comm_numel=4096, repeats=3,
+                         slow_gemm_s=0.03 if rank == 1 else 0.0).slow
     out["slow_forward"] = _straggler(rank, base, "slow_fwd", 8, "observe.straggler.inject=2:forward:0.08")
     out["slow_optimizer"] = _straggler(rank, base, "slow_opt", 8, "observe.straggler.inject=1:optimizer:0.08")
     out["healthy"] = _straggler(rank, base, "healthy", 30)
@@ -185,3 +189,10 @@ def test_doctor_names_the_hung_collective_its_group_and_the_missing_rank(ops_res
     assert hang.summary.endswith("flight record: in all_reduce on group dp: rank(s) 3 never issued it"), hang
     assert any("ranks [0, 1, 2] wait in it; never issued by rank 3 (last seq 1)" in e for e in hang.evidence)
     assert hang.summary.startswith("hung: rank 3 (") and "is behind" in hang.summary  # the stacks agree
+
+
+def test_sniff_names_the_rank_with_the_slow_gemm_on_every_rank(ops_results: dict[str, Any]) -> None:
+    ranks = ops_results["ranks"]
+    worst = ranks[0]["sniff"][0]
+    assert (worst["rank"], worst["test"]) == (1, "gemm") and worst["seconds"] >= 0.03 and worst["slowdown"] > 3
+    assert all(r["sniff"] == ranks[0]["sniff"] for r in ranks)
