@@ -31,7 +31,7 @@ def dump_flight_record(path: Path) -> bool:
     the recorder is off (TORCH_FR_BUFFER_SIZE unset) or unavailable."""
     try:
         import torch.distributed as dist
-        from torch._C._distributed_c10d import _dump_fr_trace
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # no stub
 
         record = pickle.loads(_dump_fr_trace())
         if not record.get("entries"):

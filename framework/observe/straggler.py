@@ -87,9 +87,9 @@ class StragglerDetector:
         self.streak: dict[tuple[str, int, str], int] = {}
         self.hosts: list[str] = [socket.gethostname()] * world
         self.named: dict[str, Any] = {}
-        inject = cfg.parse_inject()
-        self._sleep = inject[2] if inject and inject[0] == rank else 0.0
-        self._sleep_in = inject[1] if self._sleep else ""
+        inject_rank, self._sleep_in, self._sleep = cfg.parse_inject() or (-1, "", 0.0)
+        if inject_rank != rank:
+            self._sleep_in, self._sleep = "", 0.0
 
     @property
     def active(self) -> bool:
