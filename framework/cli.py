@@ -119,6 +119,26 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return run_smoke(args.config, args.overrides, nproc=args.nproc)
 
 
+def cmd_sniff(args: argparse.Namespace) -> int:
+    """Sniff tests (framework/observe/sniff.py) on the ranks this command was launched on (srun / torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    from framework.base.errors import ConfigError
+    from framework.observe.sniff import sniff
+
+    init_distributed()
+    if not dist.is_initialized() or dist.get_world_size() < 3:
+        raise ConfigError("tessera sniff compares each rank with its peers: launch it on >= 3 ranks, e.g. "
+                          "`srun tessera sniff` or `torchrun --nproc-per-node 8 -m framework.cli sniff`")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    report = sniff(device, gemm_n=args.gemm_n, comm_numel=args.numel, stride=args.stride,
+                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if dist.get_rank() == 0:
+        print("\n".join(report.lines()))
+    return 1 if report.slow else 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     """Every model preset with its shape and parameter count (what `model.preset` and `plan --model` accept)."""
     from models.config import PRESETS, model_config
@@ -149,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks (default: what the config's layout needs; 1 trains in this process)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_smoke)
+    p = sub.add_parser("sniff", help="on every rank of a launched job: GEMM, P2P, all-reduce, all-to-all timings; "
+                       "names a rank slower than its peers (exit 1)")
+    p.add_argument("--gemm-n", type=int, default=4096, help="side of the square GEMM")
+    p.add_argument("--numel", type=int, default=1 << 24, help="elements of the communication buffers")
+    p.add_argument("--stride", type=int, default=1, help="P2P partner: rank + stride (GPUs per node: across nodes)")
+    p.set_defaults(func=cmd_sniff)
     p = sub.add_parser("presets", help="list the model presets (model.preset=NAME, plan --model NAME)")
     p.set_defaults(func=cmd_presets)
     for name in SUBCOMMAND_MODULES:

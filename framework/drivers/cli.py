@@ -52,26 +52,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sniff(args: argparse.Namespace) -> int:
-    """Sniff tests (framework/observe/sniff.py) on the ranks this command was launched on (srun / torchrun)."""
-    import torch
-    import torch.distributed as dist
-
-    from framework.cli import init_distributed
-    from framework.observe.sniff import sniff
-
-    init_distributed()
-    if not dist.is_initialized() or dist.get_world_size() < 3:
-        raise ConfigError("tessera sniff compares each rank with its peers: launch it on >= 3 ranks, e.g. "
-                          "`srun tessera sniff` or `torchrun --nproc-per-node 8 -m framework.cli sniff`")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    report = sniff(device, gemm_n=args.gemm_n, comm_numel=args.numel, stride=args.stride,
-                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if dist.get_rank() == 0:
-        print("\n".join(report.lines()))
-    return 1 if report.slow else 0
-
-
 def cmd_preflight(args: argparse.Namespace) -> int:
     from framework.config import load_config
     from framework.drivers.preflight import run_preflight
@@ -107,12 +87,6 @@ def register(sub: Any) -> None:
     p.add_argument("--smooth", type=int, default=1, help="moving-average window over train loss")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("sniff", help="on every rank of a launched job: GEMM, P2P, all-reduce, all-to-all timings; "
-                       "names a rank slower than its peers (exit 1)")
-    p.add_argument("--gemm-n", type=int, default=4096, help="side of the square GEMM")
-    p.add_argument("--numel", type=int, default=1 << 24, help="elements of the communication buffers")
-    p.add_argument("--stride", type=int, default=1, help="P2P partner: rank + stride (GPUs per node: across nodes)")
-    p.set_defaults(func=cmd_sniff)
     p = sub.add_parser("preflight", help="before cluster time: overfit one sample, a small batch, a short full run")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="a.b.c=value overrides")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from data_pipeline.read.loader import SyntheticSamples
 from framework.base.run_dir import RunDir
 from framework.checkpoint.watchdog import Watchdog
+from framework.cli import cmd_sniff, main
 from framework.observe.doctor import diagnose
 from framework.observe.sniff import sniff
 from framework.testing import run_distributed
@@ -124,6 +126,7 @@ def _body(rank: int, world: int, base: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     _hang_case(rank, base)
     out: dict[str, Any] = _triage_cases(rank, base)
+    out["sniff_cli"] = cmd_sniff(argparse.Namespace(gemm_n=64, numel=1024, stride=2))  # `tessera sniff`, launched
     out["sniff"] = sniff(torch.device("cpu"), gemm_n=128, comm_numel=4096, repeats=3,
                          slow_gemm_s=0.03 if rank == 1 else 0.0).slow
     out["slow_forward"] = _straggler(rank, base, "slow_fwd", 8, "observe.straggler.inject=2:forward:0.08")
@@ -196,3 +199,9 @@ def test_sniff_names_the_rank_with_the_slow_gemm_on_every_rank(ops_results: dict
     worst = ranks[0]["sniff"][0]
     assert (worst["rank"], worst["test"]) == (1, "gemm") and worst["seconds"] >= 0.03 and worst["slowdown"] > 3
     assert all(r["sniff"] == ranks[0]["sniff"] for r in ranks)
+    assert len({r["sniff_cli"] for r in ranks}) == 1 and ranks[0]["sniff_cli"] in (0, 1)  # one verdict, every rank
+
+
+def test_sniff_on_one_process_says_how_to_launch_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sniff"]) != 0
+    assert "launch it on >= 3 ranks" in capsys.readouterr().err
