@@ -49,6 +49,16 @@ class MoEConfig:
     micro-batch); the lowest-weight assignments above it are dropped. 0 means dropless."""
     experts_impl: Literal["auto", "loop", "grouped_mm"] = "auto"
     """Expert matmuls: a loop over local experts, or one `torch._grouped_mm` (auto: where it runs)."""
+    routed_scale: float = 1.0
+    """Multiplies the routed experts' combine weights (DeepSeek-V3's routed_scaling_factor, 2.5)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x . g), a learned D -> 1 gate (Qwen2-MoE)."""
+    n_groups: int = 1
+    """Group-limited routing (DeepSeek-V3): the experts form n_groups equal groups, consecutive by index (with
+    expert parallelism over ep = n_groups ranks, a group is one rank's experts: node-limited routing)."""
+    topk_groups: int = 1
+    """Groups a token may use: those with the highest sum of their top-2 expert scores; then top_k experts
+    among the kept groups' experts."""
 
     @property
     def enabled(self) -> bool:
@@ -76,10 +86,31 @@ class MoEConfig:
         for name in ("expert_hidden", "n_shared_experts", "first_dense_layers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.moe.{name}={getattr(self, name)} must be >= 0; set 0 or a positive value")
+        self._validate_groups()
+        if not self.routed_scale > 0:
+            raise ConfigError(f"model.moe.routed_scale={self.routed_scale} must be > 0; 1 leaves the weights as "
+                              f"routed (DeepSeek-V3 uses 2.5)")
+        if self.shared_expert_gate and not self.n_shared_experts:
+            raise ConfigError("model.moe.shared_expert_gate=true gates the shared experts, but "
+                              "model.moe.n_shared_experts=0; add a shared expert or set it false")
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             value = getattr(self, name)
             if not value >= 0:  # also rejects NaN
                 raise ConfigError(f"model.moe.{name}={value} must be >= 0; 0 disables it")
+
+
+    def _validate_groups(self) -> None:
+        if self.n_groups < 1 or self.n_experts % self.n_groups:
+            raise ConfigError(f"model.moe.n_groups={self.n_groups} must be >= 1 and divide model.moe.n_experts="
+                              f"{self.n_experts}; e.g. 8 for 256 experts (DeepSeek-V3), 1 for no grouping")
+        if not 1 <= self.topk_groups <= self.n_groups:
+            raise ConfigError(f"model.moe.topk_groups={self.topk_groups} must be in [1, n_groups={self.n_groups}]"
+                              f"; DeepSeek-V3 keeps 4 of 8 groups")
+        reachable = self.topk_groups * (self.n_experts // self.n_groups)
+        if self.top_k > reachable:
+            raise ConfigError(f"model.moe.top_k={self.top_k} exceeds the {reachable} experts that topk_groups="
+                              f"{self.topk_groups} groups of {self.n_experts // self.n_groups} hold; raise "
+                              f"model.moe.topk_groups or lower top_k")
 
 
 ROPE_TYPES = ("none", "linear", "llama3", "yarn")
@@ -149,6 +180,10 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     """RoPE context extension (linear / llama3 / yarn); type none by default."""
     max_seq_len: int = 4096
+    qkv_bias: bool = False
+    """The query, key and value projections carry biases (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key before RoPE, one weight per head channel (Qwen3, OLMo 2)."""
     tied_embeddings: bool = False
     init_std: float = 0.02
     depth_scaled_init: bool = True
