@@ -219,8 +219,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         value = hf[key] if default is _REQUIRED else hf.get(key, default)
         data[field] = type(default)(value) if default is not None and default is not _REQUIRED else value
     if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
-        raise CheckpointError(f"config.json head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; "
-                              f"Tessera derives head_dim = hidden / n_heads and cannot import it")
+        data["kv_channels"] = hf["head_dim"]
     cfg = from_dict(ModelConfig, data, "model")
     cfg.moe.validate()
     cfg.rope_scaling.validate()

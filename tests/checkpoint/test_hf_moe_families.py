@@ -37,7 +37,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                          shared_expert_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
                                          norm_topk_prob=False, qkv_bias=True, mlp_only_layers=[0])),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=4, intermediate_size=48, moe_intermediate_size=24,
-                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
                                          decoder_sparse_step=2, tie_word_embeddings=True)),
 }
 
