@@ -269,12 +269,15 @@ def to_hf_block(fam: Family, cfg: ModelConfig, sd: dict[str, torch.Tensor], t: s
     for k, leaf in zip(("w1", "w2", "w3"), fam.expert_leaves, strict=True):
         stacked = sd[f"{t}feed_forward.experts.{k}"]
         out.update({f"{b}experts.{e}.{leaf}.weight": stacked[e] for e in range(cfg.moe.n_experts)})
-    if fam.shared is not None:
-        out.update({f"{b}{fam.shared}.{leaf}.weight": sd[f"{t}feed_forward.shared_experts.{k}.weight"]
-                    for k, leaf in MLP_LEAVES})
-    if cfg.moe.shared_expert_gate:
-        out[b + SHARED_GATE[1]] = sd[t + SHARED_GATE[0]]
+    out.update({name: sd[ours] for ours, name in _shared_names(fam, cfg, t, b)})
     return out
+
+
+def _shared_names(fam: Family, cfg: ModelConfig, t: str, b: str) -> list[tuple[str, str]]:
+    """(Tessera, HF) names of the shared expert and its gate, where the family and the model have them."""
+    names = [(f"{t}feed_forward.shared_experts.{k}.weight", f"{b}{fam.shared}.{leaf}.weight")
+             for k, leaf in MLP_LEAVES] if fam.shared is not None else []
+    return names + ([(t + SHARED_GATE[0], b + SHARED_GATE[1])] if cfg.moe.shared_expert_gate else [])
 
 
 def _experts(fam: Family, hf: dict[str, torch.Tensor], b: str, k: str, n: int) -> torch.Tensor:
@@ -303,9 +306,5 @@ def from_hf_block(fam: Family, cfg: ModelConfig, hf: dict[str, torch.Tensor], t:
            t + ROUTER_BIAS: hf.get(b + "gate.e_score_correction_bias", torch.zeros(cfg.moe.n_experts)).float()}
     for k in ("w1", "w2", "w3"):
         out[f"{t}feed_forward.experts.{k}"] = _experts(fam, hf, b, k, cfg.moe.n_experts)
-    if fam.shared is not None:
-        out.update({f"{t}feed_forward.shared_experts.{k}.weight": hf[f"{b}{fam.shared}.{leaf}.weight"]
-                    for k, leaf in MLP_LEAVES})
-    if cfg.moe.shared_expert_gate:
-        out[t + SHARED_GATE[0]] = hf[b + SHARED_GATE[1]]
+    out.update({ours: hf[name] for ours, name in _shared_names(fam, cfg, t, b)})
     return out
