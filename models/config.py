@@ -49,6 +49,16 @@ class MoEConfig:
     micro-batch); the lowest-weight assignments above it are dropped. 0 means dropless."""
     experts_impl: Literal["auto", "loop", "grouped_mm"] = "auto"
     """Expert matmuls: a loop over local experts, or one `torch._grouped_mm` (auto: where it runs)."""
+    routed_scale: float = 1.0
+    """Multiplies the routed experts' combine weights (DeepSeek-V3's routed_scaling_factor, 2.5)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x . g), a learned D -> 1 gate (Qwen2-MoE)."""
+    n_groups: int = 1
+    """Group-limited routing (DeepSeek-V3): the experts form n_groups equal groups, consecutive by index (with
+    expert parallelism over ep = n_groups ranks, a group is one rank's experts: node-limited routing)."""
+    topk_groups: int = 1
+    """Groups a token may use: those with the highest sum of their top-2 expert scores; then top_k experts
+    among the kept groups' experts."""
 
     @property
     def enabled(self) -> bool:
@@ -76,10 +86,31 @@ class MoEConfig:
         for name in ("expert_hidden", "n_shared_experts", "first_dense_layers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.moe.{name}={getattr(self, name)} must be >= 0; set 0 or a positive value")
+        self._validate_groups()
+        if not self.routed_scale > 0:
+            raise ConfigError(f"model.moe.routed_scale={self.routed_scale} must be > 0; 1 leaves the weights as "
+                              f"routed (DeepSeek-V3 uses 2.5)")
+        if self.shared_expert_gate and not self.n_shared_experts:
+            raise ConfigError("model.moe.shared_expert_gate=true gates the shared experts, but "
+                              "model.moe.n_shared_experts=0; add a shared expert or set it false")
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             value = getattr(self, name)
             if not value >= 0:  # also rejects NaN
                 raise ConfigError(f"model.moe.{name}={value} must be >= 0; 0 disables it")
+
+
+    def _validate_groups(self) -> None:
+        if self.n_groups < 1 or self.n_experts % self.n_groups:
+            raise ConfigError(f"model.moe.n_groups={self.n_groups} must be >= 1 and divide model.moe.n_experts="
+                              f"{self.n_experts}; e.g. 8 for 256 experts (DeepSeek-V3), 1 for no grouping")
+        if not 1 <= self.topk_groups <= self.n_groups:
+            raise ConfigError(f"model.moe.topk_groups={self.topk_groups} must be in [1, n_groups={self.n_groups}]"
+                              f"; DeepSeek-V3 keeps 4 of 8 groups")
+        reachable = self.topk_groups * (self.n_experts // self.n_groups)
+        if self.top_k > reachable:
+            raise ConfigError(f"model.moe.top_k={self.top_k} exceeds the {reachable} experts that topk_groups="
+                              f"{self.topk_groups} groups of {self.n_experts // self.n_groups} hold; raise "
+                              f"model.moe.topk_groups or lower top_k")
 
 
 ROPE_TYPES = ("none", "linear", "llama3", "yarn")
@@ -139,6 +170,9 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int | None = None
     """Grouped-query attention: key/value heads; None means n_heads (multi-head attention)."""
+    kv_channels: int | None = None
+    """Per-head channels of queries, keys and values (Megatron's kv_channels, HF's head_dim); None means
+    hidden / n_heads. Qwen3-MoE sets 128 with hidden / n_heads = 64."""
     ffn_hidden: int | None = None
     """MLP hidden size; None means the Llama rule (8/3 * hidden rounded up to `ffn_multiple_of`)."""
     ffn_multiple_of: int = 64
@@ -149,6 +183,10 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     """RoPE context extension (linear / llama3 / yarn); type none by default."""
     max_seq_len: int = 4096
+    qkv_bias: bool = False
+    """The query, key and value projections carry biases (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key before RoPE, one weight per head channel (Qwen3, OLMo 2)."""
     tied_embeddings: bool = False
     init_std: float = 0.02
     depth_scaled_init: bool = True
@@ -161,7 +199,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden // self.n_heads
 
     @property
     def ffn(self) -> int:
@@ -182,7 +220,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1; set a positive value")
-        if self.hidden % self.n_heads:
+        if self.kv_channels is None and self.hidden % self.n_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} must divide model.hidden={self.hidden}; "
                 f"choose n_heads in {[d for d in range(1, 129) if self.hidden % d == 0]}")
@@ -192,7 +230,8 @@ class ModelConfig:
                 f"choose one of {[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
         if self.head_dim % 2:
             raise ConfigError(
-                f"model.hidden / model.n_heads = {self.head_dim} must be even for RoPE; change hidden or n_heads")
+                f"model head_dim = {self.head_dim} (kv_channels, else hidden / n_heads) must be even for RoPE; "
+                f"change kv_channels, hidden or n_heads")
         if self.init_std <= 0:
             raise ConfigError(f"model.init_std={self.init_std} must be > 0; the usual value is 0.02")
         if self.moe.enabled:
@@ -222,6 +261,20 @@ PRESETS: dict[str, dict[str, object]] = {
                     max_seq_len=512, tied_embeddings=True,
                     moe=dict(n_experts=8, top_k=2, expert_hidden=128, n_shared_experts=1, first_dense_layers=1,
                              capacity_factor=1.25, z_loss_coef=1e-3)),
+    # Tiny CPU members of each Hugging Face MoE family (framework/checkpoint/hf_moe.py maps them both ways).
+    "test-mixtral": _p(vocab_size=512, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=256,
+                       rope_theta=1e6, moe=dict(n_experts=4, top_k=2, expert_hidden=64, topk_renormalize=True)),
+    "test-qwen2-moe": _p(vocab_size=512, hidden=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                         max_seq_len=256, rope_theta=1e6, qkv_bias=True,
+                         moe=dict(n_experts=8, top_k=2, expert_hidden=32, n_shared_experts=2, shared_expert_gate=True,
+                                  first_dense_layers=1, aux_loss_coef=0.001)),
+    "test-qwen3-moe": _p(vocab_size=512, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, kv_channels=32,
+                         qk_norm=True, ffn_hidden=128, max_seq_len=256, rope_theta=1e6, norm_eps=1e-6,
+                         moe=dict(n_experts=8, top_k=2, expert_hidden=32, topk_renormalize=True, aux_loss_coef=0.001)),
+    "test-deepseek-v3": _p(vocab_size=512, hidden=64, n_layers=3, n_heads=4, ffn_hidden=128, max_seq_len=256,
+                           moe=dict(n_experts=8, top_k=2, expert_hidden=32, n_shared_experts=1, first_dense_layers=1,
+                                    router="sigmoid", n_groups=4, topk_groups=2, routed_scale=2.5,
+                                    aux_loss_coef=0.0001, bias_update_rate=0.001)),
     # Llama shapes (meta device only on a laptop).
     "llama-1b": _p(vocab_size=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
                    rope_theta=500000.0, max_seq_len=8192, tied_embeddings=True),
@@ -246,14 +299,35 @@ PRESETS: dict[str, dict[str, object]] = {
     "mixtral-8x7b": _p(vocab_size=32000, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                        rope_theta=1e6, max_seq_len=32768,
                        moe=dict(n_experts=8, top_k=2, expert_hidden=14336, topk_renormalize=True)),
+    # Mixtral 8x22B (Mistral AI 2024): 141B total, 39B active.
+    "mixtral-8x22b": _p(vocab_size=32768, hidden=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_hidden=16384,
+                        rope_theta=1e6, max_seq_len=65536,
+                        moe=dict(n_experts=8, top_k=2, expert_hidden=16384, topk_renormalize=True)),
+    # Qwen2-57B-A14B (Qwen team 2024): q/k/v biases, 64 experts top-8 (softmax, not renormalized) and a shared
+    # expert 8 experts wide behind a sigmoid gate; 57B total, 14B active.
+    "qwen2-57b-a14b": _p(vocab_size=151936, hidden=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_hidden=18944,
+                         rope_theta=1e6, max_seq_len=32768, norm_eps=1e-6, qkv_bias=True,
+                         moe=dict(n_experts=64, top_k=8, expert_hidden=2560, n_shared_experts=8,
+                                  shared_expert_gate=True, aux_loss_coef=0.001)),
+    # Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen team 2025): q/k norms, head_dim 128 wider than hidden / heads,
+    # 128 experts top-8 renormalized, no shared expert.
+    "qwen3-30b-a3b": _p(vocab_size=151936, hidden=2048, n_layers=48, n_heads=32, n_kv_heads=4, kv_channels=128,
+                        qk_norm=True, ffn_hidden=6144, rope_theta=1e6, max_seq_len=40960, norm_eps=1e-6,
+                        moe=dict(n_experts=128, top_k=8, expert_hidden=768, topk_renormalize=True,
+                                 aux_loss_coef=0.001)),
+    "qwen3-235b-a22b": _p(vocab_size=151936, hidden=4096, n_layers=94, n_heads=64, n_kv_heads=4, kv_channels=128,
+                          qk_norm=True, ffn_hidden=12288, rope_theta=1e6, max_seq_len=40960, norm_eps=1e-6,
+                          moe=dict(n_experts=128, top_k=8, expert_hidden=1536, topk_renormalize=True,
+                                   aux_loss_coef=0.001)),
     # DeepSeek-V3-like (DeepSeek-AI 2024): 3 dense layers, then 256 fine-grained experts + 1 shared, top-8 sigmoid
-    # routing with aux-loss-free bias balancing and a tiny sequence aux loss. Multi-head attention of the same
-    # width stands in for MLA (similar parameter count), so the total lands at ~671B as the paper's model.
+    # routing limited to 4 of 8 expert groups (node-limited with ep = 8 groups), weights x 2.5, aux-loss-free bias
+    # balancing and a tiny sequence aux loss. Multi-head attention of the same width stands in for MLA (similar
+    # parameter count), so the total lands at ~671B as the paper's model.
     "deepseek-v3-671b": _p(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128, ffn_hidden=18432,
                            max_seq_len=4096,
                            moe=dict(n_experts=256, top_k=8, expert_hidden=2048, n_shared_experts=1,
-                                    first_dense_layers=3, router="sigmoid", aux_loss_coef=0.0001,
-                                    bias_update_rate=0.001)),
+                                    first_dense_layers=3, router="sigmoid", n_groups=8, topk_groups=4,
+                                    routed_scale=2.5, aux_loss_coef=0.0001, bias_update_rate=0.001)),
     # A ~535B-class fine-grained MoE (the size class users read about): 128 experts, top-8, 1 shared, 2 dense
     # layers, GQA; ~536B total, ~44B active per token.
     "moe-535b": _p(vocab_size=131072, hidden=6144, n_layers=64, n_heads=48, n_kv_heads=8, ffn_hidden=16384,

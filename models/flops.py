@@ -56,6 +56,10 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     attn_one = d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd + cfg.n_heads * hd * d
     if cfg.mlp == "gelu":  # GPT blocks: qkv and output biases
         attn_one += cfg.n_heads * hd + 2 * cfg.kv_heads * hd + d
+    elif cfg.qkv_bias:  # Qwen2: q/k/v biases only
+        attn_one += cfg.n_heads * hd + 2 * cfg.kv_heads * hd
+    if cfg.qk_norm:
+        attn_one += 2 * hd
     norm_one = d if cfg.norm == "rmsnorm" else 2 * d
     dense_mlp = experts = active = router = 0
     moe = cfg.moe
@@ -66,7 +70,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
             shared = moe.n_shared_experts * _mlp_params(cfg, expert_ffn)
             dense_mlp += shared
             active += moe.top_k * _mlp_params(cfg, expert_ffn)
-            router += d * moe.n_experts
+            router += d * moe.n_experts + (d if moe.shared_expert_gate else 0)
         else:
             dense_mlp += _mlp_params(cfg, cfg.ffn)
     head = cfg.vocab_size * d

@@ -80,10 +80,13 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         bias = cfg.mlp == "gelu"
-        self.wq = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=bias)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wq = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=bias or cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias or cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias or cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=bias)
+        # Qwen3's per-head query/key norm (over the head's E channels, in Tessera's interleaved RoPE order)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # Set from outside by context parallelism (framework/parallel/context.py): (B, L, K, E) local K and V
         # -> the whole sequence's, with `attn_mask` given against those keys. None: single-device attention.
         self.kv_exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -97,6 +100,8 @@ class Attention(nn.Module):
         q = self.wq(x_BTD).view(b, t, -1, self.head_dim)
         k = self.wk(x_BTD).view(b, t, -1, self.head_dim)
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.kv_exchange is not None:
             k, v = self.kv_exchange(k, v)

@@ -1,4 +1,4 @@
-"""Hugging Face export and import: Tessera checkpoints <-> the Llama (dense) / Mixtral (MoE) layout.
+"""Hugging Face export and import: Tessera checkpoints <-> the Llama (dense) or an MoE family's layout.
 
     export_hf(run_or_ckpt, out, step=None)   ->  out/model.safetensors, config.json, tokenizer files
     import_hf(hf_dir, run_dir)               ->  run_dir/checkpoints/step_0 (model-only) + `latest`
@@ -7,11 +7,11 @@ Differences the mapping bridges:
 - RoPE: Tessera rotates interleaved channel pairs (2i, 2i+1), as Meta's Llama code; HF rotates halves
   (i, i + E/2). The rows of wq and wk are permuted per head on export (and back on import), exactly as HF's own
   convert_llama_weights_to_hf does, so logits agree.
-- Mixtral keeps each expert as w1/w2/w3 Linear weights (`block_sparse_moe.experts.N.wK.weight`), Tessera stacks
-  them (E, F, D); the router is `block_sparse_moe.gate.weight` in both.
-Features the target cannot hold (GELU/LayerNorm blocks, shared experts, sigmoid routers, a routing bias,
-capacity drops, dense layers between MoE ones, un-renormalized top-k) make the export refuse with a
-`CheckpointError` naming the config field. Only tensors are read and written (safetensors); nothing unpickles.
+- MoE models map to Mixtral, Qwen2-MoE or Qwen3-MoE (framework/checkpoint/hf_moe.py: one name table per family,
+  and DeepSeek-V3's MoE part); HF keeps one tensor per expert, Tessera stacks them (E, F, D).
+Features the target cannot hold (GELU/LayerNorm blocks, capacity drops, and per family e.g. shared experts,
+sigmoid routers, a routing bias) make the export refuse with a `CheckpointError` naming the config field. Only
+tensors are read and written (safetensors); nothing unpickles.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 from framework.base.errors import CheckpointError
 from framework.base.yaml_config import from_dict, to_dict
 from framework.checkpoint import dcp as ckpt
+from framework.checkpoint.hf_moe import ATTENTION_EXTRAS, FAMILIES, MLP_LEAVES, family_for, from_hf_block, to_hf_block
 from framework.checkpoint.run_tokenizer import checkpoint_tokenizer
 from models.config import ModelConfig
 from models.decoder import build_model
@@ -46,7 +47,8 @@ def _rope_unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def check_exportable(cfg: ModelConfig) -> str:
-    """"llama" or "mixtral" for a model the HF layout can hold exactly; else a CheckpointError naming the field."""
+    """The HF model_type ("llama", "mixtral", "qwen2_moe", ...) that holds `cfg` exactly; else a CheckpointError
+    naming the field."""
     def refuse(field: str, value: Any, why: str) -> CheckpointError:
         return CheckpointError(f"cannot export to Hugging Face: {field}={value!r} — {why}; train without it or "
                                f"keep the Tessera checkpoint")
@@ -55,27 +57,12 @@ def check_exportable(cfg: ModelConfig) -> str:
         raise refuse("model.mlp", cfg.mlp, "Llama/Mixtral blocks are SwiGLU without biases")
     if cfg.norm != "rmsnorm":
         raise refuse("model.norm", cfg.norm, "Llama/Mixtral use RMSNorm")
-    moe = cfg.moe
-    if not moe.enabled:
-        return "llama"
-    checks = [
-        ("model.moe.n_shared_experts", moe.n_shared_experts, moe.n_shared_experts == 0,
-         "Mixtral has no shared experts"),
-        ("model.moe.router", moe.router, moe.router == "softmax", "Mixtral routes with a softmax"),
-        ("model.moe.topk_renormalize", moe.topk_renormalize, moe.renormalize,
-         "Mixtral renormalizes the top-k softmax weights to sum to 1"),
-        ("model.moe.bias_update_rate", moe.bias_update_rate, moe.bias_update_rate == 0,
-         "Mixtral has no routing bias (auxiliary-loss-free balancing)"),
-        ("model.moe.capacity_factor", moe.capacity_factor, moe.capacity_factor == 0,
-         "Mixtral is dropless; capacity drops would change its outputs"),
-        ("model.moe.every_k_layers", moe.every_k_layers, moe.every_k_layers == 1, "every Mixtral layer is MoE"),
-        ("model.moe.first_dense_layers", moe.first_dense_layers, moe.first_dense_layers == 0,
-         "every Mixtral layer is MoE"),
-    ]
-    for field, value, ok, why in checks:
-        if not ok:
-            raise refuse(field, value, why)
-    return "mixtral"
+    if cfg.moe.enabled:
+        return family_for(cfg).model_type
+    for field in ("qkv_bias", "qk_norm"):
+        if getattr(cfg, field):
+            raise refuse(f"model.{field}", True, "Llama has no q/k/v-only biases and no q/k norms")
+    return "llama"
 
 
 # The one table of Tessera <-> Hugging Face names, read in both directions (export and import).
@@ -106,23 +93,14 @@ LAYER_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("attention.wv.weight", "self_attn.v_proj.weight", None),
     ("attention.wo.weight", "self_attn.o_proj.weight", None),
 )
-DENSE_MLP_NAMES: tuple[tuple[str, str], ...] = (
-    ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
-    ("feed_forward.w3.weight", "mlp.up_proj.weight"),
-    ("feed_forward.w2.weight", "mlp.down_proj.weight"),
-)
-MOE_NAMES = {"router": ("feed_forward.router.weight", "block_sparse_moe.gate.weight"),
-             "experts": ("feed_forward.experts.{k}", "block_sparse_moe.experts.{e}.{k}.weight")}
-"""Mixtral: the router, and each stacked expert weight k in w1/w2/w3 as one HF tensor per expert e."""
-
-
 def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
     """config.json for the HF model (written for both the transformers 4.x and 5.x field names); the special-token
     ids are the tokenizer's, null where it has none (or no tokenizer is known)."""
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "MixtralForCausalLM"], "model_type": arch,
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else FAMILIES[arch].architecture],
+        "model_type": arch,
         **{key: getattr(cfg, attr) for _, key, attr, _ in CONFIG_KEYS}, "head_dim": cfg.head_dim,
-        "intermediate_size": (cfg.moe.expert_hidden or cfg.ffn) if arch == "mixtral" else cfg.ffn,
+        "intermediate_size": cfg.ffn,
         "hidden_act": "silu", "rope_theta": cfg.rope_theta, "rope_parameters": rope_parameters(cfg),
         "rope_scaling": rope_scaling_4x(cfg), "attention_bias": False, "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
@@ -131,8 +109,7 @@ def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None, bos_id: in
     if arch == "llama":
         out["mlp_bias"] = False
     else:
-        out.update(num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.top_k, sliding_window=None,
-                   router_aux_loss_coef=cfg.moe.aux_loss_coef, output_router_logits=False, router_jitter_noise=0.0)
+        out.update(FAMILIES[arch].to_config(cfg))
     return out
 
 
@@ -149,8 +126,7 @@ _ROPE_FIELDS = {"none": (), "linear": ("factor",),
 # harmless (bookkeeping, inference switches, training-only noise/dropout); `_REQUIRED_VALUES` must hold a value
 # Tessera's blocks compute; any other key is refused by name.
 _MAPPED = {key for _, key, _, _ in CONFIG_KEYS} | {
-    "model_type", "head_dim", "intermediate_size", "rope_theta", "rope_parameters", "rope_scaling",
-    "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"}
+    "model_type", "head_dim", "intermediate_size", "rope_theta", "rope_parameters", "rope_scaling"}
 _REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {"hidden_act": ("silu",), "attention_bias": (False,),
                                                 "mlp_bias": (False,), "sliding_window": (None,),
                                                 "partial_rotary_factor": (None, 1, 1.0)}
@@ -214,8 +190,10 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, out
 
 
-def _check_keys(hf: dict[str, Any]) -> None:
+def _check_keys(hf: dict[str, Any], family_keys: frozenset[str]) -> None:
     for key, value in hf.items():
+        if key in family_keys:
+            continue
         if key in _REQUIRED_VALUES:
             if value not in _REQUIRED_VALUES[key]:
                 raise CheckpointError(f"config.json {key}={value!r} cannot be imported: Tessera's Llama blocks "
@@ -226,23 +204,22 @@ def _check_keys(hf: dict[str, Any]) -> None:
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The Tessera ModelConfig of an HF Llama/Mixtral config.json (every key checked against the table above)."""
+    """The Tessera ModelConfig of an HF Llama or MoE-family config.json (every key checked against the tables)."""
     arch = hf.get("model_type")
-    if arch not in ("llama", "mixtral"):
-        raise CheckpointError(f"config.json has model_type={arch!r}; only llama and mixtral can be imported")
-    _check_keys(hf)
+    if arch != "llama" and arch not in FAMILIES:
+        raise CheckpointError(f"config.json has model_type={arch!r}; only llama, {', '.join(FAMILIES)} can be "
+                              f"imported")
+    family = FAMILIES.get(str(arch))
+    _check_keys(hf, family.keys if family else frozenset())
     theta, scaling = _rope_from_hf(hf)
     data: dict[str, Any] = {"ffn_hidden": hf["intermediate_size"], "rope_theta": theta, "rope_scaling": scaling}
+    if family is not None:
+        data.update(family.from_config(hf))
     for field, key, _, default in CONFIG_KEYS:
         value = hf[key] if default is _REQUIRED else hf.get(key, default)
         data[field] = type(default)(value) if default is not None and default is not _REQUIRED else value
     if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
-        raise CheckpointError(f"config.json head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; "
-                              f"Tessera derives head_dim = hidden / n_heads and cannot import it")
-    if arch == "mixtral":
-        data["moe"] = {"n_experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
-                       "expert_hidden": hf["intermediate_size"], "topk_renormalize": True,
-                       "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.01))}
+        data["kv_channels"] = hf["head_dim"]
     cfg = from_dict(ModelConfig, data, "model")
     cfg.moe.validate()
     cfg.rope_scaling.validate()
@@ -250,60 +227,49 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+def _attention_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
+    """(Tessera leaf, HF leaf, heads whose RoPE halves to permute or None) of a layer's attention tensors."""
+    out = [(ours, hf, getattr(cfg, heads) if heads else None) for ours, hf, heads in LAYER_NAMES]
+    return out + [(ours, hf, 1 if heads == "one" else getattr(cfg, heads) if heads else None)
+                  for ours, hf, flag, heads in ATTENTION_EXTRAS if getattr(cfg, flag)]
+
+
+def _permute(w: torch.Tensor, heads: int | None, inverse: bool = False) -> torch.Tensor:
+    if heads is None:
+        return w
+    fn = _rope_unpermute if inverse else _rope_permute
+    return fn(w, heads) if w.dim() == 2 else fn(w.unsqueeze(-1), heads).squeeze(-1)
+
+
 def to_hf_state(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tessera model state (FQN -> tensor) -> HF tensors, by the name tables above."""
+    """Tessera model state (FQN -> tensor) -> HF tensors, by the name tables above and the family's."""
+    family = FAMILIES[check_exportable(cfg)] if cfg.moe.enabled else None
     out = {hf: sd[ours] for ours, hf in TOP_NAMES if not (cfg.tied_embeddings and ours == "output.weight")}
     for i in range(cfg.n_layers):
         t, h = f"layers.{i}.", f"model.layers.{i}."
-        for ours, hf, heads in LAYER_NAMES:
-            out[h + hf] = sd[t + ours] if heads is None else _rope_permute(sd[t + ours], getattr(cfg, heads))
-        if cfg.is_moe_layer(i):
-            bias = sd.get(t + "feed_forward.router.expert_bias")
-            if bias is not None and bool(bias.any()):
-                raise CheckpointError(f"cannot export to Hugging Face: layer {i} has a non-zero routing bias "
-                                      f"(feed_forward.router.expert_bias); Mixtral cannot hold it")
-            router, experts = MOE_NAMES["router"], MOE_NAMES["experts"]
-            out[h + router[1]] = sd[t + router[0]]
-            for k in ("w1", "w2", "w3"):
-                stacked = sd[t + experts[0].format(k=k)]
-                for e in range(cfg.moe.n_experts):
-                    out[h + experts[1].format(e=e, k=k)] = stacked[e]
+        out.update({h + hf: _permute(sd[t + ours], heads) for ours, hf, heads in _attention_names(cfg)})
+        if family is not None and cfg.is_moe_layer(i):
+            out.update(to_hf_block(family, cfg, sd, t, h))
         else:
-            for ours, hf in DENSE_MLP_NAMES:
-                out[h + hf] = sd[t + ours]
+            out.update({f"{h}mlp.{leaf}.weight": sd[f"{t}feed_forward.{k}.weight"] for k, leaf in MLP_LEAVES})
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
 
 
-def _expert_weights(hf: dict[str, torch.Tensor], h: str, k: str, n: int) -> torch.Tensor:
-    """Stacked (E, ., .) weights of one kind from the hub layout or transformers-5 fused experts."""
-    if h + "block_sparse_moe.experts.0.w1.weight" in hf:
-        return torch.stack([hf[h + f"block_sparse_moe.experts.{e}.{k}.weight"] for e in range(n)])
-    if k == "w2":
-        return hf[h + "mlp.experts.down_proj"]
-    gate, up = hf[h + "mlp.experts.gate_up_proj"].chunk(2, dim=1)
-    return gate if k == "w1" else up
-
-
-def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensors -> Tessera model state (the inverse of `to_hf_state`, by the same tables)."""
+def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor], arch: str = "llama") -> dict[str, torch.Tensor]:
+    """HF tensors of model_type `arch` -> Tessera model state (the inverse of `to_hf_state`)."""
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tied_embeddings else {}
     sd = {ours: hf[tied.get(name, name)] for ours, name in TOP_NAMES}
     for i in range(cfg.n_layers):
         t, h = f"layers.{i}.", f"model.layers.{i}."
-        for ours, name, heads in LAYER_NAMES:
-            sd[t + ours] = hf[h + name] if heads is None else _rope_unpermute(hf[h + name], getattr(cfg, heads))
+        missing = [h + name for _, name, _ in _attention_names(cfg) if h + name not in hf]
+        if missing:
+            raise CheckpointError(f"HF weights lack {missing[0]} (and {len(missing) - 1} more of layer {i})")
+        sd.update({t + ours: _permute(hf[h + name], heads, inverse=True)
+                   for ours, name, heads in _attention_names(cfg)})
         if cfg.is_moe_layer(i):
-            router = MOE_NAMES["router"]
-            gate = hf.get(h + router[1], hf.get(h + "mlp.gate.weight"))  # the hub layout, or transformers 5's
-            if gate is None:
-                raise CheckpointError(f"HF weights lack the router of layer {i} ({h}{router[1]})")
-            sd[t + router[0]] = gate
-            sd[t + "feed_forward.router.expert_bias"] = torch.zeros(cfg.moe.n_experts)
-            for k in ("w1", "w2", "w3"):
-                sd[t + MOE_NAMES["experts"][0].format(k=k)] = _expert_weights(hf, h, k, cfg.moe.n_experts)
+            sd.update(from_hf_block(FAMILIES[arch], cfg, hf, t, h))
         else:
-            for ours, name in DENSE_MLP_NAMES:
-                sd[t + ours] = hf[h + name]
+            sd.update({f"{t}feed_forward.{k}.weight": hf[f"{h}mlp.{leaf}.weight"] for k, leaf in MLP_LEAVES})
     return {k: v.contiguous() for k, v in sd.items()}
 
 
@@ -430,9 +396,38 @@ def import_hf(src: Path, run_dir: Path) -> Path:
     for f in files:
         tensors.update(load_file(str(f)))
     model = build_model(cfg, seed=0, device="cpu")
-    model.load_state_dict(from_hf_state(cfg, tensors))
+    reads = _ReadLog(tensors)
+    model.load_state_dict(from_hf_state(cfg, reads, hf_cfg["model_type"]))
+    unread = sorted(k for k in set(tensors) - reads.read if not k.endswith("rotary_emb.inv_freq")
+                    and not (cfg.tied_embeddings and k == "lm_head.weight"))
+    if unread:
+        raise CheckpointError(f"{src}: {len(unread)} HF tensors have no place in the Tessera model, e.g. "
+                              f"{unread[:3]}; their config.json fields are not mapped (nothing is dropped silently)")
+    return save_model_only(model, run_dir, str(src))
+
+
+class _ReadLog(dict[str, torch.Tensor]):
+    """A tensor dict that records which names were read."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self:
+            self.read.add(key)
+        return super().get(key, default)
+
+
+def save_model_only(model: nn.Module, run_dir: Path, source: str) -> Path:
+    """Write `model` (a Decoder on CPU) as the model-only checkpoint step_0 of `run_dir`."""
     root = run_dir / "checkpoints"
-    meta = {"model_only": True, "loader": {"consumed_samples": 0}, "source": str(src),
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    meta = {"model_only": True, "loader": {"consumed_samples": 0}, "source": source,
             "config": {"model": to_dict(cfg)}}
     tmp = ckpt.begin_save(root, 0)
     ckpt.write_shards({"model": ckpt.model_state([model])}, tmp)

@@ -42,6 +42,7 @@ from models.moe.experts import GroupedExperts
 from models.moe.step import (
     discard_routing_counts,
     format_moe_metrics,
+    layer_coefs,
     moe_layers,
     moe_stats,
     set_aux_loss_scale,
@@ -164,6 +165,9 @@ def _shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
 
 
 def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    if moe.shared_gate is not None:  # applied to this rank's sequence shard; no tp gradient sum is installed
+        raise ParallelismError("model.moe.shared_expert_gate=true is not supported with tensor parallelism "
+                               "(parallel.tp > 1); use parallel.tp=1 (FSDP, ep, pp)")
     moe.token_shards = SequenceShards(tp_mesh.get_group())
     moe.router.weight = nn.Parameter(distribute_tensor(moe.router.weight.data, tp_mesh, [Replicate()],
                                                        src_data_rank=None))
@@ -347,7 +351,7 @@ class MoEParallel:
         if not self.enabled:
             return {}
         stats = {k: self.reduce(v) for k, v in moe_stats(parts).items()}
-        coefs = {name: (m.moe_cfg.aux_loss_coef, m.moe_cfg.z_loss_coef) for name, m in moe_layers(parts)}
+        coefs = {name: layer_coefs(m) for name, m in moe_layers(parts)}
         if self.dims.pp > 1:
             gathered: list[Any] = [None] * self.dims.pp
             dist.all_gather_object(gathered, (stats, coefs), group=self.mesh["pp"].get_group())

@@ -23,10 +23,12 @@ from models.layers import FeedForward
 from models.moe.dispatch import Dispatcher, LocalDispatcher
 from models.moe.experts import GroupedExperts
 from models.moe.losses import AuxLossInjector, load_balancing_loss, router_z_loss
-from models.moe.router import Router, capacity_mask, expert_capacity
+from models.moe.router import Router, capacity_mask, expert_capacity, groups_spanned
 
 # Layout of the per-step statistics vector (float64): counts per expert, then these five scalars.
-STAT_FIELDS = ("dropped", "assigned", "lb_loss", "z_loss", "groups")
+STAT_FIELDS = ("dropped", "assigned", "lb_loss", "z_loss", "groups", "group_span")
+"""groups: token groups routed; group_span: sum over tokens of the expert groups (model.moe.n_groups) a token's
+experts lie in."""
 
 
 class TokenShards(Protocol):
@@ -75,6 +77,7 @@ class MoE(nn.Module):
         # DeepSeekMoE: the shared experts are one always-on MLP of n_shared * expert_hidden
         self.shared_experts: FeedForward | None = (
             FeedForward(cfg, hidden_ffn=moe.n_shared_experts * expert_hidden) if moe.n_shared_experts else None)
+        self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if moe.shared_expert_gate else None
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.token_shards: TokenShards | None = None
         """Set under tensor parallelism: this rank holds a sequence shard of the token group."""
@@ -95,10 +98,13 @@ class MoE(nn.Module):
             return torch.empty_like(x_BTD)
         x_ND = x_BTD.reshape(b * t, d)
         routing = self.router(x_ND)
-        keep_NK, counts_E, dropped, n_group = self._decide(routing.expert_idx_NK, routing.weights_NK, b, t)
+        keep_NK, counts_E, dropped, n_group, span = self._decide(routing.expert_idx_NK, routing.weights_NK, b, t)
         y_ND = self.dispatcher(x_ND, routing.expert_idx_NK, routing.weights_NK, keep_NK, self.experts)
         if self.shared_experts is not None:
-            y_ND = y_ND + self.shared_experts(x_BTD).reshape(b * t, d)
+            shared_ND = self.shared_experts(x_BTD).reshape(b * t, d)
+            if self.shared_gate is not None:
+                shared_ND = shared_ND * torch.sigmoid(self.shared_gate(x_ND))
+            y_ND = y_ND + shared_ND
         y_BTD = y_ND.view(b, t, d).to(x_BTD.dtype)
 
         scope_counts = counts_E.to(torch.float32)
@@ -114,19 +120,20 @@ class MoE(nn.Module):
             lb_z = self.token_shards.sum(lb_z)
         self.last_aux_loss = self.moe_cfg.aux_loss_coef * lb_z[0] + self.moe_cfg.z_loss_coef * lb_z[1]
         if _recording():
-            self._record(counts_E, dropped, lb_z)
+            self._record(counts_E, dropped, lb_z, span)
         if aux.requires_grad and (self.moe_cfg.aux_loss_coef > 0 or self.moe_cfg.z_loss_coef > 0):
             y_BTD = AuxLossInjector.apply(y_BTD, aux, self.aux_loss_scale)
         return y_BTD
 
     def _decide(self, idx_NK: torch.Tensor, weights_NK: torch.Tensor, b: int, t: int
-                ) -> tuple[torch.Tensor | None, torch.Tensor, int, int]:
+                ) -> tuple[torch.Tensor | None, torch.Tensor, int, int, int]:
         """Capacity drops and expert counts over the whole token group.
 
         Returns (this rank's kept mask or None when dropless, the group's assignments per expert, the group's
-        dropped assignments, the group's token count). Under tensor parallelism each tp rank holds a sequence
-        shard of the group: the (detached) choices are all-gathered so drops are decided on the whole group,
-        exactly as on one device, and every tp rank reports the same group statistics.
+        dropped assignments, the group's token count, the expert groups its tokens span in all). Under tensor
+        parallelism each tp rank holds a sequence shard of the group: the (detached) choices are all-gathered so
+        drops are decided on the whole group, exactly as on one device, and every tp rank reports the same group
+        statistics.
         """
         full_idx, full_w = idx_NK, weights_NK.detach()
         if self.token_shards is not None:
@@ -134,19 +141,21 @@ class MoE(nn.Module):
             full_w = self.token_shards.gather(full_w.view(b, t, -1)).reshape(-1, self.top_k)
         n_group = full_idx.shape[0]
         counts_E = torch.bincount(full_idx.reshape(-1), minlength=self.n_experts)
+        n_groups = self.moe_cfg.n_groups
+        span = int(groups_spanned(full_idx, self.n_experts, n_groups).sum()) if n_groups > 1 and _recording() else 0
         if self.moe_cfg.capacity_factor <= 0:
-            return None, counts_E, 0, n_group
+            return None, counts_E, 0, n_group, span
         cap = expert_capacity(n_group, self.top_k, self.n_experts, self.moe_cfg.capacity_factor)
         keep = capacity_mask(full_idx, full_w, self.n_experts, cap)
         dropped = int((~keep).sum())
         if self.token_shards is not None:
             keep = self.token_shards.local(keep.view(b, -1, self.top_k)).reshape(-1, self.top_k)
-        return keep, counts_E, dropped, n_group
+        return keep, counts_E, dropped, n_group, span
 
     @torch.no_grad()
-    def _record(self, counts_E: torch.Tensor, dropped: int, lb_z: torch.Tensor) -> None:
+    def _record(self, counts_E: torch.Tensor, dropped: int, lb_z: torch.Tensor, span: int) -> None:
         lb, z = lb_z.tolist()
-        scalars = torch.tensor([dropped, int(counts_E.sum()), lb, z, 1.0], dtype=torch.float64)
+        scalars = torch.tensor([dropped, int(counts_E.sum()), lb, z, 1.0, span], dtype=torch.float64)
         vec = torch.cat([counts_E.cpu().to(torch.float64), scalars])
         self.step_stats = vec if self.step_stats is None else self.step_stats + vec
         if self.moe_cfg.bias_update_rate > 0:

@@ -47,6 +47,8 @@ class Router(nn.Module):
         self.n_experts, self.top_k = moe.n_experts, moe.top_k
         self.kind = moe.router
         self.renormalize = moe.renormalize
+        self.routed_scale = moe.routed_scale
+        self.n_groups, self.topk_groups = moe.n_groups, moe.topk_groups
         self.weight = nn.Parameter(torch.empty(moe.n_experts, hidden))
         self.register_buffer("expert_bias", torch.zeros(moe.n_experts), persistent=True)
         self.weight_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -70,11 +72,15 @@ class Router(nn.Module):
             scores = logits.sigmoid()
             probs = scores / scores.sum(dim=-1, keepdim=True)
         select = scores.detach() + self.expert_bias  # the bias steers the choice, not the weights
+        if self.n_groups > 1:
+            select = limit_groups(select, self.n_groups, self.topk_groups)
         # a stable sort, not topk: ties go to the lower expert index on every device (topk leaves them open)
         expert_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
         weights = scores.gather(-1, expert_idx)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         return Routing(expert_idx, weights, probs, logits)
 
     @torch.no_grad()
@@ -87,6 +93,25 @@ class Router(nn.Module):
         """
         counts = counts_E.to(self.expert_bias.device, torch.float32)
         self.expert_bias += rate * torch.sign(counts.mean() - counts)
+
+
+def limit_groups(select_NE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): selection scores of experts outside a token's `topk_groups` best
+    groups set to -inf. A group's score is the sum of its two highest expert scores (one, for one-expert groups);
+    groups are consecutive expert indices. Ties go to the lower group index (stable sort), as for experts."""
+    n, e = select_NE.shape
+    per_group = select_NE.view(n, n_groups, e // n_groups)
+    group_score = per_group.topk(min(2, e // n_groups), dim=-1).values.sum(dim=-1)
+    keep = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+    mask = torch.zeros(n, n_groups, dtype=torch.bool, device=select_NE.device).scatter(1, keep, True)
+    return per_group.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(n, e)
+
+
+def groups_spanned(expert_idx_NK: torch.Tensor, n_experts: int, n_groups: int) -> torch.Tensor:
+    """Distinct expert groups among each token's chosen experts (int64, N)."""
+    group_NK = expert_idx_NK // (n_experts // n_groups)
+    hit = torch.zeros(group_NK.shape[0], n_groups, dtype=torch.bool, device=group_NK.device)
+    return hit.scatter(1, group_NK, True).sum(dim=-1)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

@@ -84,16 +84,24 @@ def moe_stats(parts: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-def format_moe_metrics(stats: dict[str, torch.Tensor], coefs: dict[str, tuple[float, float]]) -> dict[str, float]:
+def layer_coefs(moe: MoE) -> tuple[float, float, int, int]:
+    """What `format_moe_metrics` needs of a layer's config: (aux_loss_coef, z_loss_coef, top_k, n_groups)."""
+    cfg = moe.moe_cfg
+    return cfg.aux_loss_coef, cfg.z_loss_coef, cfg.top_k, cfg.n_groups
+
+
+def format_moe_metrics(stats: dict[str, torch.Tensor], coefs: dict[str, tuple[float, float, int, int]]
+                       ) -> dict[str, float]:
     """metrics.jsonl entries from summed stats: per layer tokens per expert (pre-drop assignments), max/mean
-    load imbalance, dropped fraction, balancing and z losses (means over token groups); plus model totals."""
+    load imbalance, dropped fraction, balancing and z losses (means over token groups), and with group-limited
+    routing the mean number of expert groups a token's experts span; plus model totals."""
     out: dict[str, float] = {}
     aux_total = 0.0
     worst = 0.0
     for name, vec in stats.items():
         n_experts = vec.numel() - len(STAT_FIELDS)
         counts = vec[:n_experts]
-        dropped, assigned, lb, z, groups = vec[n_experts:].tolist()
+        dropped, assigned, lb, z, groups, span = vec[n_experts:].tolist()
         groups = max(groups, 1.0)
         imbalance = float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0
         worst = max(worst, imbalance)
@@ -104,7 +112,9 @@ def format_moe_metrics(stats: dict[str, torch.Tensor], coefs: dict[str, tuple[fl
         out[f"{prefix}/dropped_frac"] = dropped / assigned if assigned else 0.0
         out[f"{prefix}/lb_loss"] = lb / groups
         out[f"{prefix}/z_loss"] = z / groups
-        aux_coef, z_coef = coefs[name]
+        aux_coef, z_coef, top_k, n_groups = coefs[name]
+        if n_groups > 1:  # tokens = assignments / top_k
+            out[f"{prefix}/groups_per_token"] = span * top_k / assigned if assigned else 0.0
         aux_total += aux_coef * lb / groups + z_coef * z / groups
     if stats:
         out["moe/aux_loss"] = aux_total
@@ -121,5 +131,4 @@ def moe_metrics(parts: list[nn.Module], reduce: Reduce | None = None) -> dict[st
     stats = moe_stats(parts)
     if reduce is not None:
         stats = {k: reduce(v) for k, v in stats.items()}
-    coefs = {name: (m.moe_cfg.aux_loss_coef, m.moe_cfg.z_loss_coef) for name, m in moe_layers(parts)}
-    return format_moe_metrics(stats, coefs)
+    return format_moe_metrics(stats, {name: layer_coefs(m) for name, m in moe_layers(parts)})

@@ -39,7 +39,8 @@ def test_counts_match_module(preset: str) -> None:
     assert num_params(cfg) == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("preset", ["llama2-7b", "llama3-70b", "gpt3-175b", "llama3-405b"])
+@pytest.mark.parametrize("preset", ["llama2-7b", "llama3-70b", "gpt3-175b", "llama3-405b", "test-qwen2-moe",
+                                    "test-qwen3-moe", "test-deepseek-v3", "qwen3-30b-a3b"])
 def test_counts_match_meta_module(preset: str) -> None:
     cfg = model_config(preset)
     model = build_model(cfg, device="meta")
@@ -60,3 +61,6 @@ def test_presets_are_listed_with_their_published_sizes(capsys) -> None:  # type:
     # Published sizes: Mixtral 8x7B 46.7B parameters (Jiang et al. 2024), Llama 3 8B 8.03B, GPT-3 175B.
     assert rows["mixtral-8x7b"][1] == "46.70B" and rows["mixtral-8x7b"][-3:] == ["8", "(top", "2)"]
     assert rows["llama3-8b"][1] == "8.03B" and rows["gpt3-175b"][1].startswith("175.")
+    # Model cards: Mixtral 8x22B 141B; Qwen2-57B-A14B 57.41B; Qwen3-30B-A3B 30.5B; Qwen3-235B-A22B 235B.
+    assert rows["mixtral-8x22b"][1] == "140.63B" and rows["qwen2-57b-a14b"][1] == "57.41B"
+    assert rows["qwen3-30b-a3b"][1].startswith("30.5") and rows["qwen3-235b-a22b"][1].startswith("235.")

@@ -4,9 +4,10 @@ single-process LocalEngine: loss, aux loss and gradient norm per step, dropless 
 One process group of 4 ranks runs every case: dropless mode with (ep, tp) in {1, 2}^2 and data parallelism
 filling the rest, gradients synchronized by hand (dense: mean over the data ranks; experts: `ExpertGradSync`
 over the edp ranks); capacity mode under FSDP2 (experts sharded over the edp ranks by `apply_expert_fsdp`); and
-the global-batch balancing loss. Only the MoE layers are tensor-parallel here (the rest of the block stays
-replicated), so this checks framework/parallel/expert.py on its own; the full matrix through the parallel
-engine (TP blocks, FSDP, pipeline stages) is tests/moe/test_moe_engine_parity.py.
+the global-batch balancing loss; and group-limited (node-limited) sigmoid routing. Only the MoE layers are
+tensor-parallel here (the rest of the block stays replicated), so this checks framework/parallel/expert.py on its
+own; the full matrix through the parallel engine (TP blocks, FSDP, pipeline stages) is
+tests/moe/test_moe_engine_parity.py.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ WORLD, STEPS, LR, SEQ = 4, 3, 1e-2, 16
 MODES = {
     "dropless": dict(n_shared_experts=1, bias_update_rate=0.01),
     "capacity": dict(n_shared_experts=1, capacity_factor=1.0, z_loss_coef=1e-3),
+    # node-limited routing (DeepSeek-V3): 2 groups = the 2 ep ranks' experts, each token's experts on one rank
+    "grouped": dict(n_experts=8, n_groups=2, topk_groups=1, router="sigmoid", routed_scale=2.5,
+                    bias_update_rate=0.01, n_shared_experts=1),
 }
 
 
@@ -141,6 +145,7 @@ def _all_cases(rank: int, world: int, batches: list[torch.Tensor]) -> dict[str, 
             results[f"dropless ep{ep} tp{tp}"] = _run_layout(rank, _cfg(**MODES["dropless"]), ep, tp, batches)
     # capacity mode under FSDP, experts FSDP-sharded over the edp ranks (the engine test covers every layout)
     results["capacity ep2 tp2"] = _run_layout(rank, _cfg(**MODES["capacity"]), 2, 2, batches, fsdp=True)
+    results["grouped ep2 tp2"] = _run_layout(rank, _cfg(**MODES["grouped"]), 2, 2, batches)
     # dp = 4: rank r routes group r; the counts of the balancing loss are summed over the 4 data ranks
     results["global_batch ep2 tp1"] = _run_layout(rank, _cfg(aux_loss_scope="global_batch"), 2, 1, batches)
     return results
