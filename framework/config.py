@@ -92,6 +92,11 @@ class Config:
 
         if problem := zeropp_compile_problem(self.parallel, self.train.compile):
             raise ParallelismError(problem)
+        from framework.numerics.config import fp8_problem
+
+        fp8_why = fp8_problem(self.train.precision, self.train.compile, self.train.fp8, self.parallel, self.model)
+        if fp8_why is not None:
+            raise ConfigError(fp8_why)
         if self.train.compile:  # only layouts whose compiled run matched eager (tests/parallel/test_compile.py)
             from framework.parallel.compile import refusal
 

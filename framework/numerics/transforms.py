@@ -6,7 +6,7 @@ after initialization; `parallelize` applies it to each pipeline stage at the sam
 TP/EP/CP, init and activation checkpointing, before FSDP wraps the blocks), so the 1-process reference runs
 exactly the transforms a layout runs. Adding one is a `register_transform` call:
 
-    register_transform("fp8", lambda s: fp8_transform(s.fp8) if s.fp8 else None, before="compile")
+    register_transform("probe", build_probe, before="compile")
 
 Each entry builds its transform from the run's `TransformSettings` (the train section satisfies it) or returns
 None when the run does not ask for it; `model_transforms` lists the ones a run applies, in table order.
@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from framework.numerics.config import FP8Config
 from models.decoder import Decoder
 
 
@@ -29,6 +30,9 @@ class TransformSettings(Protocol):
 
     @property
     def compile_backend(self) -> str: ...
+
+    @property
+    def fp8(self) -> FP8Config: ...
 
 
 @dataclass(frozen=True)
@@ -88,4 +92,15 @@ def _compile(settings: TransformSettings) -> ModelTransform | None:
         model.layers, backend, tensor_parallel=site.tensor_parallel))
 
 
+def _fp8(settings: TransformSettings) -> ModelTransform | None:
+    """`train.fp8`: chosen linears train in FP8 through torchao (fp8.py); before compile, which traces them."""
+    if not settings.fp8.enabled:
+        return None
+    from framework.numerics.fp8 import convert_to_fp8
+
+    cfg = settings.fp8
+    return ModelTransform("fp8", lambda model, site: convert_to_fp8(model, cfg))
+
+
+register_transform("fp8", _fp8)
 register_transform("compile", _compile)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from framework.base.errors import ConfigError
+from framework.numerics.config import FP8Config
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -97,6 +98,8 @@ class TrainConfig:
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """inductor: generated kernels (the speed-up); aot_eager: AOT autograd without codegen (cheap to compile,
     for checks); eager: dynamo only."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """FP8 linears through torchao (framework/numerics/fp8.py); combinations not proven are refused at load."""
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -140,3 +143,4 @@ class TrainConfig:
         if self.log_interval < 1:
             raise ConfigError(f"train.log_interval={self.log_interval} must be >= 1")
         self.muon.validate()
+        self.fp8.validate()

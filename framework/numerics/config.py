@@ -1,0 +1,68 @@
+"""`train.fp8`: FP8 training of the linear layers through torchao (framework/numerics/fp8.py), and which
+combinations are refused at config load. Torch-free, like every config module.
+
+    train:
+      precision: bf16           # FP8 runs the rest of the model under bf16 autocast
+      fp8:
+        enabled: true
+        recipe: tensorwise      # tensorwise | rowwise (torchao's recipes)
+        exclude: [output, router]
+        min_dim: 16
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from framework.base.errors import ConfigError
+
+FP8_PROVEN = "1 process and data parallelism over dp_shard (ZeRO 1-3, FSDP2)"
+"""The layouts an FP8 run has a parity test for (tests/framework/test_fp8.py); the others are refused."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class FP8Config:
+    enabled: bool = False
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """tensorwise: one dynamic scale per tensor (fastest, FP8 all-gather possible); rowwise: one per row of each
+    GEMM operand (more accurate; torchao's recipe, its scales rounded to powers of 2)."""
+    exclude: tuple[str, ...] = ("output", "router")
+    """Linears whose FQN has one of these as a dot-separated component stay in bf16: the head and the MoE router
+    by default, as the published recipes (torchtitan, Megatron-Bridge) keep them."""
+    min_dim: int = 16
+    """A linear is converted only when both its in and out features are >= min_dim and multiples of 16 (the FP8
+    GEMM's alignment); smaller ones stay bf16, where the casts cost more than the GEMM saves."""
+
+    def validate(self) -> None:
+        if self.min_dim < 16 or self.min_dim % 16:
+            raise ConfigError(f"train.fp8.min_dim={self.min_dim} must be a multiple of 16 and >= 16 (FP8 GEMMs need "
+                              f"dimensions divisible by 16); e.g. 16")
+
+
+def fp8_problem(precision: str, compile: bool, fp8: FP8Config, parallel: Any, model: Any) -> str | None:
+    """Why `train.fp8` cannot run this combination (None where it is proven). `parallel` is a ParallelConfig,
+    `model` a ModelConfig."""
+    if not fp8.enabled:
+        return None
+    if importlib.util.find_spec("torchao") is None:
+        return ("train.fp8.enabled=true needs torchao (pip install 'torchao>=0.18,<0.19', docs/PARALLELISM.md FP8); "
+                "install it or set train.fp8.enabled=false")
+    if precision != "bf16":
+        return (f"train.fp8.enabled=true with train.precision={precision}: the FP8 recipes run everything outside "
+                f"the converted linears in bf16; set train.precision=bf16")
+    unproven = {name: value for name, value in (
+        ("parallel.tp", parallel.tp), ("parallel.pp", parallel.pp), ("parallel.cp", parallel.cp),
+        ("parallel.ep", parallel.ep), ("parallel.dp_replicate", parallel.dp_replicate)) if value != 1}
+    if model.moe.enabled:
+        unproven["model.moe.enabled"] = True
+    if compile:
+        unproven["train.compile"] = True
+    if parallel.zero_quantized_weights or parallel.zero_quantized_gradients:
+        unproven["parallel.zero_quantized_*"] = True
+    if unproven:
+        named = ", ".join(f"{k}={v}" for k, v in unproven.items())
+        return (f"train.fp8.enabled=true with {named}: FP8 is proven (matched against the 1-process FP8 run) on "
+                f"{FP8_PROVEN} only; set those back to their defaults or train.fp8.enabled=false")
+    return None
