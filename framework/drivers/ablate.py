@@ -35,8 +35,17 @@ class MixtureSpec:
     grid_min: float = 0.0
     """Grid points with a weight below this are left out (e.g. 0.1 to avoid starving a source)."""
     dirichlet: int = 0
-    """Number of Dirichlet(alpha) samples over the sources."""
+    """Number of Dirichlet samples over the sources (the swarm a fit needs: a dozen or more)."""
     alpha: float = 1.0
+    """Concentration without a prior: Dirichlet(alpha, ..., alpha)."""
+    prior: dict[str, float] = field(default_factory=dict)
+    """Swarm centre: with a prior, samples are Dirichlet(concentration x prior) (a source left out gets 0)."""
+    concentration: float = 10.0
+    """How tightly the swarm clusters around the prior (the Dirichlet's total concentration)."""
+    min_weight: dict[str, float] = field(default_factory=dict)
+    """Per-source lower bound of every sampled mixture (rejection sampling keeps the Dirichlet shape inside)."""
+    max_weight: dict[str, float] = field(default_factory=dict)
+    """Per-source upper bound of every sampled mixture."""
     seed: int = 0
 
     def validate(self) -> None:
@@ -44,8 +53,16 @@ class MixtureSpec:
             raise ConfigError(f"mixtures.grid_step={self.grid_step} must be in [0, 1); e.g. 0.25 (0: no grid)")
         if self.grid_step and abs(round(1 / self.grid_step) * self.grid_step - 1) > 1e-9:
             raise ConfigError(f"mixtures.grid_step={self.grid_step} must divide 1; e.g. 0.5, 0.25, 0.2, 0.1")
-        if self.dirichlet < 0 or self.alpha <= 0:
-            raise ConfigError(f"mixtures.dirichlet={self.dirichlet} must be >= 0 and alpha={self.alpha} > 0")
+        if self.dirichlet < 0 or self.alpha <= 0 or self.concentration <= 0:
+            raise ConfigError(f"mixtures.dirichlet={self.dirichlet} must be >= 0, alpha={self.alpha} and "
+                              f"concentration={self.concentration} > 0")
+        if self.prior and (any(w < 0 for w in self.prior.values()) or sum(self.prior.values()) <= 0):
+            raise ConfigError(f"mixtures.prior={self.prior} must be non-negative with a positive sum")
+        lo, hi = sum(self.min_weight.values()), self.max_weight
+        if lo > 1 or any(not 0 <= w <= 1 for w in [*self.min_weight.values(), *hi.values()]) or any(
+                w < self.min_weight.get(s, 0.0) for s, w in hi.items()):
+            raise ConfigError(f"mixtures.min_weight={self.min_weight} / max_weight={hi}: bounds must lie in "
+                              f"[0, 1], min <= max per source and the minimums sum to <= 1")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -76,6 +93,10 @@ class AblationSpec:
         if self.token_budget < 1 or not self.seeds or self.evals_per_run < 1:
             raise ConfigError(f"token_budget={self.token_budget}, seeds={self.seeds}, evals_per_run="
                               f"{self.evals_per_run}: need a positive budget, >= 1 seed and >= 1 evaluation")
+        for where, named in (("mixtures.prior", self.mixtures.prior), ("mixtures.min_weight",
+                             self.mixtures.min_weight), ("mixtures.max_weight", self.mixtures.max_weight)):
+            if set(named) - set(self.sources):
+                raise ConfigError(f"{where}={named} names sources outside sources={self.sources}")
         for i, mix in enumerate(self.mixtures.explicit):
             unknown = set(mix) - set(self.sources)
             if unknown or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
@@ -122,7 +143,7 @@ def mixture_list(spec: AblationSpec) -> list[dict[str, float]]:
     if m.grid_step:
         rows += [r for r in simplex_grid(len(src), m.grid_step) if (r >= m.grid_min - 1e-12).all()]
     if m.dirichlet:
-        rows += list(np.random.default_rng(m.seed).dirichlet([m.alpha] * len(src), size=m.dirichlet))
+        rows += list(swarm(spec))
     out, seen = [], set()
     for r in rows:
         r = r / r.sum()
@@ -133,6 +154,32 @@ def mixture_list(spec: AblationSpec) -> list[dict[str, float]]:
     if not out:
         raise ConfigError(f"ablation {spec.name!r} has no mixtures; add mixtures.explicit, grid_step or dirichlet")
     return out
+
+
+def swarm(spec: AblationSpec) -> np.ndarray:
+    """`mixtures.dirichlet` mixtures (rows) drawn from Dirichlet(concentration x prior), or Dirichlet(alpha) without
+    a prior, kept only inside the per-source [min_weight, max_weight] box (rejection, so the shape inside the box
+    is the Dirichlet's); reproducible from `mixtures.seed`."""
+    src, m = spec.sources, spec.mixtures
+    if m.prior:
+        p = np.array([m.prior.get(s, 0.0) for s in src])
+        alpha = m.concentration * p / p.sum()
+    else:
+        alpha = np.full(len(src), m.alpha)
+    lo = np.array([m.min_weight.get(s, 0.0) for s in src])
+    hi = np.array([m.max_weight.get(s, 1.0) for s in src])
+    rng = np.random.default_rng(m.seed)
+    pos = alpha > 0  # a source with prior 0 stays at 0
+    kept: list[np.ndarray] = []
+    for _ in range(200):
+        draw = np.zeros((4 * m.dirichlet, len(src)))
+        draw[:, pos] = rng.dirichlet(alpha[pos], size=len(draw))
+        kept += [r for r in draw if ((r >= lo - 1e-12) & (r <= hi + 1e-12)).all()]
+        if len(kept) >= m.dirichlet:
+            return np.asarray(kept[:m.dirichlet])
+    raise ConfigError(f"mixtures: fewer than {m.dirichlet} of {200 * 4 * m.dirichlet} Dirichlet draws fell inside "
+                      f"min_weight={m.min_weight} / max_weight={m.max_weight}; widen the bounds, move the prior "
+                      f"inside them or lower the concentration")
 
 
 @dataclass(frozen=True)
@@ -180,6 +227,13 @@ def plan_runs(spec: AblationSpec, config_path: Path, out: Path) -> list[RunPlan]
     return plans
 
 
+def source_tokens(train: object, seq_len: int) -> dict[str, int]:
+    """Training tokens each source holds (its packed training samples x seq_len): what the proposal's epoch limit
+    divides by. Empty for data without named sources (synthetic)."""
+    names, sources = getattr(train, "names", []), getattr(train, "sources", [])
+    return {n: len(s) * seq_len for n, s in zip(names, sources, strict=True)}
+
+
 def run_one(plan: RunPlan, config_path: Path) -> dict[str, Any]:
     """Train (or resume) one run and write its result.json; returns the result."""
     from framework.checkpoint.signals import check_stopped
@@ -198,7 +252,8 @@ def run_one(plan: RunPlan, config_path: Path) -> dict[str, Any]:
            "val": {k: v for k, v in result.eval.items() if k.startswith("val_loss/")},
            # What must not change across mixtures: the same tokenizer file and the same held-out split.
            "tokenizer_path": trainer.data.tokenizer_path, "build_dir": getattr(trainer.data, "build_dir", None),
-           "val_samples": {k: len(v) for k, v in trainer.data.val.items()}}
+           "val_samples": {k: len(v) for k, v in trainer.data.val.items()},
+           "train_tokens": source_tokens(trainer.data.train, cfg.data.seq_len)}
     if not out["val"]:
         raise ConfigError(f"run {plan.path} produced no validation loss; the data has no held-out split "
                           f"(data.val_fraction > 0 needed)")
