@@ -22,6 +22,7 @@ import numpy as np
 
 from framework.base.errors import ConfigError
 from framework.base.yaml_config import from_dict, load_yaml, replace, validate_tree
+from framework.drivers.ablate_propose import ProposalSpec
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -84,6 +85,8 @@ class AblationSpec:
     """What the recommendation minimizes: 'mean' (average per-domain validation loss) or a source name."""
     regression: Literal["log_linear", "linear"] = "log_linear"
     """Per-domain loss model: log_linear L_d = a + b·log(w_d + 0.01); linear L_d = a + Σ_j b_j·w_j."""
+    proposal: ProposalSpec = field(default_factory=ProposalSpec)
+    """Limits of the proposed mixture (target budget, epochs, weight box, KL bound) and its surrogate."""
 
     def validate(self) -> None:
         if not self.sources or len(set(self.sources)) != len(self.sources):
@@ -93,8 +96,11 @@ class AblationSpec:
         if self.token_budget < 1 or not self.seeds or self.evals_per_run < 1:
             raise ConfigError(f"token_budget={self.token_budget}, seeds={self.seeds}, evals_per_run="
                               f"{self.evals_per_run}: need a positive budget, >= 1 seed and >= 1 evaluation")
-        for where, named in (("mixtures.prior", self.mixtures.prior), ("mixtures.min_weight",
-                             self.mixtures.min_weight), ("mixtures.max_weight", self.mixtures.max_weight)):
+        m, p = self.mixtures, self.proposal
+        for where, named in (("mixtures.prior", m.prior), ("mixtures.min_weight", m.min_weight),
+                             ("mixtures.max_weight", m.max_weight), ("proposal.max_epochs", p.max_epochs),
+                             ("proposal.min_weight", p.min_weight), ("proposal.max_weight", p.max_weight),
+                             ("proposal.prior", p.prior)):
             if set(named) - set(self.sources):
                 raise ConfigError(f"{where}={named} names sources outside sources={self.sources}")
         for i, mix in enumerate(self.mixtures.explicit):
@@ -207,23 +213,35 @@ class RunPlan:
 
 def plan_runs(spec: AblationSpec, config_path: Path, out: Path) -> list[RunPlan]:
     """Every (mixture, seed) run with the overrides that make it: weights, seed, steps, evals, run dir."""
+    plans: list[RunPlan] = []
+    for i, weights in enumerate(mixture_list(spec)):
+        plans += _seed_runs(spec, config_path, out, f"m{i:02d}", weights, len(plans))
+    return plans
+
+
+def confirm_runs(spec: AblationSpec, config_path: Path, out: Path, weights: dict[str, float]) -> list[RunPlan]:
+    """The proposal trained like every proxy (same budget, seeds and overrides): `<out>/runs/confirm-s<seed>`."""
+    return _seed_runs(spec, config_path, out, "confirm", {s: round(w, 6) for s, w in weights.items()}, 0)
+
+
+def _seed_runs(spec: AblationSpec, config_path: Path, out: Path, mid: str, weights: dict[str, float],
+               first: int) -> list[RunPlan]:
     from framework.config import load_config
 
     base = load_config(config_path, spec.overrides)
     tokens_per_step = base.train.global_batch_size * base.data.seq_len
     steps = max(1, math.ceil(spec.token_budget / tokens_per_step))
     eval_interval = max(1, steps // spec.evals_per_run)
+    full = {s: weights.get(s, 0.0) for s in spec.sources}
     plans: list[RunPlan] = []
-    for i, weights in enumerate(mixture_list(spec)):
-        full = {s: weights.get(s, 0.0) for s in spec.sources}
-        for seed in spec.seeds:
-            mid, name = f"m{i:02d}", f"m{i:02d}-s{seed}"
-            path = out / "runs" / name
-            ov = [*spec.overrides, f"data.weights={json.dumps(full)}", f"train.seed={seed}", f"data.seed={seed}",
-                  f"train.steps={steps}", f"train.eval_interval={eval_interval}",
-                  f"train.warmup_steps={min(base.train.warmup_steps, steps // 5)}",
-                  f"run.name={spec.name}-{name}", f"run.dir={path}", f"observe.wandb.group={spec.name}"]
-            plans.append(RunPlan(len(plans), mid, seed, full, path, ov))
+    for seed in spec.seeds:
+        name = f"{mid}-s{seed}"
+        path = out / "runs" / name
+        ov = [*spec.overrides, f"data.weights={json.dumps(full)}", f"train.seed={seed}", f"data.seed={seed}",
+              f"train.steps={steps}", f"train.eval_interval={eval_interval}",
+              f"train.warmup_steps={min(base.train.warmup_steps, steps // 5)}",
+              f"run.name={spec.name}-{name}", f"run.dir={path}", f"observe.wandb.group={spec.name}"]
+        plans.append(RunPlan(first + len(plans), mid, seed, full, path, ov))
     return plans
 
 

@@ -157,9 +157,24 @@ def _markdown(spec: AblationSpec, t: Table, f: Fit, rec: Recommendation) -> list
     return lines
 
 
-def write_report(spec: AblationSpec, plans: list[RunPlan], out: str | Path) -> Path:
-    """Collect the finished runs and write report.md and its three PNGs into `out`; returns report.md."""
+def _seed_std(spec: AblationSpec, t: Table) -> float:
+    """Mean over mixtures of the objective's standard deviation over seeds (nan with one seed)."""
+    if t.seeds < 2:
+        return float("nan")
+    per = [objective_values(np.array([[r["val"][f"val_loss/{s}"] for s in spec.sources] for r in t.results
+                                      if r["mixture_id"] == mid]), spec.sources, spec.objective).std()
+           for mid in t.ids]
+    return float(np.mean(per))
+
+
+def write_report(spec: AblationSpec, plans: list[RunPlan], out: str | Path, config_path: Path | None = None,
+                 confirm: bool = False) -> Path:
+    """Collect the finished runs and write report.md and its PNGs into `out`; with `confirm` (and the training
+    config), first train the proposal at proxy scale with the swarm's seeds. Returns report.md."""
     import matplotlib
+
+    from framework.drivers import ablate_proposal_report as pr
+    from framework.drivers.ablate import confirm_runs, run_one
 
     matplotlib.use("Agg")
     out = Path(out)
@@ -174,11 +189,30 @@ def write_report(spec: AblationSpec, plans: list[RunPlan], out: str | Path) -> P
     plot_runs(curves, out / "curves.png", title=f"ablation {spec.name}", smooth_window=5, colors=colors)
     _plot_loss_vs_weight(t, f, spec.sources, out / "loss_vs_weight.png")
     _plot_pareto(t, rec, spec.sources, out / "pareto.png")
-    report = out / "report.md"
-    report.write_text("\n".join(_markdown(spec, t, f, rec)))
+    lines = _markdown(spec, t, f, rec)
     summary = {"ids": t.ids, "weights": t.W.tolist(), "val_loss": t.L.tolist(), "sources": spec.sources,
                "recommended": dict(zip(spec.sources, rec.weights.tolist())),
                "predicted_objective": rec.predicted_objective, "objective_loo_rmse": rec.objective_loo_rmse,
                "objective_baseline_rmse": rec.objective_baseline_rmse, "loo_rmse": f.loo_rmse.tolist()}
+    if len(t.ids) > len(spec.sources):  # the proposal needs a fit with leave-one-out error
+        res = pr.make_proposal(spec, t.W, t.L, t.results)
+        proposed = dict(zip(spec.sources, res.proposal.weights.tolist()))
+        confirmed = None
+        if confirm and config_path is not None:
+            cplans = confirm_runs(spec, config_path, out, proposed)
+            for c in cplans:
+                if not c.finished():
+                    run_one(c, config_path)
+            confirmed = pr.confirmation(spec, cplans)
+        lines += pr.markdown(spec, t.ids, t.W, res, _seed_std(spec, t), confirmed)
+        pr.plot_predicted(res, t.ids, out / "predicted_vs_measured.png")
+        pr.plot_simplex(res, t.W, spec.sources, out / "proposal_simplex.png")
+        summary |= {"proposal": proposed, "proposal_predicted": res.proposal.mean, "proposal_std": res.proposal.std,
+                    "proposal_surrogate": res.chosen.name, "proposal_epochs": res.proposal.epochs.tolist(),
+                    "binding": {b.limit: b.gain for b in res.proposal.binding},
+                    "surrogate_loo_rmse": {s.name: s.loo_rmse for s in res.surrogates},
+                    "confirmation": confirmed}
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
     (out / "report.json").write_text(json.dumps(summary, indent=1))
     return report

@@ -39,7 +39,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if not args.report_only:
         run_ablation(args.spec, out, index=index, extra_overrides=args.set)
     if index is None:
-        report = write_report(spec, plan_runs(spec, config_path, out), out)
+        report = write_report(spec, plan_runs(spec, config_path, out), out, config_path, confirm=args.confirm)
         print(f"ablation {spec.name}: report {report}")
     return 0
 
@@ -73,6 +73,9 @@ def register(sub: Any) -> None:
     p.add_argument("--index", type=int, help="run only this run of the plan (0-based); no report")
     p.add_argument("--array-task", action="store_true", help="take --index from SLURM_ARRAY_TASK_ID")
     p.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    p.add_argument("--confirm", action=argparse.BooleanOptionalAction, default=True,
+                   help="train the proposed mixture like every proxy (same budget and seeds) and report its "
+                        "measured objective against the prediction and the best swarm run (default: on)")
     p.add_argument("--slurm", action="store_true", help="render (and submit) a SLURM job array plus a report job")
     p.add_argument("--dry-run", action="store_true", help="with --slurm: write the scripts, submit nothing")
     p.add_argument("--max-parallel", type=int, default=0, help="with --slurm: at most N array tasks at once")

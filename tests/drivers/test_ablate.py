@@ -30,7 +30,8 @@ def test_four_mixture_ablation(stdlib_build, tmp_path: Path) -> None:  # type: i
     assert main(["ablate", SPEC, "--out", str(out), *sets]) == 0
 
     runs = sorted((out / "runs").iterdir())
-    assert [r.name for r in runs] == ["m00-s0", "m01-s0", "m02-s0", "m03-s0"]
+    assert [r.name for r in runs] == ["confirm-s0", "m00-s0", "m01-s0", "m02-s0", "m03-s0"]
+    confirm, runs = runs[0], runs[1:]
     results = {r.name[:3]: json.loads((r / "result.json").read_text()) for r in runs}
     assert len({(x["tokenizer_path"], x["build_dir"], json.dumps(x["val_samples"])) for x in results.values()}) == 1
     assert all(x["tokens"] == 20480 and x["final_step"] == 40 for x in results.values())
@@ -42,7 +43,16 @@ def test_four_mixture_ablation(stdlib_build, tmp_path: Path) -> None:  # type: i
             assert f"{res['val'][f'val_loss/{dom}']:.4f}" in row
     assert "## Recommended mixture (mean objective)" in report and "leave-one-out RMSE" in report
     assert re.search(r"\*\*code 0\.\d\d, prose 0\.\d\d, tests 0\.\d\d\*\* — predicted mean loss", report)
-    for png in ("curves.png", "loss_vs_weight.png", "pareto.png"):
+    # The proposal was trained like a proxy (same seed, budget, held-out split) and its measured objective reported.
+    summary = json.loads((out / "report.json").read_text())
+    conf = json.loads((confirm / "result.json").read_text())
+    assert conf["weights"] == pytest.approx(summary["proposal"], abs=1e-6) and conf["final_step"] == 40
+    assert conf["val_samples"] == results["m00"]["val_samples"] and conf["train_tokens"]["code"] > 0
+    measured = np.mean([conf["val"][f"val_loss/{d}"] for d in ("code", "prose", "tests")])
+    assert summary["confirmation"][0] == pytest.approx(measured, abs=1e-9)
+    assert f"measured {measured:.4f}" in report and "## Surrogates of the objective" in report
+    for png in ("curves.png", "loss_vs_weight.png", "pareto.png", "predicted_vs_measured.png",
+                "proposal_simplex.png"):
         assert f"]({png})" in report
         _png_ok(out / png)
 
