@@ -16,7 +16,7 @@ import numpy as np
 
 from framework.drivers.ablate import AblationSpec, RunPlan
 from framework.drivers.ablate_fit import objective_values
-from framework.drivers.ablate_propose import Proposal, limits, propose
+from framework.drivers.ablate_propose import Proposal, feasible, limits, propose
 from framework.drivers.ablate_surrogate import Surrogate, all_surrogates, best
 
 
@@ -28,6 +28,8 @@ class ProposalResult:
     target_tokens: int
     measured: np.ndarray
     """(n,) measured objective of the tried mixtures."""
+    allowed: np.ndarray
+    """(n,) which tried mixtures satisfy the proposal's limits (the fair comparison for the confirmation)."""
 
 
 def train_tokens(results: list[dict]) -> dict[str, int]:
@@ -44,7 +46,7 @@ def make_proposal(spec: AblationSpec, W: np.ndarray, L: np.ndarray, results: lis
     target = ps.target_tokens or spec.token_budget
     lim = limits(ps, src, spec.token_budget, tokens, spec.mixtures.prior)
     prop = propose(chosen.predict, lim, src, target, tokens, risk=ps.risk)
-    return ProposalResult(sur, chosen, prop, target, objective_values(L, src, spec.objective))
+    return ProposalResult(sur, chosen, prop, target, objective_values(L, src, spec.objective), feasible(W, lim))
 
 
 def confirmation(spec: AblationSpec, plans: list[RunPlan]) -> tuple[float, float] | None:
@@ -80,7 +82,12 @@ def markdown(spec: AblationSpec, ids: list[str], W: np.ndarray, res: ProposalRes
             + ".")
     else:
         lines.append("No limit binds: the proposal is the surrogate's minimum over the simplex.")
-    i = int(np.argmin(res.measured))
+    within = np.where(res.allowed, res.measured, np.inf)
+    i = int(np.argmin(within)) if res.allowed.any() else int(np.argmin(res.measured))
+    what = "best swarm run within the limits" if res.allowed.any() else "best swarm run (none is within the limits)"
+    if res.allowed.any() and not res.allowed.all():
+        j = int(np.argmin(res.measured))
+        what += f" ({int(res.allowed.sum())} of {len(ids)}; the best overall, {ids[j]}, measured {res.measured[j]:.4f})"
     lines += ["", "## Confirmation", ""]
     if confirmed is None:
         lines.append("Not run (`--no-confirm`, or the confirmation runs have not finished).")
@@ -89,12 +96,12 @@ def markdown(spec: AblationSpec, ids: list[str], W: np.ndarray, res: ProposalRes
         gap = m - res.measured[i]
         noise = max(np.nan_to_num(seed_std), m_std)
         verdict = ("one seed, so seed noise is not measured: rerun with two or more seeds for a verdict" if not noise
-                   else "no worse than the best swarm run within seed noise" if gap <= 2 * noise
-                   else "WORSE than the best swarm run beyond seed noise")
+                   else "no worse than that run within seed noise" if gap <= 2 * noise
+                   else "WORSE than that run beyond seed noise")
         lines.append(f"The proposal trained like every proxy ({len(spec.seeds)} seed(s)) measured {m:.4f}"
                      + (f" ± {m_std:.4f}" if len(spec.seeds) > 1 else "")
-                     + f"; predicted {p.mean:.4f} ± {p.std:.4f}; best swarm run {ids[i]} measured "
-                     f"{res.measured[i]:.4f} (gap {gap:+.4f}; seed noise {seed_std:.4f}): {verdict}.")
+                     + f"; predicted {p.mean:.4f} ± {p.std:.4f}; {what}: {ids[i]} measured {res.measured[i]:.4f} "
+                     f"(gap {gap:+.4f}; seed noise {seed_std:.4f}): {verdict}.")
     lines += ["", "![predicted vs measured](predicted_vs_measured.png)", "",
               "![proposal on the simplex](proposal_simplex.png)", ""]
     return lines

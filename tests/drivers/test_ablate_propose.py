@@ -4,13 +4,18 @@ closed form for the pure log law), and a small source whose repetition limit mov
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from framework.base.errors import ConfigError
-from framework.drivers.ablate import AblationSpec, MixtureSpec, simplex_grid, swarm
+from framework.drivers.ablate import AblationSpec, MixtureSpec, RunPlan, confirm_runs, plan_runs, simplex_grid, swarm
 from framework.drivers.ablate_fit import LOG_EPS
 from framework.drivers.ablate_propose import ProposalSpec, kl, limits, propose
+from framework.drivers.ablate_report import write_report
 from framework.drivers.ablate_surrogate import all_surrogates, best
 
 SOURCES = ["code", "prose", "tests"]
@@ -112,3 +117,47 @@ def test_fit_and_proposal_recover_a_planted_optimum_with_interactions() -> None:
     assert [b.limit for b in capped.binding] == ["max_epochs[tests]"] and capped.binding[0].gain > 0
     true_regret = _law(capped.weights[None], 0.5).mean() - _law(truth_capped[None], 0.5).mean()
     assert true_regret < REGRET_TOL
+
+
+def _fake_run(plan: RunPlan, losses: np.ndarray) -> None:
+    """A finished run as `run_one` leaves it: result.json and a short metrics.jsonl (no training)."""
+    plan.path.mkdir(parents=True, exist_ok=True)
+    val = {f"val_loss/{s}": float(x) for s, x in zip(SOURCES, losses)}
+    rows = [{"type": "train", "step": i, "loss": 6.0 - i, "tokens": 512 * i} for i in range(1, 5)]
+    plan.path.joinpath("metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        *rows, {"type": "eval", "step": 4, **val}]) + "\n")
+    plan.result_file.write_text(json.dumps({
+        "mixture_id": plan.mixture_id, "seed": plan.seed, "weights": plan.weights, "overrides": plan.overrides,
+        "final_step": 4, "tokens": 2048, "val": val, "tokenizer_path": "/b/tok.model", "build_dir": "/b",
+        "val_samples": dict.fromkeys(SOURCES, 10), "train_tokens": TOKENS}))
+
+
+def test_report_proposes_under_the_spec_limits_and_shows_the_confirmation(tmp_path: Path) -> None:
+    spec = replace(_spec(dirichlet=24, prior=dict.fromkeys(SOURCES, 1.0), concentration=3),
+                   config="tiny-stdlib.yaml", seeds=[0, 1], token_budget=TARGET // 10,
+                   proposal=ProposalSpec(max_epochs={"tests": 1.0}, target_tokens=TARGET, surrogate="gp"))
+    config = Path("configs/ablations/tiny-stdlib.yaml")
+    plans = plan_runs(spec, config, tmp_path)
+    rng = np.random.default_rng(0)
+    for p in plans:
+        w = np.array([p.weights[s] for s in SOURCES])
+        _fake_run(p, _law(w[None], 0.5)[0] + rng.normal(0, 0.005, 3))
+    write_report(spec, plans, tmp_path)
+    summary = json.loads((tmp_path / "report.json").read_text())
+    assert summary["proposal"]["tests"] == pytest.approx(0.1, abs=1e-4) and summary["proposal_surrogate"] == "gp"
+    assert summary["proposal_epochs"][2] == pytest.approx(1.0, abs=1e-3) and summary["confirmation"] is None
+    assert list(summary["binding"]) == ["max_epochs[tests]"]
+    # Confirmation runs with the swarm's seeds (faked finished here: `run_one` is test_ablate.py's business).
+    cplans = confirm_runs(spec, config, tmp_path, summary["proposal"])
+    assert [c.seed for c in cplans] == [0, 1] and all("train.seed=1" in c.overrides for c in cplans[1:])
+    truth = _law(np.array([[summary["proposal"][s] for s in SOURCES]]), 0.5)[0]
+    for c, noise in zip(cplans, (0.002, -0.002)):
+        _fake_run(c, truth + noise)
+    report = write_report(spec, plans, tmp_path, config, confirm=True).read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["confirmation"][0] == pytest.approx(truth.mean())
+    # The swarm was not held to the epoch limit, so the fair comparison is the best run that satisfies it.
+    assert f"measured {truth.mean():.4f} ± 0.0020" in report and "best swarm run within the limits" in report
+    assert "no worse than that run within seed noise" in report
+    assert "`max_epochs[tests]`" in report and "(binds)" in report and "| gp (chosen) |" in report
+    for png in ("predicted_vs_measured.png", "proposal_simplex.png"):
+        assert f"]({png})" in report and (tmp_path / png).stat().st_size > 10_000
