@@ -181,6 +181,10 @@ class ContextParallel:
             raise ParallelismError(f"rows of {t} tokens cannot be cut into 2 x cp = {2 * self.size} chunks; "
                                    f"data.seq_len must be a multiple of {2 * self.size}")
         device = inputs.device
+        if self.comm == "ring" and documents is not None and documents.mask and device.type != "cpu":
+            raise ParallelismError("data.document_mask under parallel.cp_comm=ring runs on CPU only (the ring's "
+                                   "per-step masks need the CPU flash kernel; CUDA's takes no mask): set "
+                                   "parallel.cp_comm=all_to_all (FlexAttention block masks) or allgather")
         q_idx = local_indices(t, self.size, self.rank).to(device)
         positions = q_idx.expand(b, -1)
         doc = document_ids(inputs, documents.eod_id) if documents is not None else None

@@ -71,9 +71,8 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)
         return out, lse
-    if mask is not None:
-        raise ParallelismError("document masks under parallel.cp_comm=ring run on CPU only (CUDA's flash kernel "
-                               "takes no mask); use parallel.cp_comm=all_to_all or allgather with document masks")
+    if mask is not None:  # ContextParallel.shard refuses this before the first forward
+        raise ParallelismError("document masks under parallel.cp_comm=ring run on CPU only")
     h = q.shape[1]
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, _expand(k, h), _expand(v, h), 0.0, causal)
     return res[0], res[1]

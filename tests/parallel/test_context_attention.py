@@ -108,3 +108,18 @@ def _spawn(rank: int, world: int) -> list[str]:
 def test_context_parallel_attention_matches_one_process_and_keeps_local_tensors() -> None:
     bad = [line for lines in run_distributed(_spawn, 4, timeout_s=300) for line in lines]
     assert not bad, "\n".join(bad)
+
+
+def test_ring_refuses_document_masks_off_cpu_at_the_first_batch() -> None:
+    from framework.base.errors import ParallelismError
+    from framework.parallel.context import ContextParallel
+    from models.documents import DocumentMasking
+
+    ctx = ContextParallel.__new__(ContextParallel)  # no process group needed to cut a batch
+    ctx.comm, ctx.size, ctx.rank, ctx.mask_dtype = "ring", 2, 0, torch.float32
+    rows = torch.zeros(1, T + 1, dtype=torch.long, device="meta")  # any device but CPU
+    with pytest.raises(ParallelismError, match="cp_comm=all_to_all"):
+        ctx.shard(rows, DocumentMasking(EOD))
+    ctx.shard(rows, DocumentMasking(EOD, mask=False))  # positions only: fine
+    ctx.comm = "all_to_all"
+    assert "doc_ids" in ctx.shard(rows, DocumentMasking(EOD))[2]
