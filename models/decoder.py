@@ -49,6 +49,8 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states instead where parts are None."""
 
+    rope: torch.Tensor  # (max_seq_len, E/2, 2) fp32 buffer, registered in __init__
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg

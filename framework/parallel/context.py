@@ -155,7 +155,8 @@ class ContextParallel:
         order = gathered_indices(t, self.size).to(q.device)
         natural = torch.argsort(order)
         full = [_AllToAll.apply(z, self.group, 2, 1)[:, natural] for z in (q, k, v)]  # type: ignore[no-untyped-call]
-        o = attend(*(z.transpose(1, 2) for z in full), mask).transpose(1, 2)
+        q_all, k_all, v_all = (z.transpose(1, 2) for z in full)
+        o = attend(q_all, k_all, v_all, mask).transpose(1, 2)
         return _AllToAll.apply(o[:, order], self.group, 1, 2)  # type: ignore[no-any-return, no-untyped-call]
 
     def allgather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
