@@ -7,13 +7,14 @@ stay stable across every layout, which is what checkpoints and per-FQN initializ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from models.attention import DocumentMask, document_mask
 from models.config import ModelConfig
-from models.documents import block_causal_mask
 from models.init import copy_initial_into
 from models.kv_cache import KVCache, LayerKVCache
 from models.layers import Attention, FeedForward, build_norm, rope_tables
@@ -36,7 +37,7 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None,
+    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | DocumentMask | None = None,
                 kv_cache: LayerKVCache | None = None) -> torch.Tensor:
         if kv_cache is None:  # the training call stays (x, rope, mask): TP's PrepareModuleInput counts inputs
             h = x_BTD + self.attention(self.attention_norm(x_BTD), rope, attn_mask)
@@ -47,6 +48,8 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states instead where parts are None."""
+
+    rope: torch.Tensor  # (max_seq_len, E/2, 2) fp32 buffer, registered in __init__
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -60,8 +63,11 @@ class Decoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
                                                   scaling=cfg.rope_scaling), persistent=False)
+        # doc_ids -> the mask every layer of one forward pass shares; context parallelism (framework/parallel/
+        # context.py) sets its own, which knows which tokens this rank holds.
+        self.mask_builder: Callable[[torch.Tensor], Any] = document_mask
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, doc_ids: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, attn_mask: Any = None, *, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) -> logits or hidden states.
 
@@ -69,13 +75,13 @@ class Decoder(nn.Module):
             x: (B, T) token ids, or (B, T, D) hidden states on a pipeline stage without the embedding.
             attn_mask: Optional SDPA mask broadcastable to (B, H, T, T); None means plain causal attention.
             doc_ids: (B, T) document index of every token (models/documents.py): attention stays within a
-                document (a block-causal mask, built once here and shared by every layer).
+                document (`mask_builder`: a block mask or one dense mask, built once here and shared by every layer).
             positions: (B, T) rotary position of every token; None means 0..T-1 in every row.
             kv_cache: Generation only (framework/infer): the layers' cached keys/values of earlier positions;
                 pass `positions` and an explicit (B, 1, T, S) `attn_mask` over all S cached + new positions.
         """
         if doc_ids is not None:
-            attn_mask = block_causal_mask(doc_ids)
+            attn_mask = self.mask_builder(doc_ids)
         rope = self.rope if positions is None else self.rope[positions]  # (T, E/2, 2) or (B, T, E/2, 2)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for key, layer in self.layers.items():

@@ -7,11 +7,13 @@ Shape legend: B batch, T sequence, D hidden, H query heads, K key/value heads, E
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention import DocumentMask, attend
 from models.config import ModelConfig, RopeScaling
 from models.kv_cache import LayerKVCache
 from models.rope import attention_factor, inv_freq
@@ -74,7 +76,7 @@ def apply_rope(x_BTHE: torch.Tensor, rope_TE2: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention through `scaled_dot_product_attention`."""
+    """Causal grouped-query attention: SDPA, or FlexAttention for document masks (models/attention.py)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -87,13 +89,15 @@ class Attention(nn.Module):
         # Qwen3's per-head query/key norm (over the head's E channels, in Tessera's interleaved RoPE order)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        # Set from outside by context parallelism (framework/parallel/context.py): (B, L, K, E) local K and V
-        # -> the whole sequence's, with `attn_mask` given against those keys. None: single-device attention.
-        self.kv_exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set from outside by context parallelism (framework/parallel/context.py): attention of the local
+        # (B, L, H, E) queries and (B, L, K, E) keys/values with the sequence split over cp ranks, given the mask
+        # the decoder built; returns (B, L, H, E). None: single-device attention.
+        self.context_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor] | None = None
 
-    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None,
+    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | DocumentMask | None = None,
                 kv_cache: LayerKVCache | None = None) -> torch.Tensor:
-        """`kv_cache` (generation): keys/values of earlier positions are prepended and this call's appended;
+        """`attn_mask`: None (causal), the decoder's per-pass `DocumentMask`, or an explicit SDPA mask.
+        `kv_cache` (generation): keys/values of earlier positions are prepended and this call's appended;
         the caller then passes the (B, 1, T, S) mask, since `is_causal` would align queries to key 0."""
         b, t, _ = x_BTD.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
@@ -103,25 +107,24 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.kv_exchange is not None:
-            k, v = self.kv_exchange(k, v)
+        if self.context_attention is not None:
+            return self.wo(self.context_attention(q, k, v, attn_mask).reshape(b, t, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, E); k, v (B, K, T, E)
-        # GQA inside SDPA (torch >= 2.5): each group of H/K query heads reads its key/value head where it lies; no
-        # repeat_interleave copy of k and v (and of their gradients) per layer. Local head counts: under
+        # GQA inside the kernels (torch >= 2.5): each group of H/K query heads reads its key/value head where it
+        # lies; no repeat_interleave copy of k and v (and of their gradients) per layer. Local head counts: under
         # tp > n_kv_heads a rank holds one replicated KV head for its H/tp query heads.
-        gqa = q.shape[1] != k.shape[1]
-        if attn_mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if isinstance(attn_mask, torch.Tensor):
+            o = masked_attention(q, k, v, attn_mask, expand_kv=q.shape[1] != k.shape[1] and q.device.type == "cuda")
         else:
-            o = masked_attention(q, k, v, attn_mask, expand_kv=gqa and q.device.type == "cuda")
+            o = attend(q, k, v, attn_mask)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
                      expand_kv: bool) -> torch.Tensor:
-    """SDPA with an explicit mask; q (B, H, T, E), k and v (B, K, S, E) with K dividing H.
+    """SDPA with an explicit mask (generation with a KV cache); q (B, H, T, E), k and v (B, K, S, E), K | H.
 
     `expand_kv` (on CUDA): the fused kernel that takes a mask there (memory-efficient attention) has no GQA, so
     `enable_gqa` with a mask would fall back to the math kernel, which materializes the whole (B, H, T, S) score

@@ -42,7 +42,8 @@ def layout_of(cfg: Config, world_size: int) -> tuple[Workload, Layout]:
     """The planner's view of `cfg` at `world_size`."""
     p = cfg.parallel
     dims = ParallelDims.from_config(p, world_size, cfg.model)
-    work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, Precision.named(cfg.train.precision))
+    work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, Precision.named(cfg.train.precision),
+                    cp_comm=p.cp_comm)
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_size, ep=dims.ep, cp=dims.cp, zero_stage=p.zero_stage,
                  recompute=p.recompute, micro_batch=cfg.train.micro_batch_size, schedule=p.pp_schedule,
                  virtual=p.virtual_stages if dims.pp > 1 else 1, prefetch=p.fsdp_prefetch,

@@ -41,6 +41,8 @@ class Site:
 
     tensor_parallel: bool = False
     """The stage's linears are TP-sharded DTensors (compile then compiles sub-layer regions)."""
+    graph_breaks: bool = False
+    """Blocks call an eager region (the cp ring exchange): compile lets its graphs break there (not fullgraph)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def _compile(settings: TransformSettings) -> ModelTransform | None:
 
     backend = settings.compile_backend
     return ModelTransform("compile", lambda model, site: compile_blocks(
-        model.layers, backend, tensor_parallel=site.tensor_parallel))
+        model.layers, backend, tensor_parallel=site.tensor_parallel, fullgraph=not site.graph_breaks))
 
 
 def _fp8(settings: TransformSettings) -> ModelTransform | None:

@@ -45,8 +45,12 @@ class ParallelConfig:
     dp_replicate: int = 1
     """Replicated data-parallel degree (DDP, or HSDP with dp_shard > 1)."""
     cp: int = 1
-    """Context parallelism: each sequence split over cp ranks (2 x cp load-balanced chunks, K/V all-gathered);
+    """Context parallelism: each sequence split over cp ranks (2 x cp load-balanced chunks);
     cp is folded into the FSDP sharding group (dp_shard x cp), so it needs zero_stage >= 1."""
+    cp_comm: Literal["ring", "all_to_all", "allgather"] = "ring"
+    """How attention spans the cp ranks (framework/parallel/context.py): ring (K/V blocks passed around, flash
+    kernels, K/V memory T/cp), all_to_all (Ulysses: heads scattered, whole sequence per rank; n_heads / tp must
+    be divisible by cp) or allgather (K/V of the whole sequence gathered, one dense mask of b x T^2/cp)."""
     ep: int = 1
     """Expert parallelism, carved out of dp_shard x tp."""
     zero_stage: Literal[0, 1, 2, 3] = 1

@@ -127,6 +127,11 @@ class ParallelDims:
             raise ParallelismError(
                 f"parallel.cp={self.cp} with parallel.cpu_offload=true is not supported (not checked against one "
                 f"process); set parallel.cpu_offload=false or parallel.cp=1")
+        if model is not None and cfg.cp_comm == "all_to_all" and (model.n_heads // self.tp) % self.cp:
+            raise ParallelismError(
+                f"parallel.cp_comm=all_to_all scatters each rank's n_heads / tp = {model.n_heads} / {self.tp} query "
+                f"heads over cp={self.cp}, which does not divide them; use parallel.cp_comm=ring or a cp dividing "
+                f"{model.n_heads // self.tp}")
         if model is not None and model.moe.enabled:
             raise ParallelismError(
                 f"parallel.cp={self.cp} with a mixture-of-experts model (model.moe.n_experts="

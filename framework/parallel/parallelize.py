@@ -88,7 +88,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
     """
     coord = dict(zip(AXES, mesh.get_coordinate() or ()))
     moe = MoEParallel(model_cfg, pcfg, dims, mesh)
-    context = ContextParallel(mesh["cp"].get_group(), DTYPES[precision]) if dims.cp > 1 else None
+    context = ContextParallel(mesh["cp"].get_group(), DTYPES[precision], pcfg.cp_comm) if dims.cp > 1 else None
     shard_mesh = fsdp_mesh(mesh, dims)
     mp_policy = fsdp_mp_policy(pcfg, precision)
 
@@ -111,7 +111,9 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         if early:
             materialize(part, model_cfg, device, seed)
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 6
-        apply_model_transforms(part, transforms, Site(tensor_parallel=dims.tp > 1))  # 7
+        # the cp ring's P2P exchange runs eager inside each block (context_ring.py): compiled regions break there
+        site = Site(tensor_parallel=dims.tp > 1, graph_breaks=context is not None and context.comm == "ring")
+        apply_model_transforms(part, transforms, site)  # 7
         moe.shard(part, mp_policy=mp_policy)  # 8: experts over edp (before FSDP wraps their blocks), or hand-synced
         if shard_mesh is not None:
             apply_fsdp(part, shard_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)

@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", choices=("tessera", "korthikanti"), default="tessera",
                    help="activation model: Tessera's block, or Korthikanti et al. 2022 (Megatron-LM's GPT block)")
     p.add_argument("--kernel", choices=("flash", "math"), default="flash")
+    p.add_argument("--cp-comm", choices=("ring", "all_to_all", "allgather"), default="ring",
+                   help="parallel.cp_comm of cp layouts: what a cp rank keeps for backward")
     p.add_argument("--moe-imbalance", type=float, default=1.25,
                    help="MoE: tokens on the busiest expert-parallel rank over the mean (1: perfect balance); "
                         "its expert matmuls and all-to-all set the step's pace")
@@ -205,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if args.moe_imbalance < 1:
         raise ConfigError(f"--moe-imbalance {args.moe_imbalance} must be >= 1 (the busiest rank over the mean)")
     work = Workload(cfg, args.seq, args.global_batch, Precision.named(args.precision), args.kernel,
-                    args.activations, moe_imbalance=args.moe_imbalance)
+                    args.activations, moe_imbalance=args.moe_imbalance, cp_comm=args.cp_comm)
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be >= 1")
     result = plan_or_explain(work, args.gpus, hw, space, progress=sys.stderr.isatty())

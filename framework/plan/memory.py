@@ -166,27 +166,37 @@ def layer_bytes(work: Workload, lay: Layout, recompute: Recompute) -> float:
     return _layer_bytes(work, lay.tp, lay.micro_batch, recompute, lay.cp)
 
 
-def cp_kv_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, cp: int, act: int) -> int:
-    """Bytes the gathered K/V of one layer add on a cp rank: SDPA keeps k and v for all s keys, not s/cp.
+def cp_kv_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, cp: int, act: int,
+                comm: str = "allgather") -> int:
+    """Bytes of K/V one layer keeps for backward on a cp rank beyond a local block of s/cp tokens.
 
-    Both are repeated to the query heads before SDPA (h/t wide), so the extra over a local block of s/cp
-    tokens is 2 x b x (s - s/cp) x h/t elements (framework/parallel/context.py).
+    allgather: SDPA keeps k and v of all s keys, repeated to the query heads on CUDA (the fused kernel that takes
+    a mask has no GQA), so 2 x b x (s - s/cp) x h/t elements. ring: only the local k and v are kept (the blocks
+    in flight are transient; framework/parallel/context_ring.py): nothing beyond the local block. all_to_all:
+    the kernel keeps q, k, v and the output of the whole sequence on h/(t cp) heads, the local block's bytes,
+    except that KV heads not divisible by cp are repeated to the query heads first.
     """
-    if cp == 1:
+    if cp == 1 or comm == "ring":
         return 0
+    kv_local = max(1, cfg.kv_heads // tp)
+    if comm == "all_to_all":
+        return 0 if kv_local % cp == 0 else 2 * act * micro_batch * seq * (cfg.n_heads // tp - kv_local) // cp \
+            * cfg.head_dim
     return 2 * act * micro_batch * (seq - seq // cp) * (cfg.n_heads // tp) * cfg.head_dim
 
 
-def cp_mask_bytes(seq: int, micro_batch: int, cp: int, act: int) -> int:
-    """The (b, 1, s/cp, s) additive attention mask of a cp rank, one per forward, shared by every layer."""
-    return 0 if cp == 1 else act * micro_batch * (seq // cp) * seq
+def cp_mask_bytes(seq: int, micro_batch: int, cp: int, act: int, comm: str = "allgather") -> int:
+    """The (b, 1, s/cp, s) additive attention mask of an allgather cp rank, one per forward, shared by every
+    layer; ring and all_to_all take no mask without document masks (`is_causal` per block)."""
+    return act * micro_batch * (seq // cp) * seq if cp > 1 and comm == "allgather" else 0
 
 
 @functools.lru_cache(maxsize=4096)
 def _layer_bytes(work: Workload, tp: int, micro_batch: int, recompute: Recompute, cp: int = 1) -> float:
     """One layer on s/cp local tokens, plus the gathered K/V SDPA saves when it is not recomputed."""
     cfg, sp, s = work.model, tp > 1, work.seq_len // cp
-    kv = cp_kv_bytes(cfg, work.seq_len, micro_batch, tp, cp, work.precision.act) if recompute == "none" else 0
+    kv = cp_kv_bytes(cfg, work.seq_len, micro_batch, tp, cp, work.precision.act, work.cp_comm) \
+        if recompute == "none" else 0
     if work.activations == "korthikanti":
         return kv + korthikanti_layer_bytes(s, micro_batch, cfg.hidden, cfg.n_heads, tp=tp, sp=sp,
                                             recompute=recompute, flash=work.kernel == "flash")
@@ -214,7 +224,7 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
         in_flight = max(1.0, float(lay.pp - rank)) if m >= lay.pp else 1.0
     out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
     if lay.cp > 1:
-        out["cp_mask"] = cp_mask_bytes(work.seq_len, b, lay.cp, act) * in_flight
+        out["cp_mask"] = cp_mask_bytes(work.seq_len, b, lay.cp, act, work.cp_comm) * in_flight
     if last:
         out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act)
         out["logits"] = s * b * (cfg.vocab_size // lay.tp) * (act + FP32)

@@ -1,7 +1,8 @@
 """Context parallelism: chunk layout, typed errors before launch, and parity with one process.
 
 One 8-rank spawn runs every cp layout side by side (the parity harness of parallel_parity.py): cp=2, cp=4,
-cp2 x tp2 (+SP), cp2 x pp2, cp2 x dp_shard2 at ZeRO-3, HSDP over cp, each with and without document masks
+cp2 x tp2 (+SP), cp2 x pp2, cp2 x dp_shard2 at ZeRO-3, HSDP over cp, each with and without document masks over
+the ring exchange, then the all-to-all and all-gather exchanges (parallel.cp_comm) with and without TP
 (GQA test-tiny model, fp32, 5 AdamW steps, loss and grad norm within 1e-5 of the LocalEngine). The same spawn
 then saves a cp=2 x dp_shard=4 checkpoint after 2 steps and resumes it at cp=4 x dp_shard=2; the test process
 resumes it at cp=1 (the LocalEngine): both continue with the uninterrupted 1-process losses.
@@ -63,6 +64,8 @@ def test_seq_len_not_divisible_fails_at_config_load(overrides: list[str], match:
     (["parallel.cp=2", "parallel.dp_shard=1", "parallel.zero_stage=0"], 2, r"cp=2 folds cp into the FSDP.*zero_stage"),
     (["parallel.cp=2", "parallel.dp_shard=2", "parallel.cpu_offload=true"], 4, r"cp=2 with parallel.cpu_offload"),
     (["parallel.cp=2", "model.preset=test-moe"], 2, r"cp=2 with a mixture-of-experts model"),
+    (["parallel.cp=8", "parallel.cp_comm=all_to_all", "data.seq_len=64"], 8,
+     r"cp_comm=all_to_all scatters each rank's n_heads / tp = 4 / 1 query heads over cp=8"),
 ])
 def test_unsupported_layouts_fail_before_launch(overrides: list[str], world: int, match: str) -> None:
     cfg = load_config(TINY, overrides)
@@ -84,7 +87,12 @@ def _layouts() -> list[dict[str, Any]]:
     masked[3]["pp_schedule"] = "Interleaved1F1B"  # mask + positions reach both stages of each rank
     extra = [{"cp": 2, "dp_shard": 1, "dp_replicate": 2},  # HSDP: (dp_replicate, dp_shard_cp) mesh
              {"cp": 2, "tp": 2, "dp_shard": 1, "recompute": "full", "data.reset_position_ids": True}]
-    return base + masked + extra
+    # the default exchange is the ring; the all-to-all (Ulysses) and all-gather exchanges with and without TP
+    others = [{"cp": 2, "dp_shard": 1, "cp_comm": "all_to_all"},
+              {"cp": 4, "dp_shard": 1, "cp_comm": "all_to_all", "data.document_mask": True},
+              {"cp": 2, "tp": 2, "dp_shard": 1, "cp_comm": "all_to_all", "data.document_mask": True},
+              {"cp": 2, "tp": 2, "dp_shard": 1, "cp_comm": "allgather", "data.document_mask": True}]
+    return base + masked + extra + others
 
 
 def _ckpt_phase(rank: int, world: int, root: str) -> list[tuple[float, float]]:

@@ -28,7 +28,7 @@ def test_long_context_405b_on_2048_h100_needs_cp() -> None:
 
 def test_activations_divide_by_cp_plus_the_gathered_kv() -> None:
     cfg, s = model_config("llama3-8b"), 32768
-    work = Workload(cfg, s, 8)
+    work = Workload(cfg, s, 8, cp_comm="allgather")
     one = layer_bytes(work, Layout(tp=2), "none")
     assert one == tessera_layer_bytes(cfg, s, 1, tp=2, sp=True, act_bytes=2)
     for cp in (2, 4, 8):
@@ -39,6 +39,13 @@ def test_activations_divide_by_cp_plus_the_gathered_kv() -> None:
         assert got < one / cp * 1.6  # the gathered K/V is what keeps it above one / cp
     # full recompute keeps only the block input: exactly 1/cp
     assert layer_bytes(work, Layout(cp=4), "full") * 4 == layer_bytes(work, Layout(), "full")
+    # the ring keeps only its local K/V; all_to_all keeps the whole sequence on h/(t cp) heads, the same bytes
+    # while the local KV heads (8 / 2 = 4) split over cp, and K/V repeated to the query heads past that
+    for comm in ("ring", "all_to_all"):
+        local = tessera_layer_bytes(cfg, s // 4, 1, tp=2, sp=True, act_bytes=2)
+        assert layer_bytes(Workload(cfg, s, 8, cp_comm=comm), Layout(tp=2, cp=4), "none") == local
+    repeated = 2 * 2 * s * (cfg.n_heads // 2 - cfg.kv_heads // 2) // 8 * cfg.head_dim
+    assert cp_kv_bytes(cfg, s, 1, 2, 8, 2, "all_to_all") == repeated > 0
 
 
 def test_kv_all_gather_traffic_and_sharded_states() -> None:

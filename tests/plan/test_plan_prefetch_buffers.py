@@ -49,7 +49,7 @@ def test_fp32_training_gathers_fp32_units() -> None:
 
 def test_logits_and_cp_mask_bytes_by_hand() -> None:
     """The last stage's logits are vocab/tp wide (bf16 activations plus the fp32 loss copy); a cp rank holds one
-    (b, 1, s/cp, s) additive mask per in-flight micro-batch."""
+    (b, 1, s/cp, s) additive mask per in-flight micro-batch under the all-gather exchange."""
     from framework.plan.memory import cp_mask_bytes
 
     work = Workload(model_config("llama2-7b"), 4096, 64)
@@ -58,8 +58,10 @@ def test_logits_and_cp_mask_bytes_by_hand() -> None:
         assert got == 4096 * 2 * (32000 // tp) * (2 + 4)
     assert cp_mask_bytes(4096, 2, 1, 2) == 0
     assert cp_mask_bytes(4096, 2, 2, 2) == 2 * 2 * 2048 * 4096
-    parts = rank_memory(work, Layout(cp=2, dp=4, micro_batch=2), 0)
+    gather = Workload(model_config("llama2-7b"), 4096, 64, cp_comm="allgather")
+    parts = rank_memory(gather, Layout(cp=2, dp=4, micro_batch=2), 0)
     assert parts["cp_mask"] == 2 * 2 * 2048 * 4096  # one micro-batch in flight without pipelining
+    assert rank_memory(work, Layout(cp=2, dp=4, micro_batch=2), 0)["cp_mask"] == 0  # the ring takes no mask
 
 
 def test_korthikanti_activations_follow_the_attention_kernel() -> None:
