@@ -20,7 +20,7 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
      (dp_shard, with cp folded in), moving the dtypes `zero.fsdp_mp_policy` chooses
   after all stages:
  10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients
- 11. ZeRO-0 / DDP over dp_replicate without FSDP: the replica gradient all-reduce after backward
+ 11. ZeRO-0 / DDP over dp_replicate without FSDP: bucketed replica all-reduce, launched during backward (ddp.py)
 
 The optimizers are not built here (framework/train/parallel_engine.py does, and the planner and tests can
 parallelize a model without them), nor the pipeline *schedule*: it needs the loss function and the micro-batch
@@ -40,12 +40,13 @@ from framework.numerics.precision import DTYPES
 from framework.numerics.transforms import ModelTransform, Site, apply_model_transforms
 from framework.parallel.config import ParallelConfig
 from framework.parallel.context import ContextParallel
+from framework.parallel.ddp import ReplicatedGradSync
 from framework.parallel.expert import MoEParallel
 from framework.parallel.mesh import AXES, ParallelDims
 from framework.parallel.pipeline import TiedEmbeddings, cut_stage, local_stages
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
-from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mesh, fsdp_mp_policy
+from framework.parallel.zero import apply_fsdp, fsdp_mesh, fsdp_mp_policy
 from models.config import ModelConfig
 from models.decoder import Decoder
 
@@ -65,7 +66,7 @@ class ParallelModel:
     tied: TiedEmbeddings | None
     """Tied embedding and head on different pipeline stages (None otherwise)."""
     replica_sync: ReplicatedGradSync | None
-    """ZeRO-0 / DDP: the gradient all-reduce over dp_replicate (None under FSDP or without replicas)."""
+    """ZeRO-0 / DDP: the bucketed gradient all-reduce over dp_replicate (None under FSDP or without replicas)."""
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -120,5 +121,6 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
     replica_sync = None  # 11
     if dims.fsdp_size == 1 and dims.dp_replicate > 1:
         replica_sync = ReplicatedGradSync([p for part in parts for p in part.parameters()],
-                                          mesh["dp_replicate"].get_group(), dims.dp_replicate)
+                                          mesh["dp_replicate"].get_group(), dims.dp_replicate,
+                                          bucket_bytes=pcfg.ddp_bucket_mb * 2**20)
     return ParallelModel(list(parts), stage_ids, n_stages, moe, context, tied, replica_sync)
