@@ -6,7 +6,8 @@
 The order, each step needing the one before (docs/ARCHITECTURE.md "Where each parallelism lives"):
 
   1. the whole model on the meta device: nothing is allocated, FQNs are the 1-process ones
-  2. pipeline: cut this rank's stages by FQN (framework/parallel/pipeline.py)
+  2. pipeline: cut this rank's stages by FQN (framework/parallel/pipeline.py); after FSDP, stage boundaries
+     send in the compute dtype where FSDP's mixed precision does not already cast (`send_in_compute_dtype`)
   then for every stage:
   3. TP + SP: the plans of models/plans.py make the parameters DTensors over `tp` (tensor.py)
   4. EP: experts over `ep`, routing on the tp sequence shards (expert.py)
@@ -43,7 +44,7 @@ from framework.parallel.context import ContextParallel
 from framework.parallel.ddp import ReplicatedGradSync
 from framework.parallel.expert import MoEParallel
 from framework.parallel.mesh import AXES, ParallelDims
-from framework.parallel.pipeline import TiedEmbeddings, cut_stage, local_stages
+from framework.parallel.pipeline import TiedEmbeddings, cut_stage, local_stages, send_in_compute_dtype
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
 from framework.parallel.zero import apply_fsdp, fsdp_mesh, fsdp_mp_policy
@@ -114,6 +115,9 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         moe.shard(part, mp_policy=mp_policy)  # 9: experts over edp (before FSDP wraps their blocks), or hand-synced
         if shard_mesh is not None:
             apply_fsdp(part, shard_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
+    if dims.pp > 1 and precision != "fp32" and (shard_mesh is None or mp_policy.param_dtype is None):  # 2: p2p dtype
+        for part, stage in zip(parts, stage_ids):
+            send_in_compute_dtype(part, stage, n_stages, DTYPES[precision])
 
     tied = None  # 10
     if model_cfg.tied_embeddings and dims.pp > 1:

@@ -2,8 +2,8 @@
 
 full: a block keeps only its input and recomputes everything in backward.
 selective: a per-op policy (`create_selective_checkpoint_contexts`) keeps the outputs of matmuls (the MoE
-experts' grouped GEMMs and FP8 scaled GEMMs included), the attention kernel and tensor-parallel reductions (the expensive or communicating ops) and recomputes the cheap
-element-wise ones (norms, RoPE, SiLU, residual adds).
+experts' grouped GEMMs and FP8 scaled GEMMs included), the attention kernel and tensor-parallel reductions (the
+expensive or communicating ops) and recomputes the cheap element-wise ones (norms, RoPE, SiLU, residual adds).
 """
 
 from __future__ import annotations

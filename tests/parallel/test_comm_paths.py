@@ -1,8 +1,9 @@
-"""DDP (zero_stage 0 over dp_replicate): gradients all-reduced in buckets launched from backward hooks.
+"""Communication paths of a step: DDP buckets launched from backward hooks, pipeline p2p in the compute dtype.
 
-One 4-rank spawn: parity with the 1-process engine for small buckets (many per step) under plain replication with
-gradient accumulation, TP + SP (partial norm gradients) and a pipeline (buckets launched after its schedule); then
-a 2-rank step whose buckets must overlap backward, measured by the communication logger on gloo.
+One 4-rank spawn: parity with the 1-process engine for small DDP buckets (many per step) under plain replication
+with gradient accumulation, TP + SP (partial norm gradients) and a pipeline (buckets launched after its schedule);
+bf16 pipelines (with and without FSDP's mixed precision) against the fp32 1-process run, and the dtype their p2p
+moved; then a 2-rank step whose buckets must overlap backward, measured by the communication logger on gloo.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ ROUNDS: list[list[dict[str, Any]]] = [
     [{"tp": 2, "dp_replicate": 2, "dp_shard": 1, "zero_stage": 0, "ddp_bucket_mb": SMALL}],
     [{"pp": 2, "dp_replicate": 2, "dp_shard": 1, "zero_stage": 0, "ddp_bucket_mb": SMALL,
       "train.micro_batch_size": 1}],
+    [{"pp": 2, "dp_shard": 1, "zero_stage": 0, "train.precision": "bf16"},
+     {"pp": 2, "dp_shard": 1, "zero_stage": 0, "train.precision": "fp16", "pp_schedule": "Interleaved1F1B"}],
 ]
+P2P_DTYPES = [{"pp": 2, "dp_shard": 1, "train.precision": "bf16"},
+              {"pp": 2, "dp_shard": 2, "train.precision": "bf16", "fsdp_mixed_precision": False}]
+"""Layouts whose p2p buffers' dtypes are recorded (one step, comm_log on)."""
 LAG = 0.3
 """Seconds rank 1 starts backward late, and rank 0 computes (sleeps) before its embedding's gradient."""
 
@@ -64,8 +70,27 @@ def _overlap_step(rank: int) -> dict[str, Any]:
             "in_backward": engine.replica_sync.launched_in_backward, "metrics": engine.extra_metrics()}
 
 
+def _p2p_dtypes(rank: int, layout: dict[str, Any]) -> dict[str, Any]:
+    """The dtypes the pipeline's send / recv moved in one step of `layout` (on ranks 0..its world)."""
+    from parallel_parity import layout_overrides, layout_world
+
+    from framework.train.parallel_engine import ParallelEngine
+
+    cfg = make_config((*layout_overrides(layout), "parallel.comm_log=true"))
+    dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
+    mesh = dims.build_mesh("cpu", torch.arange(0, dims.world_size))
+    if rank >= dims.world_size:
+        return {}
+    engine = ParallelEngine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"), dims, mesh)
+    batch = torch.randint(0, cfg.model.vocab_size, (2, 2, cfg.data.seq_len + 1), generator=torch.Generator())
+    engine.forward_backward(batch)
+    assert engine.comm is not None
+    return {op: engine.comm.dtypes[("pp", op)] for op in ("send", "recv")}
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
-    out = {"parity": [run_round(rank, world, r) for r in ROUNDS], "overlap": _overlap_step(rank)}
+    out = {"parity": [run_round(rank, world, r) for r in ROUNDS], "overlap": _overlap_step(rank),
+           "p2p": [_p2p_dtypes(rank, layout) for layout in P2P_DTYPES]}
     dist.barrier()
     return out
 
@@ -76,7 +101,14 @@ def four_ranks() -> list[dict[str, Any]]:
 
 
 @pytest.mark.distributed
-def test_small_buckets_match_one_process(four_ranks: list[dict[str, Any]]) -> None:
+def test_pipeline_sends_in_the_compute_dtype(four_ranks: list[dict[str, Any]]) -> None:
+    for i, layout in enumerate(P2P_DTYPES):
+        moved = four_ranks[0]["p2p"][i]
+        assert moved == {"send": {torch.bfloat16}, "recv": {torch.bfloat16}}, (layout, moved)
+
+
+@pytest.mark.distributed
+def test_small_buckets_and_low_precision_pipelines_match_one_process(four_ranks: list[dict[str, Any]]) -> None:
     bad = compare(ROUNDS, [r["parity"] for r in four_ranks])
     assert not bad, "\n".join(bad)
 
