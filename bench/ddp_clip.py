@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel
 from framework.parallel.precision import global_grad_norm, local_grad, scale_grads
 
 MODEL = ("model.hidden=384", "model.ffn_hidden=1024", "model.n_layers=8", "model.n_heads=6", "model.n_kv_heads=2",
-         "model.vocab_size=8192", "data.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=4",
+         "model.vocab_size=8192", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2",
          "train.precision=fp32", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero_stage=0",
          "parallel.comm_log=true")
 
@@ -109,7 +109,7 @@ def _ddp_worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
     for r in range(rounds + 1):
         for arm, sync in (("old", old), ("new", new)):
             engine.replica_sync = sync
-            batch = torch.randint(0, cfg.model.vocab_size, (2, 4, cfg.data.seq_len + 1), generator=gen)
+            batch = torch.randint(0, cfg.model.vocab_size, (2, 2, cfg.data.seq_len + 1), generator=gen)
             dist.barrier()
             engine.comm.reset()
             t0 = time.perf_counter()
