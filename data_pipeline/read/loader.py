@@ -116,11 +116,16 @@ class BatchLoader:
 
     def next_batch(self) -> torch.Tensor:
         """This rank's micro-batches of the next global batch: (n_micro, micro_batch_size, seq_len + 1) int64."""
-        idx = self.rank_indices()
-        rows = [np.asarray(self.samples[int(i)], dtype=np.int64) for i in idx.reshape(-1)]
-        batch = torch.from_numpy(np.stack(rows)).view(self.n_micro, self.micro_batch_size, -1)
+        batch = self.batch_at(self.consumed_samples)
         self.consumed_samples += self.global_batch_size
         return batch
+
+    def batch_at(self, consumed_samples: int) -> torch.Tensor:
+        """The batch `next_batch` returns when `consumed_samples` global samples were consumed; no state changes
+        (a prefetching thread reads ahead with it)."""
+        idx = self.rank_indices(consumed_samples)
+        rows = [np.asarray(self.samples[int(i)], dtype=np.int64) for i in idx.reshape(-1)]
+        return torch.from_numpy(np.stack(rows)).view(self.n_micro, self.micro_batch_size, -1)
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"consumed_samples": self.consumed_samples}

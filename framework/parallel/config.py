@@ -82,6 +82,9 @@ class ParallelConfig:
     """Activation recomputation: full (keep only block inputs) or selective (keep matmul/attention outputs)."""
     recompute_every: int = 1
     """Recompute on every k-th block (layer index % k == 0)."""
+    ddp_bucket_mb: float = 25.0
+    """ZeRO-0 / DDP: MiB per all-reduce bucket over dp_replicate, each launched from backward once its gradients
+    are ready (framework/parallel/ddp.py); torch DDP and Megatron use 25-40."""
     comm_log: bool = False
     """Count bytes per collective per mesh axis per step (reported in extra_metrics and by the logger)."""
     zero_quantized_weights: bool = False
@@ -124,6 +127,9 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.pp_virtual_stages={v}: {self.pp_schedule} places exactly 2 stages per rank (a V); "
                 f"set parallel.pp_virtual_stages=2 or 0")
+        if not self.ddp_bucket_mb > 0:
+            raise ConfigError(f"parallel.ddp_bucket_mb={self.ddp_bucket_mb} must be > 0 (MiB per DDP all-reduce "
+                              f"bucket; 25 is torch DDP's default)")
         if self.fsdp_prefetch < 0:
             raise ConfigError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 0 (0: FSDP2 default)")
         self.nvme_offload.validate()

@@ -236,30 +236,33 @@ class NVMeAdamW(torch.optim.Optimizer):
         `steps` holds each parameter's step count before this step: every piece of a parameter is updated with
         that count + 1, which is stored once its last piece is done (AdamW counts steps per tensor).
         """
-        stepped = False
+        devices = {_local(p).device for p, _, _ in g.pieces if id(p) in grads}
+        if not devices:
+            return False
+        (to,) = devices
+        on_host = to == buf.device
+        # On an accelerator the group's states cross once each way (from pinned memory, asynchronously) and the
+        # host waits once, before the write reads them: not a blocking copy per parameter piece.
+        states = buf[:2 * g.numel] if on_host else buf[:2 * g.numel].to(to, non_blocking=True)
         for p, lo, hi in g.pieces:
             if id(p) not in grads:
                 continue
             local, grad = _local(p).view(-1)[lo:hi], grads[id(p)][lo:hi]
             first = self._slot[id(p)][0] + lo - g.start
-            m = buf[first:first + hi - lo]
-            v = buf[g.numel + first:g.numel + first + hi - lo]
-            on_host = m.device == local.device
-            to = local.device
-            m_d, v_d = (m, v) if on_host else (m.to(to, non_blocking=True), v.to(to, non_blocking=True))
+            m = states[first:first + hi - lo]
+            v = states[g.numel + first:g.numel + first + hi - lo]
             h = hyper[id(p)]
             step = steps[id(p)].clone()
-            adamw([local], [grad], [m_d], [v_d], [], [step], foreach=False, capturable=False,
+            adamw([local], [grad], [m], [v], [], [step], foreach=False, capturable=False,
                   differentiable=False, fused=False, grad_scale=None, found_inf=None, has_complex=False,
                   amsgrad=False, beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"],
                   weight_decay=h["weight_decay"], eps=h["eps"], maximize=False)
-            if not on_host:
-                m.copy_(m_d)
-                v.copy_(v_d)
             if hi == self._slot[id(p)][1]:
                 self.state[p]["step"].copy_(step)
-            stepped = True
-        return stepped
+        if not on_host:
+            buf[:2 * g.numel].copy_(states, non_blocking=True)
+            torch.get_device_module(to).current_stream(to).synchronize()
+        return True
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]

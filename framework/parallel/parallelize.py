@@ -6,7 +6,8 @@
 The order, each step needing the one before (docs/ARCHITECTURE.md "Where each parallelism lives"):
 
   1. the whole model on the meta device: nothing is allocated, FQNs are the 1-process ones
-  2. pipeline: cut this rank's stages by FQN (framework/parallel/pipeline.py)
+  2. pipeline: cut this rank's stages by FQN (framework/parallel/pipeline.py); after FSDP, stage boundaries
+     send in the compute dtype where FSDP's mixed precision does not already cast (`send_in_compute_dtype`)
   then for every stage:
   3. TP + SP: the plans of models/plans.py make the parameters DTensors over `tp` (tensor.py)
   4. EP: experts over `ep`, routing on the tp sequence shards (expert.py)
@@ -24,7 +25,7 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
      fully_shard, and the model transforms, whose contract is initialized weights (a compiled run).
   after all stages:
  10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients
- 11. ZeRO-0 / DDP over dp_replicate without FSDP: the replica gradient all-reduce after backward
+ 11. ZeRO-0 / DDP over dp_replicate without FSDP: bucketed replica all-reduce, launched during backward (ddp.py)
 
 The optimizers are not built here (framework/train/parallel_engine.py does, and the planner and tests can
 parallelize a model without them), nor the pipeline *schedule*: it needs the loss function and the micro-batch
@@ -44,12 +45,13 @@ from framework.numerics.precision import DTYPES
 from framework.numerics.transforms import ModelTransform, Site, apply_model_transforms
 from framework.parallel.config import ParallelConfig
 from framework.parallel.context import ContextParallel
+from framework.parallel.ddp import ReplicatedGradSync
 from framework.parallel.expert import MoEParallel
 from framework.parallel.mesh import AXES, ParallelDims
-from framework.parallel.pipeline import TiedEmbeddings, cut_stage, local_stages
+from framework.parallel.pipeline import TiedEmbeddings, cut_stage, local_stages, send_in_compute_dtype
 from framework.parallel.recompute import apply_recompute
 from framework.parallel.tensor import apply_tensor_parallel
-from framework.parallel.zero import ReplicatedGradSync, apply_fsdp, fsdp_mesh, fsdp_mp_policy
+from framework.parallel.zero import apply_fsdp, fsdp_mesh, fsdp_mp_policy
 from models.config import ModelConfig
 from models.decoder import Decoder
 
@@ -69,7 +71,7 @@ class ParallelModel:
     tied: TiedEmbeddings | None
     """Tied embedding and head on different pipeline stages (None otherwise)."""
     replica_sync: ReplicatedGradSync | None
-    """ZeRO-0 / DDP: the gradient all-reduce over dp_replicate (None under FSDP or without replicas)."""
+    """ZeRO-0 / DDP: the bucketed gradient all-reduce over dp_replicate (None under FSDP or without replicas)."""
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -119,6 +121,9 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
             apply_fsdp(part, shard_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
         if not early:
             materialize(part, model_cfg, device, seed, params_on_host=pcfg.cpu_offload)  # 9
+    if dims.pp > 1 and precision != "fp32" and (shard_mesh is None or mp_policy.param_dtype is None):  # 2: p2p dtype
+        for part, stage in zip(parts, stage_ids):
+            send_in_compute_dtype(part, stage, n_stages, DTYPES[precision])
 
     tied = None  # 10
     if model_cfg.tied_embeddings and dims.pp > 1:
@@ -126,7 +131,8 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
     replica_sync = None  # 11
     if dims.fsdp_size == 1 and dims.dp_replicate > 1:
         replica_sync = ReplicatedGradSync([p for part in parts for p in part.parameters()],
-                                          mesh["dp_replicate"].get_group(), dims.dp_replicate)
+                                          mesh["dp_replicate"].get_group(), dims.dp_replicate,
+                                          bucket_bytes=pcfg.ddp_bucket_mb * 2**20)
     return ParallelModel(list(parts), stage_ids, n_stages, moe, context, tied, replica_sync)
 
 

@@ -49,6 +49,27 @@ def local_stages(cfg: ParallelConfig, pp_rank: int, n_layers: int) -> tuple[list
     return stages_of_rank(pp_rank, cfg.pp, cfg.virtual_stages, cfg.pp_schedule), layers, n_stages
 
 
+def send_in_compute_dtype(part: nn.Module, stage: int, n_stages: int, dtype: torch.dtype) -> None:
+    """Stage boundaries carry activations (and, in backward, their gradients) in the compute dtype `dtype`.
+
+    Under autocast the residual stream is fp32 (fp32 parameters, fp32 adds), so a stage would send fp32: twice the
+    bytes of Megatron's pipeline_dtype. A stage's output is cast to `dtype` before the send and the next stage
+    casts its input back to fp32, so the stage computes as before and only the boundary rounds (one rounding
+    of the compute dtype per boundary, inside the bf16 parity budget). The gradient of the cast is sent in
+    `dtype` too. FSDP's mixed precision casts stage inputs itself, so `parallelize` calls this only without it.
+    """
+    def to_fp32(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+    def to_compute(_: nn.Module, __: Any, out: Any) -> Any:
+        return out.to(dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+    if stage > 0:
+        part.register_forward_pre_hook(to_fp32)
+    if stage < n_stages - 1:
+        part.register_forward_hook(to_compute)
+
+
 def build_schedule(parts: Sequence[torch.nn.Module], stage_ids: Sequence[int], n_stages: int,
                    pp_group: dist.ProcessGroup, device: torch.device, schedule: str, n_micro: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:

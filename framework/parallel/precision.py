@@ -30,21 +30,39 @@ def local_grad(p: torch.Tensor) -> tuple[torch.Tensor, int]:
     return g, 1
 
 
+_Kind = tuple[torch.device, torch.dtype, int]
+
+
+def _local_grads_by_kind(params: Iterable[torch.Tensor]) -> dict[_Kind, list[torch.Tensor]]:
+    """This rank's gradient pieces grouped by (device, dtype, pieces): one foreach call per group."""
+    out: dict[_Kind, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g, pieces = local_grad(p)
+        out.setdefault((g.device, g.dtype, pieces), []).append(g)
+    return out
+
+
+@torch.no_grad()
 def global_grad_norm(params: Iterable[torch.Tensor], copies_per_stage: int, groups: Sequence[dist.ProcessGroup],
                      comm_device: torch.device) -> torch.Tensor:
-    """The exact L2 norm of the full gradient, every element counted once (fp64 accumulation, CPU result).
+    """The exact L2 norm of the full gradient, every element counted once (fp64 result on `comm_device`, CPU copy).
 
     Each parameter lives on one pipeline stage, whose `copies_per_stage` ranks together hold it: an element
     of a gradient sharded into `pieces` disjoint pieces is held by copies_per_stage / pieces ranks. Summing
     local squares weighted by pieces / copies_per_stage over every rank (all-reduces over `groups`, which
     together span the layout) counts each element exactly once, whatever mix of TP, FSDP and replication.
+
+    One `torch._foreach_norm` per (device, dtype, pieces) group reads every local gradient once and returns one
+    fp32 norm per tensor (as torch's `clip_grad_norm_(foreach=True)`); only those per-tensor squares are summed
+    in fp64, so no fp64 copy of any gradient is made and the kernel count does not grow with the parameter count.
     """
     sums = []
-    for p in params:
-        if p.grad is None:
-            continue
-        g, pieces = local_grad(p)
-        sums.append(g.detach().double().pow(2).sum().to(comm_device) * (pieces / copies_per_stage))
+    for (_, dtype, pieces), grads in _local_grads_by_kind(params).items():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32 if dtype != torch.float64 else None)
+        squares = torch.stack(norms).double().square().sum()
+        sums.append(squares.to(comm_device) * (pieces / copies_per_stage))
     total = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=comm_device)
     for group in groups:
         dist.all_reduce(total, group=group)
@@ -63,9 +81,11 @@ def resolve_partial_grads(params: Iterable[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def scale_grads(params: Iterable[torch.Tensor], factor: float) -> None:
+    """Multiply every local gradient piece by `factor` in place: one `torch._foreach_mul_` per (device, dtype)."""
     if factor == 1.0:
         return
-    for p in params:
-        if p.grad is not None:
-            g, _ = local_grad(p)
-            g.mul_(factor)
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for (device, dtype, _), grads in _local_grads_by_kind(params).items():
+        by_dtype.setdefault((device, dtype), []).extend(grads)
+    for grads in by_dtype.values():
+        torch._foreach_mul_(grads, factor)

@@ -1,9 +1,9 @@
 """Activation recomputation (Chen et al. 2016; selective: Korthikanti et al. 2022) on every k-th block.
 
 full: a block keeps only its input and recomputes everything in backward.
-selective: a per-op policy (`create_selective_checkpoint_contexts`) keeps the outputs of matmuls, the
-attention kernel and tensor-parallel reductions (the expensive or communicating ops) and recomputes the cheap
-element-wise ones (norms, RoPE, SiLU, residual adds).
+selective: a per-op policy (`create_selective_checkpoint_contexts`) keeps the outputs of matmuls (the MoE
+experts' grouped GEMMs and FP8 scaled GEMMs included), the attention kernel and tensor-parallel reductions (the
+expensive or communicating ops) and recomputes the cheap element-wise ones (norms, RoPE, SiLU, residual adds).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from framework.base.errors import ConfigError
 def _save_list() -> set[Any]:
     aten = torch.ops.aten
     ops: set[Any] = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    for name in ("_grouped_mm", "_scaled_grouped_mm", "_scaled_mm"):  # MoE experts' grouped GEMMs, FP8 GEMMs
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
         if hasattr(aten, name):

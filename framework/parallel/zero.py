@@ -1,7 +1,8 @@
 """ZeRO data parallelism (Rajbhandari et al. 2020) on FSDP2, and plain replicated data parallelism.
 
 Each `parallel.zero_stage` is one configuration (docs/PARALLELISM.md):
-  0  replicate: every rank holds everything; gradients all-reduced once per step over dp_replicate (DDP).
+  0  replicate: every rank holds everything; gradients all-reduced over dp_replicate in buckets overlapped
+     with backward (DDP; framework/parallel/ddp.py).
   1  FSDP2 over dp_shard, reshard_after_forward=False; gradients accumulate unsharded across micro-batches
      (requires_gradient_sync only on the last one) and are reduce-scattered once per step; the optimizer
      state and the master parameters are sharded.
@@ -29,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from framework.numerics.precision import low_precision_dtype
 from framework.parallel.config import ParallelConfig
@@ -150,28 +150,3 @@ def set_micro_batch_sync(root: nn.Module, zero_stage: int, last: bool) -> None:
     root.set_requires_gradient_sync(last or zero_stage >= 2)
     root.set_reshard_after_backward(last or zero_stage >= 3)
     root.set_is_last_backward(last)
-
-
-class ReplicatedGradSync:
-    """ZeRO-0 / DDP: average gradients over the replica group with one flat all-reduce per dtype (a bucket)."""
-
-    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
-        self.params = list(params)
-        self.group = group
-        self.size = size
-
-    @torch.no_grad()
-    def __call__(self) -> None:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
-            by_dtype.setdefault(local.dtype, []).append(local)
-        for tensors in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            dist.all_reduce(flat, group=self.group)
-            flat.div_(self.size)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()

@@ -143,11 +143,11 @@ class ParallelEngine:
         return float(t) / (self.dims.world_size // self.dims.pp)
 
     def _after_backward(self) -> None:
+        if self.replica_sync is not None:  # first: the buckets hold the gradients as backward left them
+            self.replica_sync()
         self.moe.after_backward(self.model_parts)  # MoE (docs/MOE.md): expert gradients over edp without FSDP
         if self.dims.tp > 1:
             resolve_partial_grads(self.parameters())
-        if self.replica_sync is not None:
-            self.replica_sync()
         if self.tied is not None:
             self.tied.sync_grads()
 
@@ -204,6 +204,8 @@ class ParallelEngine:
             for i, mb in enumerate(batch):
                 for part in self.model_parts:
                     set_micro_batch_sync(part, self.pcfg.zero_stage, i == n - 1)
+                if self.replica_sync is not None:
+                    self.replica_sync.arm(i == n - 1)  # DDP buckets launch from the last backward's hooks
                 inputs, labels, kwargs = self._split(mb)
                 with autocast(self.device, self.train_cfg.precision):
                     logits = self.model_parts[0](inputs, **kwargs)

@@ -165,10 +165,14 @@ class Trainer:
 
     def _make_loader(self) -> Any:
         from data_pipeline.read.loader import BatchLoader
+        from data_pipeline.read.prefetch import PrefetchingLoader
 
-        return BatchLoader(self.data.train, global_batch_size=self.cfg.train.global_batch_size,
-                           micro_batch_size=self.cfg.train.micro_batch_size, dp_rank=self.engine.dp_rank,
-                           dp_size=self.engine.dp_size)
+        if getattr(self, "loader", None) is not None:
+            self.loader.close()
+        # The next batch is read (pinned, sent on a side stream on accelerators) while this step runs.
+        return PrefetchingLoader(BatchLoader(self.data.train, global_batch_size=self.cfg.train.global_batch_size,
+                                             micro_batch_size=self.cfg.train.micro_batch_size,
+                                             dp_rank=self.engine.dp_rank, dp_size=self.engine.dp_size), self.device)
 
     def _follow_batch_history(self, path: Path) -> None:
         """Before loading `path`: take its batch-size history, plus this run's batch size when it is new.
