@@ -98,7 +98,6 @@ class MoEConfig:
             if not value >= 0:  # also rejects NaN
                 raise ConfigError(f"model.moe.{name}={value} must be >= 0; 0 disables it")
 
-
     def _validate_groups(self) -> None:
         if self.n_groups < 1 or self.n_experts % self.n_groups:
             raise ConfigError(f"model.moe.n_groups={self.n_groups} must be >= 1 and divide model.moe.n_experts="
@@ -111,6 +110,41 @@ class MoEConfig:
             raise ConfigError(f"model.moe.top_k={self.top_k} exceeds the {reachable} experts that topk_groups="
                               f"{self.topk_groups} groups of {self.n_experts // self.n_groups} hold; raise "
                               f"model.moe.topk_groups or lower top_k")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, sec. 2.1), read when model.attention=mla.
+
+    Keys and values are up-projected per head from one compressed latent of `kv_lora_rank` channels, and
+    position enters through a decoupled rotary key of `qk_rope_head_dim` channels shared by every head, so
+    generation caches kv_lora_rank + qk_rope_head_dim numbers per token and layer. Names as DeepSeek's configs.
+    """
+
+    q_lora_rank: int = 0
+    """Rank of the query's low-rank compression (DeepSeek-V3: 1536); 0: one full query projection (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Channels of the compressed key/value latent (the cache)."""
+    qk_rope_head_dim: int = 64
+    """Rotary channels per query head, and of the key shared by all heads."""
+    qk_nope_head_dim: int = 128
+    """Channels per head of queries and keys without position."""
+    v_head_dim: int = 128
+    """Channels per value head."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def validate(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.mla.{name}={getattr(self, name)} must be >= 1; DeepSeek-V3 uses "
+                                  f"kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128")
+        if self.q_lora_rank < 0:
+            raise ConfigError(f"model.mla.q_lora_rank={self.q_lora_rank} must be >= 0; 0 means no query compression")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE; e.g. 64")
 
 
 ROPE_TYPES = ("none", "linear", "llama3", "yarn")
@@ -192,10 +226,26 @@ class ModelConfig:
     depth_scaled_init: bool = True
     """Output projections of each block use std / sqrt(2 * n_layers) (GPT-2 / Megatron)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    attention: Literal["gqa", "mla"] = "gqa"
+    """gqa: grouped-query attention (multi-head with n_kv_heads = n_heads); mla: multi-head latent attention
+    shaped by `mla`."""
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    mtp_depth: int = 0
+    """Multi-token prediction modules (DeepSeek-V3, sec. 2.2): module k predicts the token k + 1 ahead of the
+    main head's target, sharing the embedding and the output head; 0 disables MTP."""
+    mtp_loss_weight: float = 0.3
+    """lambda of DeepSeek-V3's L_MTP = lambda / D * sum_k L_k, added to the main loss (0.3, later 0.1, there)."""
 
     @property
     def kv_heads(self) -> int:
+        if self.attention == "mla":  # every head has its own key and value, up-projected from the shared latent
+            return self.n_heads
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels each rotary table row covers: the head dim, or MLA's decoupled rotary channels."""
+        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def head_dim(self) -> int:
@@ -220,7 +270,9 @@ class ModelConfig:
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1; set a positive value")
-        if self.kv_channels is None and self.hidden % self.n_heads:
+        if self.attention == "mla":
+            self._validate_mla()
+        elif self.kv_channels is None and self.hidden % self.n_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} must divide model.hidden={self.hidden}; "
                 f"choose n_heads in {[d for d in range(1, 129) if self.hidden % d == 0]}")
@@ -228,7 +280,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}; "
                 f"choose one of {[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
-        if self.head_dim % 2:
+        if self.attention != "mla" and self.head_dim % 2:
             raise ConfigError(
                 f"model head_dim = {self.head_dim} (kv_channels, else hidden / n_heads) must be even for RoPE; "
                 f"change kv_channels, hidden or n_heads")
@@ -242,6 +294,17 @@ class ModelConfig:
                     f"model.moe.n_experts={self.moe.n_experts} but no layer is MoE (n_layers={self.n_layers}, "
                     f"first_dense_layers={self.moe.first_dense_layers}, every_k_layers={self.moe.every_k_layers}); "
                     f"lower first_dense_layers/every_k_layers or set n_experts=0")
+        if self.mtp_depth < 0 or not self.mtp_loss_weight >= 0:
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} and model.mtp_loss_weight={self.mtp_loss_weight} "
+                              f"must be >= 0; DeepSeek-V3 uses 1 and 0.3 (mtp_depth=0 disables MTP)")
+
+    def _validate_mla(self) -> None:
+        self.mla.validate()
+        if self.n_kv_heads not in (None, self.n_heads):
+            raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} with model.attention=mla: MLA gives every head "
+                              f"its own key and value from the shared latent; leave n_kv_heads unset")
+        if self.mlp == "gelu":
+            raise ConfigError("model.attention=mla is DeepSeek's bias-free block; set model.mlp=swiglu")
 
 
 def _p(**kw: object) -> dict[str, object]:
@@ -257,6 +320,9 @@ PRESETS: dict[str, dict[str, object]] = {
                    max_seq_len=512, tied_embeddings=True),
     "test-moe": _p(vocab_size=512, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256,
                    moe=dict(n_experts=4, top_k=2, expert_hidden=64)),
+    "test-mla": _p(vocab_size=512, hidden=64, n_layers=4, n_heads=4, ffn_hidden=128, max_seq_len=256,
+                   attention="mla", mla=dict(q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=16, v_head_dim=12)),
     "smoke-moe": _p(vocab_size=4096, hidden=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384,
                     max_seq_len=512, tied_embeddings=True,
                     moe=dict(n_experts=8, top_k=2, expert_hidden=128, n_shared_experts=1, first_dense_layers=1,
@@ -367,4 +433,4 @@ def model_config(preset: str | None = None, **overrides: object) -> ModelConfig:
     return cfg
 
 
-__all__ = ["PRESETS", "ROPE_TYPES", "MoEConfig", "ModelConfig", "RopeScaling", "model_config"]
+__all__ = ["PRESETS", "ROPE_TYPES", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling", "model_config"]

@@ -27,7 +27,11 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = build_norm(cfg)
-        self.attention = Attention(cfg)
+        self.attention: nn.Module = Attention(cfg)
+        if cfg.attention == "mla":
+            from models.mla import MultiHeadLatentAttention
+
+            self.attention = MultiHeadLatentAttention(cfg)
         self.ffn_norm = build_norm(cfg)
         self.feed_forward: nn.Module
         if cfg.is_moe_layer(layer_id):
@@ -61,7 +65,7 @@ class Decoder(nn.Module):
         if cfg.tied_embeddings:
             assert self.output is not None and self.tok_embeddings is not None
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+        self.register_buffer("rope", rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta,
                                                   scaling=cfg.rope_scaling), persistent=False)
         # doc_ids -> the mask every layer of one forward pass shares; context parallelism (framework/parallel/
         # context.py) sets its own, which knows which tokens this rank holds.
@@ -115,7 +119,7 @@ class Decoder(nn.Module):
         device = device or self.rope.device
         if device.type == "meta":
             device = torch.device("cpu")
-        self.rope = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
+        self.rope = rope_tables(self.cfg.rope_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
                                 scaling=self.cfg.rope_scaling)
         for fqn, param in self.named_parameters():
             copy_initial_into(self.cfg, fqn, param, seed)

@@ -50,16 +50,37 @@ def _mlp_params(cfg: ModelConfig, hidden_ffn: int) -> int:
     return n_mats * cfg.hidden * hidden_ffn + bias
 
 
-def param_counts(cfg: ModelConfig) -> ParamCounts:
-    """Exact parameter counts of `models.decoder.Decoder(cfg)` (checked against the built module in tests)."""
-    d, hd = cfg.hidden, cfg.head_dim
-    attn_one = d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd + cfg.n_heads * hd * d
+def _attention_params(cfg: ModelConfig) -> int:
+    """One layer's attention projections (MLA: with its two latent norms)."""
+    d, hd, h = cfg.hidden, cfg.head_dim, cfg.n_heads
+    if cfg.attention == "mla":
+        m = cfg.mla
+        q = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * m.qk_head_dim if m.q_lora_rank \
+            else d * h * m.qk_head_dim
+        kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
+            + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + h * m.v_head_dim * d
+    attn_one = d * h * hd + 2 * d * cfg.kv_heads * hd + h * hd * d
     if cfg.mlp == "gelu":  # GPT blocks: qkv and output biases
-        attn_one += cfg.n_heads * hd + 2 * cfg.kv_heads * hd + d
+        attn_one += h * hd + 2 * cfg.kv_heads * hd + d
     elif cfg.qkv_bias:  # Qwen2: q/k/v biases only
-        attn_one += cfg.n_heads * hd + 2 * cfg.kv_heads * hd
+        attn_one += h * hd + 2 * cfg.kv_heads * hd
     if cfg.qk_norm:
         attn_one += 2 * hd
+    return attn_one
+
+
+def attention_score_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(query/key channels, value channels) summed over the heads: what Q·K^T and A·V contract per position."""
+    if cfg.attention == "mla":
+        return cfg.n_heads * cfg.mla.qk_head_dim, cfg.n_heads * cfg.mla.v_head_dim
+    return cfg.n_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Exact parameter counts of `models.decoder.Decoder(cfg)` (checked against the built module in tests)."""
+    d = cfg.hidden
+    attn_one = _attention_params(cfg)
     norm_one = d if cfg.norm == "rmsnorm" else 2 * d
     dense_mlp = experts = active = router = 0
     moe = cfg.moe
@@ -104,7 +125,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, rec
             at 6·V·h), the "HFU" convention of Narayanan et al. 2021: 96·B·s·l·h²(1 + s/6h + V/(16·l·h)).
     """
     n = param_counts(cfg).active_non_embedding
-    attn = 12 * cfg.n_layers * cfg.hidden * seq_len
+    qk, v = attention_score_dims(cfg)
+    attn = 6 * cfg.n_layers * (qk + v) * seq_len  # 12·L·h·s for dense heads (qk = v = h)
     if causal:
         attn /= 2
     if recompute:

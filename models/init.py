@@ -51,7 +51,7 @@ def _rule(cfg: ModelConfig, fqn: str) -> tuple[str, float | None, float]:
     if leaf == "bias" or leaf.endswith("_bias"):
         return name, 0.0, 0.0
     std = cfg.init_std
-    if cfg.depth_scaled_init and (".wo." in name or ".w2" in name or name.endswith(".w2")):
+    if cfg.depth_scaled_init and (".wo." in name or ".o_proj." in name or ".w2" in name or name.endswith(".w2")):
         std = std / math.sqrt(2 * cfg.n_layers)
     return name, None, std
 
@@ -60,7 +60,8 @@ def initial_value(cfg: ModelConfig, fqn: str, shape: tuple[int, ...], seed: int)
     """The full initial value (fp32, CPU) of parameter `fqn`.
 
     Norm weights are ones, biases zeros; embeddings and input projections N(0, init_std); output projections of
-    each block (`wo`, `w2`) N(0, init_std / sqrt(2 n_layers)) when `depth_scaled_init` (GPT-2, Megatron).
+    each block (`wo`, MLA's `o_proj`, `w2`) N(0, init_std / sqrt(2 n_layers)) when `depth_scaled_init`
+    (GPT-2, Megatron).
     """
     name, constant, std = _rule(cfg, fqn)
     if constant is not None:

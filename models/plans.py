@@ -10,7 +10,7 @@ so `loss_parallel` can compute cross-entropy on vocab-sharded logits.
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -35,16 +35,38 @@ def decoder_top_plan(sequence_parallel: bool, loss_parallel: bool) -> Plan:
     return plan
 
 
-def decoder_block_plan(sequence_parallel: bool) -> Plan:
-    """Plan for one transformer block (attention: wq/wk/wv column-wise, wo row-wise; SwiGLU: w1/w3, w2)."""
+def _mla_plan(seq: Placement) -> Plan:
+    """MLA (models/mla.py): the up-projections split by heads (column-wise), o_proj row-wise; the down-projections
+    and latent norms replicated as plain tensors. The block input arrives whole and local, and each up-projection's
+    input (a replicated latent) has its gradient summed over tp where it enters (ColwiseParallel's backward), so
+    the replicated weights upstream see their full gradient on every rank; the shared rotary key, which enters no
+    up-projection, is summed by the module's `shared_key_grad` (framework/parallel/tensor.py). That is three
+    all-reduces of q_lora_rank + kv_lora_rank + qk_rope_head_dim channels per token (2,112 for DeepSeek-V3) in
+    place of one reduction of the hidden size (7,168)."""
+    return {
+        "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                        desired_input_layouts=(Replicate(), None, None), use_local_output=True),
+        "attention.q_proj": ColwiseParallel(),
+        "attention.q_b_proj": ColwiseParallel(),
+        "attention.kv_b_proj": ColwiseParallel(),
+        "attention.o_proj": RowwiseParallel(output_layouts=seq),
+    }
+
+
+def decoder_block_plan(sequence_parallel: bool, attention: str = "gqa") -> Plan:
+    """Plan for one transformer block (attention: wq/wk/wv column-wise, wo row-wise, or MLA's `_mla_plan`;
+    SwiGLU: w1/w3, w2)."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    plan: Plan = {
+    attn: Plan = _mla_plan(seq) if attention == "mla" else {
         "attention": PrepareModuleInput(input_layouts=(seq, None, None),
                                         desired_input_layouts=(Replicate(), None, None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
+    }
+    plan: Plan = {
+        **attn,
         "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),

@@ -7,6 +7,8 @@ tp ranks, as Megatron-LM does: each rank computes the one KV head its query head
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,7 +97,7 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
     if tied:
         assert model.output is not None and model.tok_embeddings is not None
         model.output.weight = model.tok_embeddings.weight
-    block_plan = decoder_block_plan(sequence_parallel)
+    block_plan = decoder_block_plan(sequence_parallel, model.cfg.attention)
     tp, kv = tp_mesh.size(), model.cfg.kv_heads
     if tp > kv:  # Megatron-style KV-head replication (tp a multiple of n_kv_heads: framework/parallel/mesh.py)
         block_plan["attention.wk"] = block_plan["attention.wv"] = ReplicatedKVHeads(kv, model.cfg.head_dim)
@@ -104,3 +106,11 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
         # MoE (docs/MOE.md): framework/parallel/expert.py parallelizes an MoE layer's feed-forward
         plan = moe_plan if isinstance(block.feed_forward, MoE) else block_plan  # type: ignore[union-attr]
         parallelize_module(block, tp_mesh, _present(block, plan))  # type: ignore[arg-type]
+        if hasattr(block.attention, "shared_key_grad"):  # MLA's replicated rotary key
+            block.attention.shared_key_grad = functools.partial(sum_grad_over, tp_mesh)  # type: ignore[union-attr]
+
+
+def sum_grad_over(mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
+    """Identity forward; the gradient summed over the (1-D) `mesh` in backward (Megatron's "f" operator): for a
+    tensor every rank holds whole but whose gradient each rank's heads produce only a share of."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
