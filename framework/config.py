@@ -28,7 +28,7 @@ from framework.base.yaml_config import (
 from framework.checkpoint.config import CheckpointConfig
 from framework.infer.config import EvalConfig
 from framework.observe.config import ObserveConfig
-from framework.parallel.config import ParallelConfig, context_problem
+from framework.parallel.config import ParallelConfig, context_problem, mtp_problem
 from framework.train.config import TrainConfig
 from models.config import PRESETS, ModelConfig
 
@@ -76,6 +76,8 @@ class Config:
         tp = self.parallel.tp
         problem = context_problem(self.data.seq_len, self.parallel.cp, tp, self.parallel.sequence_parallel)
         if problem:
+            raise ParallelismError(problem)
+        if problem := mtp_problem(self.model.mtp_depth, self.parallel.pp, self.parallel.cp):
             raise ParallelismError(problem)
         if tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % tp:
             fits = [n for n in range(self.data.seq_len - tp, self.data.seq_len + tp + 1) if n > 0 and n % tp == 0]

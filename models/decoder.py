@@ -18,6 +18,7 @@ from models.config import ModelConfig
 from models.init import copy_initial_into
 from models.kv_cache import KVCache, LayerKVCache
 from models.layers import Attention, FeedForward, build_norm, rope_tables
+from models.mtp import MultiTokenPrediction
 
 
 class Block(nn.Module):
@@ -65,6 +66,7 @@ class Decoder(nn.Module):
         if cfg.tied_embeddings:
             assert self.output is not None and self.tok_embeddings is not None
             self.output.weight = self.tok_embeddings.weight
+        self.mtp: MultiTokenPrediction | None = MultiTokenPrediction(cfg) if cfg.mtp_depth else None
         self.register_buffer("rope", rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta,
                                                   scaling=cfg.rope_scaling), persistent=False)
         # doc_ids -> the mask every layer of one forward pass shares; context parallelism (framework/parallel/
@@ -72,7 +74,8 @@ class Decoder(nn.Module):
         self.mask_builder: Callable[[torch.Tensor], Any] = document_mask
 
     def forward(self, x: torch.Tensor, attn_mask: Any = None, *, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) -> logits or hidden states.
 
         Args:
@@ -83,6 +86,8 @@ class Decoder(nn.Module):
             positions: (B, T) rotary position of every token; None means 0..T-1 in every row.
             kv_cache: Generation only (framework/infer): the layers' cached keys/values of earlier positions;
                 pass `positions` and an explicit (B, 1, T, S) `attn_mask` over all S cached + new positions.
+            mtp_labels: (B, T) training labels: with `model.mtp_depth` the multi-token prediction modules run and
+                their loss's gradient rides on the returned logits (models/mtp.py); None skips them (inference).
         """
         if doc_ids is not None:
             attn_mask = self.mask_builder(doc_ids)
@@ -95,9 +100,13 @@ class Decoder(nn.Module):
                 h = layer(h, rope, attn_mask, kv_cache.layers[key])
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if self.mtp is not None and mtp_labels is not None:
+            assert self.tok_embeddings is not None, "MTP needs the embedding on the last stage (refused at pp > 1)"
+            logits = self.mtp(logits, h, mtp_labels, self.tok_embeddings, self.output, rope, attn_mask)
+        return logits
 
     def _apply(self, fn: Any, recurse: bool = True) -> Decoder:
         # The RoPE table stays fp32 when the parameters are cast (model.to(torch.bfloat16)): apply_rope multiplies

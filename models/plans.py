@@ -76,3 +76,14 @@ def decoder_block_plan(sequence_parallel: bool, attention: str = "gqa") -> Plan:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
     return plan
+
+
+def mtp_module_plan(sequence_parallel: bool) -> Plan:
+    """Plan for one multi-token prediction depth around its block (models/mtp.py): the projection of
+    [hnorm(h); enorm(emb)] column-wise, its output back on the residual stream's layout (sequence shards under
+    SP: the all-to-all of Shard(-1) -> Shard(1)); the norms as the block's."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: Plan = {"eh_proj": ColwiseParallel(input_layouts=seq, output_layouts=seq)}
+    if sequence_parallel:
+        plan.update({"hnorm": SequenceParallel(), "enorm": SequenceParallel(), "norm": SequenceParallel()})
+    return plan

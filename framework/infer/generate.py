@@ -22,7 +22,7 @@ import torch
 
 from framework.base.errors import ConfigError
 from models.decoder import Decoder
-from models.kv_cache import KVCache
+from models.kv_cache import KVCache, cache_layout
 
 PAD_ID = 0
 """Id placed in the left padding; it is never attended to, so any valid id works."""
@@ -127,8 +127,9 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], cfg: SamplingConf
     gen = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 else None
     cache = None
     if cfg.use_cache:
+        heads, key_dim, value_dim = cache_layout(mcfg)  # MLA: the compressed latent and the rotary key
         cache = KVCache(list(model.layers.keys()), b, ids.shape[1] + cfg.max_new_tokens,
-                        mcfg.kv_heads, mcfg.head_dim, next(model.parameters()).dtype, device)
+                        heads, key_dim, next(model.parameters()).dtype, device, value_dim)
     out: list[list[int]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     step_ids = ids

@@ -169,3 +169,12 @@ def context_problem(seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> 
     what = f"2 x cp = {2 * cp}" if unit == 2 * cp else f"2 x cp x tp = {unit} (sequence parallelism)"
     return (f"data.seq_len={seq_len} must be divisible by {what}: context parallelism cuts every sequence into "
             f"2 x cp load-balanced chunks; use data.seq_len={' or '.join(map(str, fits))}")
+
+
+def mtp_problem(mtp_depth: int, pp: int, cp: int) -> str | None:
+    """Why multi-token prediction cannot run this layout, or None."""
+    if mtp_depth and (pp > 1 or cp > 1):
+        return (f"model.mtp_depth={mtp_depth} with parallel.pp={pp}, parallel.cp={cp}: the MTP modules read the "
+                f"shared embedding on the last stage and labels shifted across the whole sequence; Tessera runs "
+                f"them with pp=1 and cp=1 only; set model.mtp_depth=0 or pp=1 and cp=1")
+    return None

@@ -39,6 +39,7 @@ def cut_stage(whole: Decoder, stage: int, layers: Sequence[int], n_stages: int) 
     if stage != n_stages - 1:
         part.norm = None
         part.output = None
+        part.mtp = None
     return part
 
 

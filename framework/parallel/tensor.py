@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from framework.base.errors import ParallelismError
 from models.decoder import Decoder
 from models.moe.layer import MoE
-from models.plans import Plan, decoder_block_plan, decoder_top_plan
+from models.plans import Plan, decoder_block_plan, decoder_top_plan, mtp_module_plan
 
 
 def kv_head_of(tp_rank: int, tp: int, n_kv_heads: int) -> int:
@@ -102,7 +102,12 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
     if tp > kv:  # Megatron-style KV-head replication (tp a multiple of n_kv_heads: framework/parallel/mesh.py)
         block_plan["attention.wk"] = block_plan["attention.wv"] = ReplicatedKVHeads(kv, model.cfg.head_dim)
     moe_plan = {k: v for k, v in block_plan.items() if not k.startswith("feed_forward")}
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    if model.mtp is not None:  # multi-token prediction (models/mtp.py): each depth's projection, norms and block
+        for depth in model.mtp.depths.values():
+            parallelize_module(depth, tp_mesh, mtp_module_plan(sequence_parallel))
+            blocks.append(depth.block)
+    for block in blocks:
         # MoE (docs/MOE.md): framework/parallel/expert.py parallelizes an MoE layer's feed-forward
         plan = moe_plan if isinstance(block.feed_forward, MoE) else block_plan  # type: ignore[union-attr]
         parallelize_module(block, tp_mesh, _present(block, plan))  # type: ignore[arg-type]

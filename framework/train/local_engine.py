@@ -24,6 +24,7 @@ from models.config import ModelConfig
 from models.decoder import build_model
 from models.documents import DocumentMasking, model_kwargs
 from models.moe.step import discard_routing_counts, moe_metrics, set_aux_loss_scale, update_routing_bias
+from models.mtp import mtp_metrics, set_mtp_loss_scale
 
 
 class LocalEngine:
@@ -58,10 +59,15 @@ class LocalEngine:
         total = torch.zeros((), device=self.device)
         if self.is_moe:  # MoE (docs/MOE.md): aux losses join the gradients via each layer's output, scaled as the loss
             set_aux_loss_scale(self.model_parts, self.scaler.scale / n_micro)
+        mtp = {}
+        if self.model.mtp is not None:  # multi-token prediction (models/mtp.py): its loss rides on the logits
+            set_mtp_loss_scale(self.model_parts, self.scaler.scale / n_micro)
         for mb in batch:
             inputs, labels = mb[:, :-1], mb[:, 1:]
+            if self.model.mtp is not None:
+                mtp = {"mtp_labels": labels}
             with autocast(self.device, self.train_cfg.precision):
-                logits = self.model(inputs, **model_kwargs(self.documents, inputs))
+                logits = self.model(inputs, **model_kwargs(self.documents, inputs), **mtp)
             loss = cross_entropy(logits, labels) / n_micro
             self.scaler.scale_loss(loss).backward()
             total += loss.detach()
@@ -111,6 +117,7 @@ class LocalEngine:
 
     def extra_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
+        out.update(mtp_metrics(self.model_parts))
         if self.is_moe:  # MoE (docs/MOE.md): per-layer load, drops, aux and z losses of the step
             out.update(moe_metrics(self.model_parts))
         return out

@@ -44,6 +44,7 @@ from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from models.config import ModelConfig
 from models.documents import DocumentMasking, model_kwargs
+from models.mtp import mtp_metrics, set_mtp_loss_scale
 
 
 def micro_batches(dims: ParallelDims, train_cfg: TrainConfig, schedule: str = "1F1B") -> int:
@@ -201,13 +202,16 @@ class ParallelEngine:
         else:
             n = batch.shape[0]
             local = torch.zeros((), device=self.device)
+            set_mtp_loss_scale(self.model_parts, self.scaler.scale / n)  # MTP (models/mtp.py), where configured
             for i, mb in enumerate(batch):
                 for part in self.model_parts:
                     set_micro_batch_sync(part, self.pcfg.zero_stage, i == n - 1)
                 if self.replica_sync is not None:
                     self.replica_sync.arm(i == n - 1)  # DDP buckets launch from the last backward's hooks
                 inputs, labels, kwargs = self._split(mb)
-                with autocast(self.device, self.train_cfg.precision):
+                if self.model_cfg.mtp_depth:  # its cross-entropy on vocab-parallel logits needs the loss context
+                    kwargs = {**kwargs, "mtp_labels": labels}
+                with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
                     logits = self.model_parts[0](inputs, **kwargs)
                 with self._loss_ctx():
                     loss = cross_entropy(logits, labels) / n
@@ -272,11 +276,22 @@ class ParallelEngine:
     def extra_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"loss_scale": self.scaler.scale} if self.scaler.enabled else {}
         out.update(self.moe.metrics(self.model_parts))  # MoE (docs/MOE.md): load, drops, aux/z losses per layer
+        out.update(self._mtp_metrics())
         out.update(io_metrics(self.optimizers))  # NVMe offload (docs/PARALLELISM.md): cumulative bytes read / written
         if self.comm is not None:
             out.update(self.comm.summary())
             self.comm.reset()
         return out
+
+    def _mtp_metrics(self) -> dict[str, float]:
+        """`mtp/loss_k` averaged over the data ranks (tp copies divide out, as the main loss)."""
+        if not self.model_cfg.mtp_depth:
+            return {}
+        mine = mtp_metrics(self.model_parts)
+        t = torch.tensor([mine[f"mtp/loss_{k}"] for k in range(1, self.model_cfg.mtp_depth + 1)], dtype=torch.float64,
+                         device=self.device) if mine else torch.zeros(self.model_cfg.mtp_depth, dtype=torch.float64)
+        self._sum_over_layout(t)
+        return {f"mtp/loss_{k + 1}": float(v) / (self.dims.world_size // self.dims.pp) for k, v in enumerate(t)}
 
     def memory_report(self) -> dict[str, int]:
         """Model-state bytes on this rank by kind and dtype (framework/parallel/memory.py)."""

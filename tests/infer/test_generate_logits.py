@@ -40,9 +40,9 @@ def _recorded_logits(model: torch.nn.Module, cfg: SamplingConfig,
     return seen
 
 
-def _sharpened_model() -> torch.nn.Module:
+def _sharpened_model(preset: str = "test-tiny") -> torch.nn.Module:
     """The tiny decoder with its weights scaled up, so attention and logits are far from uniform."""
-    model = build_model(model_config("test-tiny"), seed=3)
+    model = build_model(model_config(preset), seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 2:
@@ -50,8 +50,9 @@ def _sharpened_model() -> torch.nn.Module:
     return model.eval()
 
 
-def test_cached_logits_equal_recomputed_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _sharpened_model()
+@pytest.mark.parametrize("preset", ["test-tiny", "test-mla"])  # test-mla: MLA's compressed latent cache
+def test_cached_logits_equal_recomputed_logits(monkeypatch: pytest.MonkeyPatch, preset: str) -> None:
+    model = _sharpened_model(preset)
     n = 10
     cached = _recorded_logits(model, SamplingConfig(max_new_tokens=n), monkeypatch)
     full = _recorded_logits(model, SamplingConfig(max_new_tokens=n, use_cache=False), monkeypatch)
