@@ -22,9 +22,9 @@ class ParamCounts:
     embedding: int
     head: int
     attention: int
-    """All layers' attention projections (q, k, v, o)."""
+    """All layers' attention projections (q, k, v, o; MLA's with its latent norms), MTP blocks included."""
     dense_mlp: int
-    """All dense-MLP layers' weights."""
+    """All dense-MLP layers' weights (and MTP's eh_proj)."""
     experts: int
     """All routed experts of all MoE layers."""
     active_experts: int
@@ -50,16 +50,25 @@ def _mlp_params(cfg: ModelConfig, hidden_ffn: int) -> int:
     return n_mats * cfg.hidden * hidden_ffn + bias
 
 
+def mla_params(cfg: ModelConfig, tp: int = 1) -> int:
+    """One MLA layer's parameters on one tp rank: down-projections and latent norms replicated, the
+    up-projections and o_proj split by heads (framework/parallel/tensor.py)."""
+    d, h, m = cfg.hidden, cfg.n_heads, cfg.mla
+    replicated = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    split = m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d
+    if m.q_lora_rank:
+        replicated += d * m.q_lora_rank + m.q_lora_rank
+        split += m.q_lora_rank * h * m.qk_head_dim
+    else:
+        split += d * h * m.qk_head_dim
+    return replicated + split // tp
+
+
 def _attention_params(cfg: ModelConfig) -> int:
     """One layer's attention projections (MLA: with its two latent norms)."""
     d, hd, h = cfg.hidden, cfg.head_dim, cfg.n_heads
     if cfg.attention == "mla":
-        m = cfg.mla
-        q = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * m.qk_head_dim if m.q_lora_rank \
-            else d * h * m.qk_head_dim
-        kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
-            + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
-        return q + kv + h * m.v_head_dim * d
+        return mla_params(cfg)
     attn_one = d * h * hd + 2 * d * cfg.kv_heads * hd + h * hd * d
     if cfg.mlp == "gelu":  # GPT blocks: qkv and output biases
         attn_one += h * hd + 2 * cfg.kv_heads * hd + d
@@ -85,7 +94,8 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     dense_mlp = experts = active = router = 0
     moe = cfg.moe
     expert_ffn = moe.expert_hidden or cfg.ffn
-    for layer in range(cfg.n_layers):
+    n_blocks = cfg.n_layers + cfg.mtp_depth  # each multi-token prediction depth adds one block (models/mtp.py)
+    for layer in range(n_blocks):
         if cfg.is_moe_layer(layer):
             experts += moe.n_experts * _mlp_params(cfg, expert_ffn)
             shared = moe.n_shared_experts * _mlp_params(cfg, expert_ffn)
@@ -94,17 +104,18 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
             router += d * moe.n_experts + (d if moe.shared_expert_gate else 0)
         else:
             dense_mlp += _mlp_params(cfg, cfg.ffn)
+    dense_mlp += cfg.mtp_depth * 2 * d * d  # MTP's eh_proj
     head = cfg.vocab_size * d
     return ParamCounts(
         embedding=cfg.vocab_size * d,
         head=0 if cfg.tied_embeddings else head,
-        attention=cfg.n_layers * attn_one,
+        attention=n_blocks * attn_one,
         dense_mlp=dense_mlp,
         experts=experts,
         active_experts=active,
         router=router,
-        norms=(2 * cfg.n_layers + 1) * norm_one,
-        head_flop_params=head,
+        norms=(2 * n_blocks + 1 + 3 * cfg.mtp_depth) * norm_one,  # MTP: enorm, hnorm, its final norm
+        head_flop_params=head * (1 + cfg.mtp_depth),  # the shared head runs once more per MTP depth
     )
 
 
@@ -126,7 +137,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, rec
     """
     n = param_counts(cfg).active_non_embedding
     qk, v = attention_score_dims(cfg)
-    attn = 6 * cfg.n_layers * (qk + v) * seq_len  # 12·L·h·s for dense heads (qk = v = h)
+    attn = 6 * (cfg.n_layers + cfg.mtp_depth) * (qk + v) * seq_len  # 12·L·h·s for dense heads (qk = v = h)
     if causal:
         attn /= 2
     if recompute:

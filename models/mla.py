@@ -105,9 +105,13 @@ class MultiHeadLatentAttention(nn.Module):
         heads = k_nope.shape[2]
         q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1).transpose(1, 2)  # (B, H, T, N + R)
         k = torch.cat([k_nope, k_rope_BT1R.expand(-1, -1, heads, -1)], dim=-1).transpose(1, 2)
-        v = v.transpose(1, 2)
+        # The flash kernels (CPU's, and FlashAttention on CUDA) take one head dim for q, k and v: values padded
+        # with zeros to the query/key dim keep the call eligible (the output's extra channels are zero and cut),
+        # where unequal dims would fall back to the math kernel and its (B, H, T, S) score matrix.
+        pad = q.shape[-1] - self.v_dim
+        v = F.pad(v, (0, pad)).transpose(1, 2) if pad > 0 else v.transpose(1, 2)
         if attn_mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(o[..., :self.v_dim].transpose(1, 2).reshape(b, t, -1))

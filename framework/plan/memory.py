@@ -30,6 +30,7 @@ from framework.plan.activations import (
 )
 from framework.plan.layout import Layout, Precision, Workload
 from models.config import ModelConfig
+from models.flops import mla_params
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def layer_params(cfg: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tupl
     """(dense, expert) parameters of layer `layer` on one rank under tensor degree tp and expert degree ep."""
     d, hd = cfg.hidden, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
-    dense = (2 * q * d + 2 * kv * d) // tp
+    dense = (2 * q * d + 2 * kv * d) // tp if cfg.attention != "mla" else mla_params(cfg, tp)
     if cfg.mlp == "gelu":
         dense += (q + 2 * kv) // tp + d
     dense += 2 * (d if cfg.norm == "rmsnorm" else 2 * d)

@@ -2,9 +2,9 @@
 
 The model is built with `models.decoder.build_model(cfg, device="meta")` (nothing is allocated, so the large
 presets cost only Python objects), and each parameter's local shape under a layout follows the TP plans of
-models/plans.py (read from them, not restated): column-parallel wq/wk/wv/w1/w3 shard dim 0 (and their biases),
-row-parallel wo/w2 shard dim 1 (their biases are replicated), the vocab-parallel embedding and output shard the
-vocab dim, norms are replicated; routed
+models/plans.py (read from them, not restated): column-parallel wq/wk/wv/w1/w3 (MLA's q_proj/q_b_proj/kv_b_proj)
+shard dim 0 (and their biases), row-parallel wo/w2 (MLA's o_proj) shard dim 1 (their biases are replicated), the
+vocab-parallel embedding and output shard the vocab dim, norms (and MLA's down-projections) are replicated; routed
 experts are split over ep. Pipeline ownership comes from the FQN (`layers.<i>.`, `tok_embeddings`, `norm`,
 `output`) and `framework.plan.memory.rank_chunks`.
 """
@@ -20,7 +20,7 @@ from framework.plan.memory import rank_chunks
 from models.config import ModelConfig
 from models.plans import decoder_block_plan, decoder_top_plan
 
-_BLOCK = decoder_block_plan(sequence_parallel=False)
+_BLOCK = {**decoder_block_plan(sequence_parallel=False), **decoder_block_plan(sequence_parallel=False, attention="mla")}
 COLWISE = tuple(fqn.rsplit(".", 1)[-1] for fqn, style in _BLOCK.items() if isinstance(style, ColwiseParallel))
 ROWWISE = tuple(fqn.rsplit(".", 1)[-1] for fqn, style in _BLOCK.items() if isinstance(style, RowwiseParallel))
 VOCAB_PARALLEL = tuple(decoder_top_plan(sequence_parallel=False, loss_parallel=True))

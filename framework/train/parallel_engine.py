@@ -209,9 +209,10 @@ class ParallelEngine:
                 if self.replica_sync is not None:
                     self.replica_sync.arm(i == n - 1)  # DDP buckets launch from the last backward's hooks
                 inputs, labels, kwargs = self._split(mb)
+                forward_ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
                 if self.model_cfg.mtp_depth:  # its cross-entropy on vocab-parallel logits needs the loss context
-                    kwargs = {**kwargs, "mtp_labels": labels}
-                with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
+                    kwargs, forward_ctx = {**kwargs, "mtp_labels": labels}, self._loss_ctx()
+                with autocast(self.device, self.train_cfg.precision), forward_ctx:
                     logits = self.model_parts[0](inputs, **kwargs)
                 with self._loss_ctx():
                     loss = cross_entropy(logits, labels) / n

@@ -73,8 +73,8 @@ def test_logits_match_transformers_deepseek_v3(q_lora_rank: int, yarn: bool) -> 
 
 
 def test_param_counts_match_module() -> None:
-    for q_lora_rank in (0, 32):
-        cfg = model_config("test-mla", mla=dict(q_lora_rank=q_lora_rank))
+    for q_lora_rank, mtp_depth in ((0, 0), (32, 2)):
+        cfg = model_config("test-mla", mla=dict(q_lora_rank=q_lora_rank), mtp_depth=mtp_depth)
         model = build_model(cfg, device="meta")
         assert param_counts(cfg).total == sum(p.numel() for p in model.parameters())
 
@@ -88,3 +88,18 @@ def test_param_counts_match_module() -> None:
 def test_config_refuses_what_mla_cannot_build(overrides: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         model_config("test-mla", **overrides)
+
+
+def test_attention_is_eligible_for_the_flash_kernel() -> None:
+    """Values are padded to the query/key head dim, so the flash kernel (which takes one head dim) runs MLA; with
+    unequal dims SDPA has no flash kernel and only the math one, which holds the whole score matrix."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = model_config("test-mla")
+    assert cfg.mla.v_head_dim != cfg.mla.qk_head_dim
+    model = build_model(cfg)
+    x = torch.randint(0, cfg.vocab_size, (1, 16))
+    with sdpa_kernel(SDPBackend.MATH):
+        want = model(x)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)

@@ -16,7 +16,7 @@ from models.config import model_config
 from models.flops import flops_per_token, num_params
 
 
-@pytest.mark.parametrize("preset", ["test-tiny", "smoke-3m", "test-moe", "gpt3-175b", "deepseek-v3-671b"])
+@pytest.mark.parametrize("preset", ["test-tiny", "smoke-3m", "test-moe", "test-mla", "gpt3-175b", "deepseek-v3-671b"])
 def test_layer_params_sum_to_the_model(preset: str) -> None:
     cfg = model_config(preset)
     total = sum(sum(layer_params(cfg, i)) for i in range(cfg.n_layers))
@@ -29,6 +29,7 @@ def test_layer_params_sum_to_the_model(preset: str) -> None:
     ("test-tiny", Layout(tp=2, pp=2)),
     ("smoke-3m", Layout(tp=2, pp=2, virtual=2, schedule="ZBVZeroBubble")),  # tied: both ends on rank 0
     ("test-moe", Layout(tp=2, pp=2, ep=2)),
+    ("test-mla", Layout(tp=2, pp=2)),  # MLA: latent down-projections and norms replicated over tp
     ("gpt3-175b", Layout(tp=8, pp=8, virtual=3, schedule="Interleaved1F1B")),
     ("llama3-405b", Layout(tp=8, pp=9, virtual=2, schedule="Interleaved1F1B")),
     ("deepseek-v3-671b", Layout(tp=4, pp=1, ep=8)),
