@@ -77,8 +77,8 @@ class Config:
         problem = context_problem(self.data.seq_len, self.parallel.cp, tp, self.parallel.sequence_parallel)
         if problem:
             raise ParallelismError(problem)
-        if problem := mtp_problem(self.model.mtp_depth, self.parallel.pp, self.parallel.cp):
-            raise ParallelismError(problem)
+        if mtp_why := mtp_problem(self.model.mtp_depth, self.parallel.pp, self.parallel.cp):
+            raise ParallelismError(mtp_why)
         if tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % tp:
             fits = [n for n in range(self.data.seq_len - tp, self.data.seq_len + tp + 1) if n > 0 and n % tp == 0]
             raise ParallelismError(

@@ -66,7 +66,7 @@ class Decoder(nn.Module):
         if cfg.tied_embeddings:
             assert self.output is not None and self.tok_embeddings is not None
             self.output.weight = self.tok_embeddings.weight
-        self.mtp: MultiTokenPrediction | None = MultiTokenPrediction(cfg) if cfg.mtp_depth else None
+        self.mtp: MultiTokenPrediction | None = MultiTokenPrediction(cfg, Block) if cfg.mtp_depth else None
         self.register_buffer("rope", rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta,
                                                   scaling=cfg.rope_scaling), persistent=False)
         # doc_ids -> the mask every layer of one forward pass shares; context parallelism (framework/parallel/

@@ -137,7 +137,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, rec
     """
     n = param_counts(cfg).active_non_embedding
     qk, v = attention_score_dims(cfg)
-    attn = 6 * (cfg.n_layers + cfg.mtp_depth) * (qk + v) * seq_len  # 12·L·h·s for dense heads (qk = v = h)
+    attn: float = 6 * (cfg.n_layers + cfg.mtp_depth) * (qk + v) * seq_len  # 12·L·h·s for dense heads (qk = v = h)
     if causal:
         attn /= 2
     if recompute:

@@ -22,6 +22,7 @@ loss of the step is accumulated, detached, for metrics (`mtp/loss_k`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -43,14 +44,12 @@ def mtp_targets(labels_BT: torch.Tensor, shift: int) -> torch.Tensor:
 class MTPModule(nn.Module):
     """One prediction depth: projection of [hnorm(h); enorm(emb)], one transformer block, its final norm."""
 
-    def __init__(self, cfg: ModelConfig, depth: int) -> None:
+    def __init__(self, cfg: ModelConfig, depth: int, make_block: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__()
-        from models.decoder import Block  # decoder.py imports this module
-
         self.enorm = build_norm(cfg)
         self.hnorm = build_norm(cfg)
         self.eh_proj = nn.Linear(2 * cfg.hidden, cfg.hidden, bias=False)
-        self.block = Block(cfg, cfg.n_layers + depth - 1)
+        self.block = make_block(cfg, cfg.n_layers + depth - 1)
         self.norm = build_norm(cfg)
 
     def forward(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, rope: torch.Tensor,
@@ -60,12 +59,13 @@ class MTPModule(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    """The D modules (`depths`, keyed "1".."D") and the step's per-depth losses."""
+    """The D modules (`depths`, keyed "1".."D") and the step's per-depth losses; `make_block(cfg, layer_id)`
+    builds a transformer block (the decoder's `Block`, handed in so this module does not import the decoder)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, make_block: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__()
         self.weight = cfg.mtp_loss_weight
-        self.depths = nn.ModuleDict({str(k): MTPModule(cfg, k) for k in range(1, cfg.mtp_depth + 1)})
+        self.depths = nn.ModuleDict({str(k): MTPModule(cfg, k, make_block) for k in range(1, cfg.mtp_depth + 1)})
         self.loss_scale = 1.0
         """Gradient the MTP loss of one forward receives (set per step, as `set_aux_loss_scale` for MoE)."""
         self.step_losses: torch.Tensor | None = None
@@ -77,7 +77,8 @@ class MultiTokenPrediction(nn.Module):
                 rope: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         """The main logits, unchanged, carrying L_MTP's gradient (see the module docstring)."""
         losses = []
-        for k, module in self.depths.items():
+        for k, depth in self.depths.items():
+            module = cast(MTPModule, depth)
             shift = int(k)
             h_BTD = module(h_BTD, embed(mtp_targets(labels_BT, shift - 1).clamp_min(0)), rope, attn_mask)
             logits = head(module.norm(h_BTD))

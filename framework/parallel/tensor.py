@@ -8,6 +8,7 @@ tp ranks, as Megatron-LM does: each rank computes the one KV head its query head
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +107,7 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
     if model.mtp is not None:  # multi-token prediction (models/mtp.py): each depth's projection, norms and block
         for depth in model.mtp.depths.values():
             parallelize_module(depth, tp_mesh, mtp_module_plan(sequence_parallel))
-            blocks.append(depth.block)
+            blocks.append(cast(nn.Module, depth.block))
     for block in blocks:
         # MoE (docs/MOE.md): framework/parallel/expert.py parallelizes an MoE layer's feed-forward
         plan = moe_plan if isinstance(block.feed_forward, MoE) else block_plan  # type: ignore[union-attr]
