@@ -4,7 +4,7 @@ checksums within 1e-5 relative (tests/parallel/parallel_parity.py). All layouts 
 
 What each layout proves: TP splits MLA's up-projections by heads while the replicated down-projections, latent
 norms and shared rotary key receive their whole gradient (with and without sequence parallelism); PP cuts MLA
-blocks; ZeRO-3 shards the latent weights; cp gathers the compressed latent; recompute and compile (aot_eager,
+blocks; ZeRO-3 shards the latent weights; recompute and compile (aot_eager,
 sub-layer regions under TP) wrap MLA blocks; query compression off (q_proj) under TP. Multi-token prediction:
 its projection, norms and blocks under TP (with and without sequence parallelism and vocab-parallel loss) and
 ZeRO-3 train as one process (its loss rides on the logits' gradient, so the main loss and grad norm carry it).
@@ -27,7 +27,6 @@ def _layouts() -> list[dict[str, Any]]:
         {"tp": 2, "pp": 2, "dp_shard": 2, "zero_stage": 3, **MLA},
         {"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1, "recompute": "selective",
          "train.compile": True, "train.compile_backend": "aot_eager", **MLA},
-        {"cp": 2, "dp_shard": 1, **MLA},
         {"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "recompute": "full", **MLA},
         {"tp": 2, "dp_shard": 1, "model.mla.q_lora_rank": 0, **MLA},
         # Multi-token prediction (two depths) on MLA: TP with SP and vocab-parallel loss, TP without SP, ZeRO-3.
