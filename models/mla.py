@@ -71,9 +71,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * m.v_head_dim, d, bias=False)
-        # Set from outside by context parallelism (framework/parallel/context.py): the (B, L, 1, C) latent and
-        # (B, L, 1, R) rotary key -> the whole sequence's. Gathering the latent, not per-head K/V, moves
-        # C + R numbers per token instead of H x (N + R + V).
+        # Context parallelism's hook: the (B, L, 1, C) latent and (B, L, 1, R) rotary key -> the whole sequence's
+        # (gathering the latent, not per-head K/V, moves C + R numbers per token instead of H x (N + R + V)).
+        # framework/parallel/context.py installs `context_attention` hooks now, not this one, so MLA with cp is
+        # refused at config load (framework/config.py) until it is wired there.
         self.kv_exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         # Set by tensor parallelism: identity forward, gradient summed over tp in backward (Megatron's "f"): the
         # rotary key is replicated, and each tp rank's heads contribute only their share of its gradient.
