@@ -38,6 +38,17 @@ class PrefetchingLoader:
     def consumed_samples(self) -> int:
         return self.loader.consumed_samples
 
+    @property
+    def samples(self) -> Any:
+        return self.loader.samples
+
+    @samples.setter
+    def samples(self, value: Any) -> None:
+        """Swap the wrapped loader's samples (a test's poisoned data, a new mixture); the read-ahead came from the
+        old ones, so it is dropped."""
+        self.loader.samples = value
+        self._ahead = None
+
     def __getattr__(self, name: str) -> Any:  # global_batch_size, n_micro, dp_rank, ... of the wrapped loader
         if name == "loader":
             raise AttributeError(name)

@@ -30,7 +30,7 @@ class SniffReport:
     times: list[list[float]]
     """times[rank][test] in seconds, tests in TESTS order."""
     slow: list[dict[str, Any]] = field(default_factory=list)
-    """Named outliers: rank, test, seconds, median seconds, slowdown."""
+    """Named outliers, the largest slowdown first: rank, test, seconds, median seconds, slowdown."""
 
     def lines(self) -> list[str]:
         med = [sorted(col)[len(col) // 2] for col in zip(*self.times, strict=True)]
@@ -44,6 +44,9 @@ def _timed(fn: Any, repeats: int, device: torch.device) -> float:
     fn()  # warm-up
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    # Every rank starts the timed calls together: otherwise a rank slow in the test before (a throttled GEMM) makes
+    # its P2P peers wait for it, and their P2P time carries its slowness.
+    dist.barrier()
     t0 = time.perf_counter()
     for _ in range(repeats):
         fn()
@@ -91,4 +94,5 @@ def sniff(device: torch.device, *, gemm_n: int = 256, comm_numel: int = 1 << 16,
         median = sorted(row[col] for row in times)[world // 2]
         report.slow.append({"rank": o.who, "test": TESTS[col], "seconds": times[o.who][col], "median": median,
                             "slowdown": o.slowdown})
+    report.slow.sort(key=lambda s: -s["slowdown"])  # the slowest first
     return report
