@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
     q.add_argument("--tokenizer", type=Path, default=None,
                    help="sentencepiece .model (default: the run's data build, when it has one)")
     q.set_defaults(func=cmd_export_hf)
-    q = sub.add_parser("import-hf", help="turn a Hugging Face Llama/Mixtral directory into a Tessera checkpoint")
+    q = sub.add_parser("import-hf", help="a Hugging Face Llama, Mixtral, Qwen2/3-MoE directory as a Tessera checkpoint")
     q.add_argument("src", type=Path)
     q.add_argument("run_dir", type=Path)
     q.set_defaults(func=cmd_import_hf)
