@@ -37,13 +37,23 @@ class StuckCollective:
     last_seq: dict[int, int]
 
 
+class _PlainData(pickle.Unpickler):
+    """Unpickles dicts, lists, strings and numbers only: a run directory may come from another machine, and a
+    pickle naming any class or function could run code when `doctor` reads it (flight records hold plain data)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name}: a flight record holds plain data only")
+
+
 def read_flight(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """Each rank's flight record (the watchdog's when both writers left one)."""
+    """Each rank's flight record (the watchdog's when both writers left one); a file that is not plain data is
+    skipped like an unreadable one."""
     out: dict[int, dict[str, Any]] = {}
     for path in sorted((run_dir / "nccl_trace").glob("rank_*"), key=lambda p: p.name.endswith(".watchdog")):
         m = _RANK.match(path.name)
         try:
-            record = pickle.loads(path.read_bytes())  # written by this run's own ranks
+            with path.open("rb") as f:
+                record = _PlainData(f).load()
         except Exception:
             continue
         if m and isinstance(record, dict):
