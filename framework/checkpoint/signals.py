@@ -96,16 +96,25 @@ class StopSignals:
         self.agreed = NO_STOP
         self.agreed_signal = 0
         self._previous: dict[signal.Signals, Any] = {}
+        self._pid = os.getpid()
 
     def install(self) -> StopSignals:
         """Install the handlers (main thread only; elsewhere signals cannot be caught and this is a no-op)."""
         if threading.current_thread() is threading.main_thread():
+            self._pid = os.getpid()
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
             _ACTIVE.append(self)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            # Inherited through fork by a worker that has not set its own dispositions yet (a pool's exit can
+            # SIGTERM a worker still starting, before its initializer runs): the process that installed the
+            # handlers handles stops; the worker takes the signal's default action, as it would without Tessera.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if not self.armed:
             raise StopSignal(signum, self.requeue_exit_code)
         if signum == signal.SIGINT and self.kind == INTERRUPT:

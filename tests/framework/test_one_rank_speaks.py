@@ -72,3 +72,26 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_any_rank_starts(
     assert "model.vocab_size=512 is smaller than the tokenizer's vocabulary (4096)" in err, err
     assert main(["launch", "local", "--nproc", "2", TINY, "data.kind=build", build, "model.vocab_size=4096",
                  "--dry-run"]) == 0
+
+
+def test_a_worker_signalled_before_its_initializer_takes_the_default_action() -> None:
+    """The pool's exit can SIGTERM a worker that is still starting, before `pool_worker` resets its dispositions
+    (seen under load in the full suite): the handler it inherited through fork must not raise StopSignal there."""
+    import os
+    import signal
+
+    from framework.checkpoint.signals import StopSignals
+
+    handlers = StopSignals(armed=False).install()
+    try:
+        pid = os.fork()
+        if pid == 0:  # a worker that has not run its initializer: the parent's handler is still installed
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os._exit(0)  # the signal was swallowed
+            except BaseException:
+                os._exit(3)  # the inherited handler raised StopSignal in the worker
+        _, status = os.waitpid(pid, 0)
+    finally:
+        handlers.restore()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
