@@ -17,6 +17,41 @@ class MixturePhase:
 
 
 @dataclass(kw_only=True, frozen=True)
+class OnlineMixing:
+    """`data.mixing: online`: every `interval` optimizer steps the weights move by DoReMi's exponentiated-gradient
+    rule on each domain's excess held-out loss (Xie et al. 2023, arXiv:2305.10429; docs/DATA.md, online mixing)."""
+
+    interval: int = 100
+    """Optimizer steps between weight updates (K); the first update follows step K."""
+    step_size: float = 1.0
+    """eta of the rule: w <- w * exp(eta * excess), renormalized (DoReMi's default 1)."""
+    smoothing: float = 1e-3
+    """c: the new weights are (1 - c) * rule + c * uniform over the mixed domains (DoReMi's default 1e-3)."""
+    eval_samples: int = 16
+    """Held-out samples per domain scored at each update (the first ones of its validation split, the same set at
+    every world size); a multiple of train.micro_batch_size x data-parallel size."""
+    reference: dict[str, float] = field(default_factory=dict)
+    """Per-domain held-out loss of a reference model (DoReMi's reference run on the prior mixture, e.g. an ablation
+    proxy's val_loss/<domain>); excess = max(loss - reference, 0). A domain left out has reference 0 (its loss
+    itself drives the rule)."""
+    round_to: float = 1e-3
+    """Losses are rounded to this grid before the update, so runs whose losses differ only by the summation order
+    of another world size compute the same weights."""
+
+    def validate(self) -> None:
+        if self.interval < 1 or self.eval_samples < 1:
+            raise ConfigError(f"data.online.interval={self.interval} and data.online.eval_samples="
+                              f"{self.eval_samples} must be >= 1; e.g. interval 100, eval_samples 16")
+        if not self.step_size > 0 or not self.round_to > 0:
+            raise ConfigError(f"data.online.step_size={self.step_size} and data.online.round_to={self.round_to} "
+                              f"must be > 0; e.g. 1.0 and 1e-3")
+        if not 0 <= self.smoothing < 1:
+            raise ConfigError(f"data.online.smoothing={self.smoothing} must be in [0, 1); e.g. 1e-3")
+        if any(not 0 <= v < float("inf") for v in self.reference.values()):
+            raise ConfigError(f"data.online.reference={self.reference} must hold finite losses >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
 class DataConfig:
     seq_len: int = 128
     """Tokens per training sequence (each sample holds seq_len + 1 tokens: inputs and shifted labels)."""
@@ -38,6 +73,11 @@ class DataConfig:
     """Mixture weights by source (domain); normalized to sum to 1. A source left out gets weight 0."""
     schedule: list[MixturePhase] = field(default_factory=list)
     """Later mixture phases: weights that take over at given optimizer steps (needs the global batch size)."""
+    mixing: Literal["static", "online"] = "static"
+    """static: `weights` (and `schedule`) as given; online: the weights adapt during the run from per-domain
+    held-out losses (`online`)."""
+    online: OnlineMixing = field(default_factory=OnlineMixing)
+    """Settings of `mixing: online`."""
     max_epochs: dict[str, float] = field(default_factory=dict)
     """Per-source cap on epochs read in one pass of the mixture (upsampling beyond it is an error)."""
     warn_epochs: float = 4.0
@@ -86,3 +126,19 @@ class DataConfig:
             raise ConfigError(f"data.eod_id={self.eod_id} must be a token id >= 0, or null for the tokenizer's EOS")
         if any(c <= 0 for c in self.max_epochs.values()):
             raise ConfigError(f"data.max_epochs={self.max_epochs} must be positive; e.g. {{prose: 4}}")
+        if self.mixing == "online":
+            self._validate_online()
+
+    def _validate_online(self) -> None:
+        mixed = sorted(n for n, w in self.weights.items() if w > 0)
+        if self.kind == "synthetic" or len(mixed) < 2:
+            raise ConfigError(f"data.mixing=online needs two or more sources with positive data.weights (now "
+                              f"{mixed}, data.kind={self.kind}); use data.kind=stdlib or build, or data.mixing=static")
+        for key, value in (("schedule", self.schedule), ("max_epochs", self.max_epochs)):
+            if value:
+                raise ConfigError(f"data.mixing=online sets the weights itself and is not combined with data.{key} "
+                                  f"(now {value}); remove data.{key} or set data.mixing=static")
+        unknown = sorted(set(self.online.reference) - set(mixed))
+        if unknown:
+            raise ConfigError(f"data.online.reference names {unknown}, which are not mixed sources {mixed}; "
+                              f"give references for those sources only")

@@ -66,6 +66,8 @@ class MixtureSamples:
                  length: int, max_epochs: Mapping[str, float] | None = None) -> None:
         self.names = sorted(sources)
         self.sources = [sources[n] for n in self.names]
+        self.phases = [(int(start), dict(weights)) for start, weights in phases]
+        self.max_epochs = dict(max_epochs or {})
         if not phases or phases[0][0] != 0 or any(b[0] <= a[0] for a, b in itertools.pairwise(phases)):
             raise DataError(f"mixture phases start at {[p[0] for p in phases]}; they must start at 0 and increase")
         if length < 1:
@@ -107,6 +109,19 @@ class MixtureSamples:
                 raise DataError(
                     f"source {name!r} would be read {used:.2f} times (its epoch cap is {cap}) in one pass of "
                     f"{self.length} samples; lower its weight, raise its max_epochs, or set data.num_samples")
+
+    def with_phases(self, phases: Sequence[tuple[int, Mapping[str, float]]]) -> MixtureSamples:
+        """This mixture with more phases `(start sample, weights)` after its last one (online mixing appends one
+        per update, and a resume all of the run's at once).
+
+        Every index before the first new start maps to the sample it maps to here; a run that rebuilds the same
+        phase list on resume therefore reads exactly what the uninterrupted run read.
+        """
+        if phases and phases[0][0] <= self.phases[-1][0]:
+            raise DataError(f"a new mixture phase must start after the last one (sample {self.phases[-1][0]}); "
+                            f"got sample {phases[0][0]}")
+        return MixtureSamples(dict(zip(self.names, self.sources, strict=True)), [*self.phases, *phases],
+                              self.length, self.max_epochs)
 
     def epochs_used(self) -> dict[str, float]:
         """Epochs of each source that one pass of the mixture reads."""

@@ -8,6 +8,7 @@ hashes (for the held-out split) and `manifest.json`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -161,7 +162,10 @@ def load_build(build_dir: str | Path, cfg: DataConfig, global_batch_size: int | 
     tok = manifest["tokenizer"]
     fingerprint = hashlib.sha256(json.dumps({
         "data": manifest["fingerprint"], "seq_len": cfg.seq_len, "seed": cfg.seed, "phases": phases,
-        "val_fraction": cfg.val_fraction, "length": length}, sort_keys=True).encode()).hexdigest()
+        "val_fraction": cfg.val_fraction, "length": length,
+        # online mixing's settings decide every later phase; a static run's fingerprint is what it always was
+        **({"online": dataclasses.asdict(cfg.online)} if cfg.mixing == "online" else {})},
+        sort_keys=True).encode()).hexdigest()
     return PreparedData(train=mixture, val={k: v for k, v in val.items() if len(v)},
                         vocab_size=int(tok["vocab_size"]), eos_id=int(tok.get("eos_id", -1)),
                         tokenizer_path=str(build_dir / Path(tok["path"]).name), fingerprint=fingerprint,

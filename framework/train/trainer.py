@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_pipeline.read.loader import BatchLoader
+from data_pipeline.read.prefetch import PrefetchingLoader
 from framework.base.errors import ConfigError, DivergenceError
 from framework.base.locks import DirLock
 from framework.base.logs import get_logger, setup_logging
@@ -33,6 +35,7 @@ from framework.parallel.offload import offload_optimizers
 from framework.train.documents import resolve_documents
 from framework.train.local_engine import LocalEngine
 from framework.train.lr_schedule import lr_at, section_lr_at
+from framework.train.online_mixing import OnlineMixer
 from framework.train.parallel_engine import build_parallel_engine
 from framework.train.triage import Triage, triage
 from models.documents import DocumentMasking
@@ -135,6 +138,7 @@ class Trainer:
         documents = resolve_documents(cfg.data, self.data.eos_id, cfg.model.vocab_size)  # data.document_mask
         self.engine = build_engine(cfg, self.device, documents)
         self.loader = self._make_loader()
+        self.mixer = OnlineMixer(cfg.data, cfg.train, self.data, self.engine.dp_rank, self.engine.dp_size)
         from framework.observe.observer import Observer
 
         self.observer = Observer.for_config(cfg, self.run_dir.path, self.rank, self.world, self.device)
@@ -164,9 +168,6 @@ class Trainer:
         return data
 
     def _make_loader(self) -> Any:
-        from data_pipeline.read.loader import BatchLoader
-        from data_pipeline.read.prefetch import PrefetchingLoader
-
         if getattr(self, "loader", None) is not None:
             self.loader.close()
         # The next batch is read (pinned, sent on a side stream on accelerators) while this step runs.
@@ -232,6 +233,7 @@ class Trainer:
         self.loader.load_state_dict(meta["loader"])
         self.ft.guard.load_state_dict(meta.get("guard"))
         self.engine.load_extra_state(meta.get("engine"))  # the fp16 loss scale and its growth tracker
+        self.mixer.load_state_dict(meta.get("mixing"), self.loader)  # data.mixing=online: the phases so far
         return meta
 
     def rollback(self) -> None:
@@ -306,7 +308,7 @@ class Trainer:
                 self.triaged = triage(self.engine, self.loader, batch, self.loader.consumed_samples
                                       - self.cfg.train.global_batch_size, self.ft.guard, self.device)
                 self.log_record(self.triaged.record(self.step, len(self.loader.quarantine)))
-        record.update(self.engine.extra_metrics())
+        record.update(self.engine.extra_metrics() | self.mixer.metrics())
         record.update(self.observer.on_step(record))
         return record
 
@@ -314,8 +316,6 @@ class Trainer:
         """Validation loss per domain on its held-out split (the same batches every time)."""
         out: dict[str, float] = {}
         for name, samples in self.data.val.items():
-            from data_pipeline.read.loader import BatchLoader
-
             per_rank = self.cfg.train.micro_batch_size * self.engine.dp_size
             loader = BatchLoader(samples, global_batch_size=per_rank, micro_batch_size=self.cfg.train.micro_batch_size,
                                  dp_rank=self.engine.dp_rank, dp_size=self.engine.dp_size)
@@ -346,7 +346,7 @@ class Trainer:
                 "data_fingerprint": self.data.fingerprint, "guard": self.ft.guard.state_dict(),
                 "data_build": self._data_build(), "engine": self.engine.extra_state(),
                 **self._tokenizer_paths(),
-                "batch_history": [list(h) for h in self.batch_history]}
+                "batch_history": [list(h) for h in self.batch_history], "mixing": self.mixer.state_dict()}
         if self.ft.guard.skipping:  # taken right after a skipped step: never `latest`, never a rollback target
             meta["guard_suspect"] = True
             log.warning("checkpoint of step %d is taken while the loss guard is skipping steps: it is kept but "
@@ -427,6 +427,8 @@ class Trainer:
                 if self.ft.guard.rollback_due:
                     self.rollback()
                     continue
+                if (mixed := self.mixer.after_step(self.step, self.engine, self.loader)) is not None:
+                    self.log_record(mixed)  # data.mixing=online: new weights from this sample on
                 if self._should_eval():
                     result.eval = self.evaluate()
                     self.log_record({"type": "eval", "step": self.step, **result.eval})
