@@ -44,7 +44,7 @@ def make_proposal(spec: AblationSpec, W: np.ndarray, L: np.ndarray, results: lis
     chosen = best(sur, ps.surrogate)
     tokens = train_tokens(results)
     target = ps.target_tokens or spec.token_budget
-    lim = limits(ps, src, spec.token_budget, tokens, spec.mixtures.prior)
+    lim = limits(ps, src, spec.token_budget, tokens, spec.mixtures.prior, tried=W)
     prop = propose(chosen.predict, lim, src, target, tokens, risk=ps.risk)
     return ProposalResult(sur, chosen, prop, target, objective_values(L, src, spec.objective), feasible(W, lim))
 
@@ -70,7 +70,8 @@ def markdown(spec: AblationSpec, ids: list[str], W: np.ndarray, res: ProposalRes
         lines.append(f"| {s.name}{mark} | {s.loo_rmse:.4f} | {s.baseline_rmse:.4f} | "
                      f"{'yes' if s.loo_rmse < s.baseline_rmse else 'NO'} |")
     ww = ", ".join(f"{s} {x:.3f}" for s, x in zip(src, p.weights))
-    lines += ["", f"## Proposal ({res.chosen.name}, whole simplex, target {res.target_tokens:,} tokens)", "",
+    where = "inside the swarm's hull (trust region)" if spec.proposal.trust_region else "whole simplex"
+    lines += ["", f"## Proposal ({res.chosen.name}, {where}, target {res.target_tokens:,} tokens)", "",
               f"**{ww}** — predicted {spec.objective} loss {p.mean:.4f} ± {p.std:.4f} (1 sigma).",
               "Epochs of each source at the target budget: " + ", ".join(
                   f"{s} {e:.2f}" for s, e in zip(src, p.epochs)) + ".",

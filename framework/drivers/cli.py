@@ -45,9 +45,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from framework.observe.plot import plot_runs, read_curves
+    from framework.observe.plot import plot_runs, plot_weights, read_curves
 
-    out = plot_runs([read_curves(r) for r in args.runs], args.out, smooth_window=args.smooth)
+    if args.weights:
+        if len(args.runs) != 1:
+            raise ConfigError(f"tessera plot --weights draws one run's mixture weights; got {len(args.runs)} runs")
+        out = plot_weights(args.runs[0], args.out, title=Path(args.runs[0]).name)
+    else:
+        out = plot_runs([read_curves(r) for r in args.runs], args.out, smooth_window=args.smooth)
     print(f"wrote {out}")
     return 0
 
@@ -88,6 +93,8 @@ def register(sub: Any) -> None:
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")
     p.add_argument("--out", default="loss_curves.png")
     p.add_argument("--smooth", type=int, default=1, help="moving-average window over train loss")
+    p.add_argument("--weights", action="store_true",
+                   help="one run trained with data.mixing=online: its mixture weights over time")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("preflight", help="before cluster time: overfit one sample, a small batch, a short full run")

@@ -1,4 +1,5 @@
-"""`tessera plot RUN... [--out PNG]`: the loss curves of several runs in one PNG (matplotlib, no display)."""
+"""`tessera plot RUN... [--out PNG]`: the loss curves of several runs in one PNG; `--weights`: an online-mixing
+run's mixture weights over time (matplotlib, no display)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,69 @@ def plot_runs(runs: list[Curves], out: str | Path, title: str = "", smooth_windo
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+@dataclass
+class MixtureWeights:
+    """What an online-mixing run's metrics.jsonl holds: the weights in force at every step and each update's
+    held-out losses (`mix/<domain>` of train records, `mix_loss/<domain>` of mixing records)."""
+
+    steps: list[int] = field(default_factory=list)
+    weights: dict[str, list[float]] = field(default_factory=dict)
+    update_steps: list[int] = field(default_factory=list)
+    losses: dict[str, list[float]] = field(default_factory=dict)
+
+
+def read_weights(run_dir: str | Path) -> MixtureWeights:
+    """The mixture weights over time of the run at `run_dir`.
+
+    Raises:
+        ConfigError: the run logged no weights (it did not train with data.mixing=online).
+    """
+    from framework.base.run_dir import RunDir
+
+    out = MixtureWeights()
+    for rec in RunDir(run_dir).read_metrics(kind=None):
+        if rec.get("type") == "train" and any(k.startswith("mix/") for k in rec):
+            out.steps.append(rec["step"])
+            for key, value in rec.items():
+                if key.startswith("mix/"):
+                    out.weights.setdefault(key.split("/", 1)[1], []).append(value)
+        elif rec.get("type") == "mixing":
+            out.update_steps.append(rec["step"])
+            for key, value in rec.items():
+                if key.startswith("mix_loss/"):
+                    out.losses.setdefault(key.split("/", 1)[1], []).append(value)
+    if not out.steps:
+        raise ConfigError(f"{run_dir} logged no mixture weights (mix/<domain>); only a run with data.mixing=online "
+                          f"does")
+    return out
+
+
+def plot_weights(run_dir: str | Path, out: str | Path, title: str = "") -> Path:
+    """Stacked weights per step (left) and the held-out loss of each domain at every update (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mw = read_weights(run_dir)
+    names = sorted(mw.weights)
+    fig, (ax_w, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax_w.stackplot(mw.steps, [mw.weights[n] for n in names], labels=names, alpha=0.85)
+    ax_w.set(xlabel="step", ylabel="weight", ylim=(0, 1), title="mixture weights in force (stacked)")
+    for n in names:
+        if n in mw.losses:
+            ax_l.plot(mw.update_steps, mw.losses[n], "o-", ms=3, lw=1.2, label=n)
+    ax_l.set(xlabel="step", ylabel="held-out loss (rounded)", title="per-domain loss at each update")
+    for ax in (ax_w, ax_l):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

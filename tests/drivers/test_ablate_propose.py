@@ -16,7 +16,7 @@ from framework.drivers.ablate import AblationSpec, MixtureSpec, RunPlan, confirm
 from framework.drivers.ablate_fit import LOG_EPS
 from framework.drivers.ablate_propose import ProposalSpec, kl, limits, propose
 from framework.drivers.ablate_report import write_report
-from framework.drivers.ablate_surrogate import all_surrogates, best
+from framework.drivers.ablate_surrogate import all_surrogates, best, parametric
 
 SOURCES = ["code", "prose", "tests"]
 A, B = np.array([3.0, 4.0, 2.5]), np.array([-0.2, -0.4, -0.25])
@@ -103,9 +103,10 @@ def test_fit_and_proposal_recover_a_planted_optimum_with_interactions() -> None:
     mean, std = gp.predict(Wt)
     assert np.mean(np.abs(mean - _law(Wt, 0.5).mean(axis=1)) <= 2 * std) > 0.8
 
-    free = propose(gp.predict, limits(ProposalSpec(), SOURCES, TARGET, TOKENS, {}), SOURCES, TARGET, TOKENS)
+    free = propose(gp.predict, limits(ProposalSpec(), SOURCES, TARGET, TOKENS, {}, tried=W), SOURCES, TARGET, TOKENS)
     truth_free = _brute(0.5)
     assert np.abs(free.weights - truth_free).max() < WEIGHT_TOL and free.weights[2] > 0.2
+    assert free.binding == []  # the optimum lies inside the swarm: the trust region does not bind
     assert _law(free.weights[None], 0.5).mean() - _law(truth_free[None], 0.5).mean() < REGRET_TOL
     # Repetition: one epoch of tests is 10% of the target budget; its optimum (~25%) would read it 2.5 times.
     spec = ProposalSpec(max_epochs={"tests": 1.0}, target_tokens=TARGET)
@@ -117,6 +118,35 @@ def test_fit_and_proposal_recover_a_planted_optimum_with_interactions() -> None:
     assert [b.limit for b in capped.binding] == ["max_epochs[tests]"] and capped.binding[0].gain > 0
     true_regret = _law(capped.weights[None], 0.5).mean() - _law(truth_capped[None], 0.5).mean()
     assert true_regret < REGRET_TOL
+
+
+def test_trust_region_keeps_a_linear_fit_inside_the_swarm() -> None:
+    """A linear surrogate's minimum over the simplex is a vertex, where the planted log law is bad (a source at 0);
+    with the trust region (the default) the proposal is a convex combination of tried mixtures."""
+    prior = {"code": 0.34, "prose": 0.33, "tests": 0.33}
+    W = swarm(_spec(dirichlet=12, prior=prior, concentration=4, min_weight=dict.fromkeys(SOURCES, 0.05)))
+    L = _law(W, 0.5) + np.random.default_rng(0).normal(0, 0.005, W.shape)
+    lin = parametric(W, L, SOURCES, "mean", "linear")
+
+    def truth(w: np.ndarray) -> float:
+        return float(_law(w[None], 0.5).mean())
+
+    free = propose(lin.predict, limits(ProposalSpec(trust_region=False), SOURCES, TARGET, TOKENS, prior, tried=W),
+                   SOURCES, TARGET, TOKENS)
+    held = propose(lin.predict, limits(ProposalSpec(), SOURCES, TARGET, TOKENS, prior, tried=W), SOURCES, TARGET,
+                   TOKENS)
+    assert free.weights.max() > 0.99 and free.binding == []
+    assert truth(free.weights) > min(truth(w) for w in W) + 0.2  # the untried vertex is bad in truth
+    # Inside the hull, checked independently: a linear program finds convex coefficients for it.
+    from scipy.optimize import linprog
+
+    lp = linprog(np.zeros(len(W)), A_eq=np.vstack([W.T, np.ones(len(W))]), b_eq=np.append(held.weights, 1.0),
+                 bounds=(0, None))
+    assert lp.status == 0, lp.message
+    # A linear function on a polytope is least at a corner: the tried mixture the fit ranks best.
+    assert np.abs(held.weights - W[np.argmin(lin.predict(W)[0])]).max() < 1e-6
+    assert truth(held.weights) < truth(free.weights) - 0.2
+    assert [b.limit for b in held.binding] == ["trust_region"] and held.binding[0].gain > 0
 
 
 def _fake_run(plan: RunPlan, losses: np.ndarray) -> None:

@@ -22,6 +22,7 @@ import pytest
 from data_pipeline.read.doremi import doremi_update
 from data_pipeline.read.mixing import MixtureSamples
 from framework.base.errors import ConfigError, DataError
+from framework.observe.plot import read_weights
 from framework.testing import run_distributed
 from framework.testing.tiny import tiny_config
 from framework.train.trainer import Trainer
@@ -114,10 +115,10 @@ def test_online_settings_are_checked_at_load_and_at_start(stdlib_build: Any, tmp
             (["data.online.interval=0"], "must be >= 1")]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             tiny_config(tmp_path / "r", *data, *ONLINE, *bad)
-    with pytest.raises(ConfigError, match="multiple of train.micro_batch_size x data-parallel size = 2 x 1; set "
-                                          "it to e.g. 4"):
+    with pytest.raises(ConfigError, match=re.escape("multiple of train.micro_batch_size x data-parallel size = 2 x "
+                                                    "1; set it to e.g. 4")):
         Trainer(tiny_config(tmp_path / "r", *data, *ONLINE, "data.online.eval_samples=3"))
-    with pytest.raises(ConfigError, match="set data.num_samples >= 64"):
+    with pytest.raises(ConfigError, match=re.escape("set data.num_samples >= 64")):
         Trainer(tiny_config(tmp_path / "r", *data, *ONLINE, "data.num_samples=40"))
 
 
@@ -156,3 +157,11 @@ def test_stop_resume_bitwise_and_one_trajectory_on_one_and_two_data_ranks(
     np.testing.assert_allclose([full2[0][s] for s in range(1, 9)], [full1[0][s] for s in range(1, 9)], atol=1e-4)
     first, last = full1[2][0], full1[2][-1]
     assert max(abs(first[k] - last[k]) for k in first) > 0.05, (first, last)  # the weights did move
+    # `tessera plot RUN --weights` reads the same series back.
+    from framework.cli import main
+
+    assert main(["plot", str(tmp_path / "full1"), "--weights", "--out", str(tmp_path / "w.png")]) == 0
+    assert (tmp_path / "w.png").stat().st_size > 10_000
+    mw = read_weights(tmp_path / "full1")
+    assert mw.steps == list(range(1, 9)) and mw.update_steps == [2, 4, 6, 8]
+    assert [{f"mix/{n}": mw.weights[n][i] for n in mw.weights} for i in range(8)] == full1[2]
