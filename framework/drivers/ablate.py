@@ -87,6 +87,9 @@ class AblationSpec:
     """Per-domain loss model: log_linear L_d = a + b·log(w_d + 0.01); linear L_d = a + Σ_j b_j·w_j."""
     proposal: ProposalSpec = field(default_factory=ProposalSpec)
     """Limits of the proposed mixture (target budget, epochs, weight box, KL bound) and its surrogate."""
+    reuse: list[str] = field(default_factory=list)
+    """Output directories of earlier ablations (other sources allowed): their runs join the per-domain fits for the
+    domains they evaluated (framework/drivers/ablate_reuse.py)."""
 
     def validate(self) -> None:
         if not self.sources or len(set(self.sources)) != len(self.sources):

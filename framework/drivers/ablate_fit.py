@@ -63,22 +63,36 @@ class Fit:
 
 
 def fit(W: np.ndarray, L: np.ndarray, model: Model) -> Fit:
-    """Fit every domain's loss L[:, d] on the weights W (both (n, k)); leave-one-out when n > parameters."""
+    """Fit every domain's loss L[:, d] on the weights W (both (n, k)); leave-one-out when a domain has more rows
+    than parameters.
+
+    Rows of earlier swarms (ablate_reuse.py) may lack a domain (NaN loss: that run did not evaluate it) or lie off
+    the simplex (their remaining weight went to a source no longer mixed). A domain's fit leaves out its NaN rows;
+    the linear model also leaves out rows off the simplex, where its implied last weight would be wrong, while the
+    own-weight law needs only w_d and takes them.
+    """
     n, k = W.shape
-    coefs = [_lstsq(features(W, d, model), L[:, d]) for d in range(k)]
+    usable = np.isfinite(L) & ((np.abs(W.sum(axis=1) - 1) < 1e-6) | (model != "linear"))[:, None]
+    coefs = [_lstsq(features(W[usable[:, d]], d, model), L[usable[:, d], d]) for d in range(k)]
     p = 2 if model == "log_linear" else k
     loo = np.full((n, k), np.nan)
     base = np.full((n, k), np.nan)
-    if n > p:
-        for i in range(n):
-            keep = np.arange(n) != i
-            for d in range(k):
-                c = _lstsq(features(W[keep], d, model), L[keep, d])
-                loo[i, d] = (features(W[i:i + 1], d, model) @ c)[0]
-                base[i, d] = L[keep, d].mean()
-    rmse = np.sqrt(np.mean((loo - L) ** 2, axis=0))
-    base_rmse = np.sqrt(np.mean((base - L) ** 2, axis=0))
-    return Fit(model, coefs, loo, rmse, base_rmse)
+    for d in range(k):
+        rows = np.flatnonzero(usable[:, d])
+        for i in rows if len(rows) > p else ():
+            keep = usable[:, d] & (np.arange(n) != i)
+            c = _lstsq(features(W[keep], d, model), L[keep, d])
+            loo[i, d] = (features(W[i:i + 1], d, model) @ c)[0]
+            base[i, d] = L[keep, d].mean()
+    return Fit(model, coefs, loo, _rms(loo - L), _rms(base - L))
+
+
+def _rms(err: np.ndarray) -> np.ndarray:
+    """Per-column root mean square over the finite entries (NaN for a column with none)."""
+    ok = np.isfinite(err)
+    sq = np.where(ok, err, 0.0) ** 2
+    with np.errstate(invalid="ignore"):
+        return np.asarray(np.sqrt(sq.sum(axis=0) / ok.sum(axis=0)))
 
 
 def candidate_mixtures(W: np.ndarray, seed: int = 0) -> np.ndarray:

@@ -17,6 +17,7 @@ import numpy as np
 from framework.drivers.ablate import AblationSpec, RunPlan
 from framework.drivers.ablate_fit import objective_values
 from framework.drivers.ablate_propose import Proposal, feasible, limits, propose
+from framework.drivers.ablate_reuse import earlier_rows
 from framework.drivers.ablate_surrogate import Surrogate, all_surrogates, best
 
 
@@ -30,6 +31,8 @@ class ProposalResult:
     """(n,) measured objective of the tried mixtures."""
     allowed: np.ndarray
     """(n,) which tried mixtures satisfy the proposal's limits (the fair comparison for the confirmation)."""
+    reused: tuple[str, ...] = ()
+    """Labels of the earlier swarms' mixtures that joined the per-domain fits."""
 
 
 def train_tokens(results: list[dict]) -> dict[str, int]:
@@ -38,15 +41,19 @@ def train_tokens(results: list[dict]) -> dict[str, int]:
 
 
 def make_proposal(spec: AblationSpec, W: np.ndarray, L: np.ndarray, results: list[dict]) -> ProposalResult:
-    """Fit every surrogate the swarm allows, pick one (spec.proposal.surrogate) and propose under the limits."""
+    """Fit every surrogate the swarm allows (with spec.reuse's earlier runs in the per-domain fits), pick one
+    (spec.proposal.surrogate) and propose under the limits."""
     src, ps = spec.sources, spec.proposal
-    sur = all_surrogates(W, L, src, spec.objective)
+    We, Le, labels = earlier_rows(spec.reuse, src, results[0]["tokenizer_path"], results[0]["val_samples"]) \
+        if spec.reuse else (np.zeros((0, len(src))), np.zeros((0, len(src))), [])
+    sur = all_surrogates(W, L, src, spec.objective, (We, Le))
     chosen = best(sur, ps.surrogate)
     tokens = train_tokens(results)
     target = ps.target_tokens or spec.token_budget
     lim = limits(ps, src, spec.token_budget, tokens, spec.mixtures.prior, tried=W)
     prop = propose(chosen.predict, lim, src, target, tokens, risk=ps.risk)
-    return ProposalResult(sur, chosen, prop, target, objective_values(L, src, spec.objective), feasible(W, lim))
+    return ProposalResult(sur, chosen, prop, target, objective_values(L, src, spec.objective), feasible(W, lim),
+                          tuple(labels))
 
 
 def confirmation(spec: AblationSpec, plans: list[RunPlan]) -> tuple[float, float] | None:
@@ -69,6 +76,10 @@ def markdown(spec: AblationSpec, ids: list[str], W: np.ndarray, res: ProposalRes
         mark = " (chosen)" if s is res.chosen else ""
         lines.append(f"| {s.name}{mark} | {s.loo_rmse:.4f} | {s.baseline_rmse:.4f} | "
                      f"{'yes' if s.loo_rmse < s.baseline_rmse else 'NO'} |")
+    if res.reused:
+        lines += ["", f"Reused {len(res.reused)} mixtures of earlier ablations ({', '.join(spec.reuse)}) in the "
+                  f"per-domain fits, for the domains they evaluated (the linear fit: only those on this simplex; the "
+                  f"GP: none); every leave-one-out error above is on this swarm's mixtures."]
     ww = ", ".join(f"{s} {x:.3f}" for s, x in zip(src, p.weights))
     where = "inside the swarm's hull (trust region)" if spec.proposal.trust_region else "whole simplex"
     lines += ["", f"## Proposal ({res.chosen.name}, {where}, target {res.target_tokens:,} tokens)", "",

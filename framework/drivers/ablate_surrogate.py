@@ -51,11 +51,20 @@ def _baseline_rmse(y: np.ndarray) -> float:
     return float(np.sqrt(np.mean((base - y) ** 2)))
 
 
-def parametric(W: np.ndarray, L: np.ndarray, sources: list[str], objective: str, model: Model) -> Surrogate:
-    """Today's per-domain fit as an objective surrogate; its band is the objective's leave-one-out RMSE."""
-    f = fit(W, L, model)
+def parametric(W: np.ndarray, L: np.ndarray, sources: list[str], objective: str, model: Model,
+               earlier: tuple[np.ndarray, np.ndarray] | None = None) -> Surrogate:
+    """Today's per-domain fit as an objective surrogate; its band is the objective's leave-one-out RMSE.
+
+    `earlier`: rows (weights, losses with NaN holes) of earlier swarms (ablate_reuse.py); they join the per-domain
+    fits, and every leave-one-out error is still measured on this swarm's mixtures (each refit keeps them).
+    """
+    n = len(W)
+    if earlier is not None and len(earlier[0]):
+        f = fit(np.vstack([W, earlier[0]]), np.vstack([L, earlier[1]]), model)
+    else:
+        f = fit(W, L, model)
     y = objective_values(L, sources, objective)
-    loo = objective_values(f.loo_pred, sources, objective)
+    loo = objective_values(f.loo_pred[:n], sources, objective)
     rmse = float(np.sqrt(np.mean((loo - y) ** 2)))
 
     def predict(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -112,12 +121,14 @@ def gaussian_process(W: np.ndarray, y: np.ndarray, seed: int = 0) -> Surrogate:
     return Surrogate("gp", calibrated, loo, float(np.sqrt(np.mean((loo - y) ** 2))), _baseline_rmse(y))
 
 
-def all_surrogates(W: np.ndarray, L: np.ndarray, sources: list[str], objective: str) -> list[Surrogate]:
-    """Every surrogate that the number of mixtures allows (LOO needs more mixtures than parameters)."""
+def all_surrogates(W: np.ndarray, L: np.ndarray, sources: list[str], objective: str,
+                   earlier: tuple[np.ndarray, np.ndarray] | None = None) -> list[Surrogate]:
+    """Every surrogate that the number of mixtures allows (LOO needs more mixtures than parameters); `earlier`
+    swarms' rows join the per-domain fits only (the GP models the objective, which they may not cover)."""
     n, k = W.shape
-    out = [parametric(W, L, sources, objective, "log_linear")]
+    out = [parametric(W, L, sources, objective, "log_linear", earlier)]
     if n > k:
-        out.append(parametric(W, L, sources, objective, "linear"))
+        out.append(parametric(W, L, sources, objective, "linear", earlier))
     if n > k + 2:
         out.append(gaussian_process(W, objective_values(L, sources, objective)))
     return out
