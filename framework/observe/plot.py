@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from framework.base.errors import ConfigError
 
@@ -72,18 +73,25 @@ def plot_runs(runs: list[Curves], out: str | Path, title: str = "", smooth_windo
     ax_train.set(xlabel="step", ylabel="train loss (nats/token)", title="train loss"
                  + (f" (moving average of {smooth_window})" if smooth_window > 1 else ""))
     ax_val.set(xlabel="step", ylabel="mean validation loss", title="validation loss (mean over domains)")
-    for ax in (ax_train, ax_val):
+    return _save(fig, (ax_train, ax_val), out, title)
+
+
+def _save(fig: Any, axes: tuple[Any, ...], out: str | Path, title: str) -> Path:
+    """Grid and legend on every axis that has lines, the title, and the PNG at `out`."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if ax.lines or ax.collections:
             ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return out
+    return path
 
 
 @dataclass
@@ -139,14 +147,4 @@ def plot_weights(run_dir: str | Path, out: str | Path, title: str = "") -> Path:
         if n in mw.losses:
             ax_l.plot(mw.update_steps, mw.losses[n], "o-", ms=3, lw=1.2, label=n)
     ax_l.set(xlabel="step", ylabel="held-out loss (rounded)", title="per-domain loss at each update")
-    for ax in (ax_w, ax_l):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, (ax_w, ax_l), out, title)

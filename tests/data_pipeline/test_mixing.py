@@ -88,3 +88,23 @@ def test_epoch_cap_and_unknown_source_are_errors() -> None:
     assert mix.epochs_used()["small"] == pytest.approx(5.0)  # upsampled 5x, within its cap
     with pytest.raises(DataError, match="known sources"):
         MixtureSamples(sources, [(0, {"huge": 1.0})], length=100)
+
+
+def test_an_appended_phase_keeps_every_earlier_sample_and_draws_its_weights() -> None:
+    sources = {"a": _Src(0, 500), "b": _Src(1, 300), "c": _Src(2, 200)}
+    base = MixtureSamples(sources, [(0, {"a": 0.5, "b": 0.3, "c": 0.2})], length=2000)
+    first = base.with_phases([(400, {"a": 0.1, "b": 0.1, "c": 0.8})])
+    both = first.with_phases([(1000, {"a": 0.6, "b": 0.2, "c": 0.2})])
+    at_once = base.with_phases([(400, {"a": 0.1, "b": 0.1, "c": 0.8}), (1000, {"a": 0.6, "b": 0.2, "c": 0.2})])
+    rows = {name: np.stack([m[j] for j in range(2000)]) for name, m in
+            (("base", base), ("first", first), ("both", both), ("at_once", at_once))}
+    assert np.array_equal(rows["first"][:400], rows["base"][:400])
+    assert np.array_equal(rows["both"][:1000], rows["first"][:1000])
+    assert np.array_equal(rows["both"], rows["at_once"])  # a resume rebuilds the list at once
+    counts = np.bincount(rows["both"][400:1000, 0], minlength=3)
+    assert np.abs(counts - 600 * np.array([0.1, 0.1, 0.8])).max() <= 1.5, counts
+    for s in range(3):  # each source continues where it stopped: no sample repeats within its epoch
+        drawn = rows["both"][rows["both"][:, 0] == s, 1]
+        assert np.array_equal(drawn, np.arange(len(drawn)))
+    with pytest.raises(DataError, match="must start after the last one"):
+        first.with_phases([(400, {"a": 1.0})])

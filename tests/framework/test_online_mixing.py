@@ -2,7 +2,6 @@
 
 - The rule against DoReMi's Algorithm 1 written out with numpy (Xie et al. 2023), and the rounding that makes
   world sizes agree.
-- Phases appended to a mixture keep every earlier sample and draw the new weights after their start.
 - Errors at config load and at trainer start.
 - The trainer on the stdlib corpus: a run stopped and resumed reads bitwise what the uninterrupted run read (losses,
   weights, held-out losses), on one process and on 2 data ranks; 1 and 2 data ranks follow the same weight
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 
 from data_pipeline.read.doremi import doremi_update
-from data_pipeline.read.mixing import MixtureSamples
 from framework.base.errors import ConfigError, DataError
 from framework.observe.plot import read_weights
 from framework.testing import run_distributed
@@ -64,39 +62,6 @@ def test_rule_matches_the_paper_and_rounding_absorbs_reduction_noise() -> None:
     assert doremi_update(base, {"a": 6.1254, "b": 5.0002, "c": 7.25}, **kw).weights != one.weights
     with pytest.raises(DataError, match="not finite"):
         doremi_update(base, {"a": float("nan"), "b": 1.0, "c": 1.0}, **kw)
-
-
-class _Src:
-    """Sample k of source `ident` is (ident, k)."""
-
-    def __init__(self, ident: int, n: int) -> None:
-        self.ident, self.n = ident, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def sample(self, k: int) -> np.ndarray:
-        return np.array([self.ident, k])
-
-
-def test_an_appended_phase_keeps_every_earlier_sample_and_draws_its_weights() -> None:
-    sources: Any = {"a": _Src(0, 500), "b": _Src(1, 300), "c": _Src(2, 200)}
-    base = MixtureSamples(sources, [(0, {"a": 0.5, "b": 0.3, "c": 0.2})], length=2000)
-    first = base.with_phases([(400, {"a": 0.1, "b": 0.1, "c": 0.8})])
-    both = first.with_phases([(1000, {"a": 0.6, "b": 0.2, "c": 0.2})])
-    at_once = base.with_phases([(400, {"a": 0.1, "b": 0.1, "c": 0.8}), (1000, {"a": 0.6, "b": 0.2, "c": 0.2})])
-    rows = {name: np.stack([m[j] for j in range(2000)]) for name, m in
-            (("base", base), ("first", first), ("both", both), ("at_once", at_once))}
-    assert np.array_equal(rows["first"][:400], rows["base"][:400])
-    assert np.array_equal(rows["both"][:1000], rows["first"][:1000])
-    assert np.array_equal(rows["both"], rows["at_once"])  # a resume rebuilds the list at once
-    counts = np.bincount(rows["both"][400:1000, 0], minlength=3)
-    assert np.abs(counts - 600 * np.array([0.1, 0.1, 0.8])).max() <= 1.5, counts
-    for s in range(3):  # each source continues where it stopped: no sample repeats within its epoch
-        drawn = rows["both"][rows["both"][:, 0] == s, 1]
-        assert np.array_equal(drawn, np.arange(len(drawn)))
-    with pytest.raises(DataError, match="must start after the last one"):
-        first.with_phases([(400, {"a": 1.0})])
 
 
 def _data(stdlib_build: Any) -> list[str]:
