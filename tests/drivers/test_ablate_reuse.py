@@ -67,7 +67,7 @@ def test_an_earlier_swarm_with_a_dropped_and_an_added_source_joins_the_fits(tmp_
     assert sur.loo_pred.shape == (4,) and np.isfinite(sur.loo_rmse)
     # Losses from another tokenizer or other held-out documents are not comparable.
     _write(tmp_path / "other", old[:1], rng, tok="/c/tok.model")
-    with pytest.raises(ConfigError, match="read the tokenizer /c/tok.model"):
+    with pytest.raises(ConfigError, match=r"read the tokenizer /c/tok\.model"):
         earlier_rows([str(tmp_path / "other")], NOW, "/b/tok.model", VAL)
     with pytest.raises(ConfigError, match="held out"):
         earlier_rows([str(tmp_path / "earlier")], NOW, "/b/tok.model", {**VAL, "code": 99})
