@@ -92,7 +92,12 @@ def _one_f_one_b_in_flight(p: int, m: int, v: int) -> float:
 
 
 def _interleaved_in_flight(p: int, m: int, v: int) -> float:
-    return min(p, m) / p * (1 + (p - 1) / (p * v))
+    """Chunk forwards alive on rank 0 at its first backward, over the p·v chunks of one micro-batch: torch's warm-up
+    (`_get_warmup_ops`: (v-1) micro-batches per round + 2(p-1)) plus the steady state's first forward, capped at
+    all m·v forwards. For m ≥ 2p this is Korthikanti's 1 + (p-1)/(p·v); at m = p the cap binds (1.0, not 1.44:
+    the dry run of GPT-3-175B at p = m = 8 measured it, docs/PLANNER.md)."""
+    per_round = m // max(1, m // p)
+    return min((v - 1) * per_round + 2 * (p - 1) + 1, m * v) / (p * v)
 
 
 SCHEDULES: dict[str, PipelineSchedule] = {}
