@@ -62,13 +62,16 @@ def compare(cfg: Config, world_size: int, verdicts: list[Verdict]) -> list[TermR
         states = resident_state_bytes(rank_params(work.model, lay, pp_rank), lay, work.precision)
         measured = v.measure.states
         dry_states = sum(measured.get(k, 0) for k in ("params", "grads", "optimizer"))
-        at_peak = v.measure.peak_by_label
+        # Each planner term is that term's largest size in the step, so it is compared with the category's own
+        # largest size (`label_max`), not with its size at the total's peak, which may fall at another moment
+        # (1F1B's first stage peaks in a backward, one micro-batch after its activations did).
+        own_max = v.measure.label_max or v.measure.peak_by_label
         name = v.rank_class.name
         rows += [
             TermRow(name, "model states", states, dry_states),
-            TermRow(name, "activations", plan.get("activations", 0.0),
-                    at_peak.get("forward", 0) + at_peak.get("pipeline_recv", 0)),
-            TermRow(name, "logits and loss", plan.get("logits", 0.0), at_peak.get("logits_loss", 0)),
+            TermRow(name, "activations", plan.get("activations", 0.0) + plan.get("pipeline_recv", 0.0),
+                    own_max.get("forward", 0) + own_max.get("pipeline_recv", 0)),
+            TermRow(name, "logits and loss", plan.get("logits", 0.0), own_max.get("logits_loss", 0)),
             TermRow(name, "peak", sum(plan.values()), v.measure.peak),
         ]
     return rows

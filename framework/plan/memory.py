@@ -226,6 +226,11 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
     if lay.cp > 1:
         out["cp_mask"] = cp_mask_bytes(work.seq_len, b, lay.cp, act, work.cp_comm) * in_flight
+    if lay.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour for the run: activations
+        # in (all but the first chunk), gradients in (all but the last), in FSDP's compute dtype (fp32 under DDP)
+        recv = sum(m * ((c > 0) + (c < lay.pp * lay.virtual - 1)) for c in chunks)
+        out["pipeline_recv"] = float(recv * s * b * cfg.hidden // (lay.tp if lay.sp else 1) * (act if lay.zero_stage
+                                                                                                else FP32))
     if last:
         out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act)
         out["logits"] = s * b * (cfg.vocab_size // lay.tp) * (act + FP32)
