@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -51,16 +52,20 @@ def run_one(name: str, path: str, world: int, gpu: str, global_batch: str) -> tu
     if global_batch == "min":
         overrides.append(f"train.global_batch_size={_min_batch(cfg, world)}")
         cfg = load_config(str(ROOT / path), overrides)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     verdicts = dry_run(cfg, world, gpu=gpu)
     seconds = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # each rank class runs in a forked child
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     rows = compare(cfg, world, verdicts)
     per_class = seconds / max(1, len(verdicts))
     text = "\n".join([f"## {name}: {path} at {world} ranks ({' '.join(overrides) or 'as written'})", "",
                       "```", format_table(verdicts, world, path), "", format_rows(rows), "```", "",
-                      f"{len(verdicts)} rank classes in {seconds:.0f} s ({per_class:.0f} s per class)", ""])
+                      f"{len(verdicts)} rank classes in {seconds:.0f} s wall ({per_class:.0f} s per class), "
+                      f"{cpu / max(1, len(verdicts)):.0f} CPU s per class", ""])
     record = {"config": path, "world": world, "gpu": gpu, "overrides": overrides, "seconds": seconds,
-              "seconds_per_class": per_class, "classes": [v.to_json() for v in verdicts],
+              "seconds_per_class": per_class, "cpu_seconds_per_class": cpu / max(1, len(verdicts)),
+              "classes": [v.to_json() for v in verdicts],
               "planner": [r.__dict__ | {"ratio": r.ratio} for r in rows]}
     return text, record
 
