@@ -218,6 +218,10 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     m = lay.n_micro(work.global_batch)
     chunks = rank_chunks(lay, rank)
     last = lay.pp * lay.virtual - 1 in chunks
+    # torch's stage keeps each in-flight micro-batch's output (its fwd_cache) until that micro-batch's backward:
+    # the residual stream leaving every chunk but the model's last, which no layer of the chunk saves
+    sent = sum(c < lay.pp * lay.virtual - 1 for c in chunks) if lay.pp > 1 else 0
+    stage_layers += sent * s * b * cfg.hidden // (lay.tp if lay.sp else 1) * act
     if rank == 0 or schedule_spec(lay.schedule).every_rank_in_flight:
         # Stage 0's in-flight count, as L-layer multiples, applied to this rank's share of the layers.
         in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual) * lay.pp
