@@ -110,10 +110,14 @@ def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[
     z = lay.zero_stage
     groups = [(params.dense, lay.shard_group), (params.experts, lay.dp * lay.tp // lay.ep)]
     out = {"params": 0.0, "master": 0.0, "grads": 0.0, "optimizer": 0.0}
+    # Under pp, torch's pipeline stages turn FSDP's gradient sync off for every micro-batch's backward and reduce
+    # once after the last (PipelineStage.backward_maybe_with_nosync), whatever the stage: ZeRO-2/3 accumulate
+    # unsharded gradients through the step like ZeRO-1 (the dry run of the 70B ZeRO-3 config measured them).
+    grads_sharded = z >= 2 and lay.pp == 1
     for psi, n in groups:
         n = n if z > 0 else 1
         out["params"] += psi * prec.param / (n if z >= 3 else 1)
-        out["grads"] += psi * prec.grad / (n if z >= 2 else 1)
+        out["grads"] += psi * prec.grad / (n if grads_sharded else 1)
         out["master"] += psi * prec.master / n
         out["optimizer"] += psi * prec.optimizer / n
     if lay.nvme_offload:
