@@ -227,8 +227,8 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     sent = sum(c < lay.pp * lay.virtual - 1 for c in chunks) if lay.pp > 1 else 0
     stage_layers += sent * s * b * cfg.hidden // (lay.tp if lay.sp else 1) * act
     if rank == 0 or schedule_spec(lay.schedule).every_rank_in_flight:
-        # Stage 0's in-flight count, as L-layer multiples, applied to this rank's share of the layers.
-        in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual) * lay.pp
+        # in-flight count (stage 0's; this rank's under interleaving) in L-layer multiples, on this rank's layers
+        in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual, rank) * lay.pp
     else:
         in_flight = max(1.0, float(lay.pp - rank)) if m >= lay.pp else 1.0
     out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
