@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from framework.config import Config
 from framework.dryrun.report import Verdict
 from framework.parallel.mesh import ParallelDims
+from framework.plan.activations import FP32
 from framework.plan.layout import Layout, Precision, Workload
 from framework.plan.memory import rank_memory, rank_params, resident_state_bytes
 
@@ -63,12 +64,18 @@ def compare(cfg: Config, world_size: int, verdicts: list[Verdict]) -> list[TermR
         measured = v.measure.states
         dry_states = sum(measured.get(k, 0) for k in ("params", "grads", "optimizer"))
         at_peak = v.measure.peak_by_label
+        # The logits and the loss's tensors live for one micro-batch's loss, seldom at the total's peak: they are
+        # compared with their own largest size in the step (`label_max`), the loss's fp32 log-probabilities (in
+        # the planner's last-stage activations, `head_bytes`) moved to this row as the dry run labels them.
+        own_max = v.measure.label_max or at_peak
+        log_probs = (FP32 * (work.seq_len // lay.cp) * lay.micro_batch * (work.model.vocab_size // lay.tp)
+                     if "logits" in plan else 0)
         name = v.rank_class.name
         rows += [
             TermRow(name, "model states", states, dry_states),
-            TermRow(name, "activations", plan.get("activations", 0.0),
+            TermRow(name, "activations", plan.get("activations", 0.0) + plan.get("pipeline_recv", 0.0) - log_probs,
                     at_peak.get("forward", 0) + at_peak.get("pipeline_recv", 0)),
-            TermRow(name, "logits and loss", plan.get("logits", 0.0), at_peak.get("logits_loss", 0)),
+            TermRow(name, "logits and loss", plan.get("logits", 0.0) + log_probs, own_max.get("logits_loss", 0)),
             TermRow(name, "peak", sum(plan.values()), v.measure.peak),
         ]
     return rows

@@ -59,6 +59,8 @@ class StepMeasure:
     collectives: list[Collective] = field(default_factory=list)
     over_budget: bool = False
     """The step was stopped when live bytes passed the budget: `peak` is where it stopped, a lower bound."""
+    label_max: dict[str, int] = field(default_factory=dict)
+    """Each category's own largest live bytes during the step, at whatever moment (the peak's are a snapshot)."""
 
     def bytes_by_axis(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -206,4 +208,5 @@ def _measure_step(engine: Any, batch: torch.Tensor, tracker: MemoryTracker, rank
                    log.payload[(axis, op)] * wire_factor(op, sizes.get(axis, 0)),
                    sorted(str(d).removeprefix("torch.") for d in log.dtypes[(axis, op)]))
         for (axis, op), n in sorted(log.calls.items())]
-    return StepMeasure(rank, grads, tracker.peak, dict(tracker.peak_by_label), tracker.peak_phase, collectives)
+    return StepMeasure(rank, grads, tracker.peak, dict(tracker.peak_by_label), tracker.peak_phase, collectives,
+                       label_max=dict(tracker.label_max))

@@ -102,6 +102,8 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = 0
         self.peak_by_label: dict[str, int] = {}
         self.peak_phase = ""
+        self.label_max: dict[str, int] = {}
+        """Each category's own largest live bytes inside the window, whenever it happened (not only at the peak)."""
         self._phase = "setup"
         self._saved: dict[tuple[str, str], Any] = {}
 
@@ -157,6 +159,8 @@ class MemoryTracker(TorchDispatchMode):
     def _move(self, label: str, nbytes: int, peak: bool = True) -> None:
         self.by_label[label] += nbytes
         self.total += nbytes
+        if nbytes > 0 and self.by_label[label] > self.label_max.get(label, 0):
+            self.label_max[label] = self.by_label[label]
         if peak and self.total > self.peak:
             self.peak = self.total
             self.peak_by_label = {k: v for k, v in self.by_label.items() if v}
@@ -170,6 +174,7 @@ class MemoryTracker(TorchDispatchMode):
         """Measure the peak from now on (what is live now is its floor)."""
         self.peak = self.total
         self.peak_by_label = {k: v for k, v in self.by_label.items() if v}
+        self.label_max = dict(self.peak_by_label)
         self.peak_phase = self._phase
 
     def set_phase(self, name: str) -> None:

@@ -91,8 +91,14 @@ def _one_f_one_b_in_flight(p: int, m: int, v: int) -> float:
     return min(p, m) / p
 
 
-def _interleaved_in_flight(p: int, m: int, v: int) -> float:
-    return min(p, m) / p * (1 + (p - 1) / (p * v))
+def _interleaved_in_flight(p: int, m: int, v: int, rank: int = 0, hop: int = 2) -> float:
+    """Chunk forwards alive on `rank` at its first backward, over the p·v chunks of one micro-batch: torch's warm-up
+    (`_get_warmup_ops`: (v-1) micro-batches per round + `hop` per rank after this one: 2 for Interleaved1F1B, 1
+    for InterleavedZeroBubble) plus the steady state's first forward, capped at all m·v forwards. On rank 0 and
+    for m ≥ 2p this is Korthikanti's 1 + (p-1)/(p·v); at m = p the cap binds (1.0, not 1.44: the dry run of
+    GPT-3-175B at p = m = 8 measured it, docs/PLANNER.md)."""
+    per_round = m // max(1, m // p)
+    return min((v - 1) * per_round + hop * (p - 1 - rank) + 1, m * v) / (p * v)
 
 
 SCHEDULES: dict[str, PipelineSchedule] = {}
@@ -185,10 +191,13 @@ def bubble_fraction(schedule: str, pp: int, n_micro: int, virtual: int = 1) -> f
     return schedule_spec(schedule).bubble(pp, n_micro, virtual)
 
 
-def in_flight_factor(schedule: str, pp: int, n_micro: int, virtual: int = 1) -> float:
-    """Layers' worth of one micro-batch's activations that the first pipeline stage holds, over n_layers."""
+def in_flight_factor(schedule: str, pp: int, n_micro: int, virtual: int = 1, rank: int = 0) -> float:
+    """Layers' worth of one micro-batch's activations that pipeline rank `rank` holds (the first by default) under
+    the schedules whose every rank holds several (`every_rank_in_flight`), over n_layers."""
     if pp == 1:
         return 1.0
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return _interleaved_in_flight(pp, n_micro, virtual, rank, 2 if schedule == "Interleaved1F1B" else 1)
     return schedule_spec(schedule).in_flight(pp, n_micro, virtual)
 
 

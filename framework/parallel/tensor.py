@@ -95,6 +95,8 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
     parallelize_module(model, tp_mesh, _present(model, decoder_top_plan(sequence_parallel, loss_parallel)))
+    if model.tok_embeddings is not None:
+        vocab_shard_lookup(model.tok_embeddings)
     if tied:
         assert model.output is not None and model.tok_embeddings is not None
         model.output.weight = model.tok_embeddings.weight
@@ -114,6 +116,34 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
         parallelize_module(block, tp_mesh, _present(block, plan))  # type: ignore[arg-type]
         if hasattr(block.attention, "shared_key_grad"):  # MLA's replicated rotary key
             block.attention.shared_key_grad = functools.partial(sum_grad_over, tp_mesh)  # type: ignore[union-attr]
+
+
+def vocab_shard_lookup(embedding: nn.Embedding) -> None:
+    """The vocab-parallel embedding's lookup on this rank's rows, so that its weight gradient is this rank's rows.
+
+    DTensor's `RowwiseParallel` embedding looks up a masked local shard in forward (a partial sum over tp), but
+    torch has no row-wise sharding rule for `embedding_dense_backward`, so backward computes the gradient of the
+    whole (vocab, hidden) table on every tp rank, replicated, and keeps it until FSDP's reduce-scatter: on the
+    Llama-3.1-405B first stage (TP8, 16 micro-batches) a 3.9 GiB bf16 gradient per micro-batch and its 7.8 GiB
+    fp32 accumulation, 8x the rank's share (the dry run measured it, docs/PLANNER.md). This forward does the
+    same masked lookup on the local rows as plain tensors (Megatron's VocabParallelEmbedding): the gradient is
+    the `Shard(0)` local rows; the output is the same partial sum, and the plan's output hook reduces it as before.
+    """
+    weight = embedding.weight
+    if not isinstance(weight, DTensor) or not weight.placements[0].is_shard(0):
+        return
+    mesh, vocab = weight.device_mesh, weight.shape[0]
+    rows = -(-vocab // mesh.size())  # torch.chunk's split of Shard(0)
+    start = mesh.get_local_rank() * rows
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        local_ids = ids.to_local() if isinstance(ids, DTensor) else ids
+        table = cast(DTensor, embedding.weight).to_local()  # the unsharded parameter under FSDP; grad -> Shard(0)
+        outside = (local_ids < start) | (local_ids >= start + table.shape[0])
+        out = F.embedding((local_ids - start).masked_fill(outside, 0), table)
+        return DTensor.from_local(out.masked_fill(outside.unsqueeze(-1), 0.0), mesh, [Partial()], run_check=False)
+
+    embedding.forward = forward  # type: ignore[method-assign, assignment]
 
 
 def sum_grad_over(mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:

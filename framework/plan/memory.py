@@ -110,10 +110,14 @@ def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[
     z = lay.zero_stage
     groups = [(params.dense, lay.shard_group), (params.experts, lay.dp * lay.tp // lay.ep)]
     out = {"params": 0.0, "master": 0.0, "grads": 0.0, "optimizer": 0.0}
+    # Under pp, torch's pipeline stages turn FSDP's gradient sync off for every micro-batch's backward and reduce
+    # once after the last (PipelineStage.backward_maybe_with_nosync), whatever the stage: ZeRO-2/3 accumulate
+    # unsharded gradients through the step like ZeRO-1 (the dry run of the 70B ZeRO-3 config measured them).
+    grads_sharded = z >= 2 and lay.pp == 1
     for psi, n in groups:
         n = n if z > 0 else 1
         out["params"] += psi * prec.param / (n if z >= 3 else 1)
-        out["grads"] += psi * prec.grad / (n if z >= 2 else 1)
+        out["grads"] += psi * prec.grad / (n if grads_sharded else 1)
         out["master"] += psi * prec.master / n
         out["optimizer"] += psi * prec.optimizer / n
     if lay.nvme_offload:
@@ -218,14 +222,23 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     m = lay.n_micro(work.global_batch)
     chunks = rank_chunks(lay, rank)
     last = lay.pp * lay.virtual - 1 in chunks
+    # torch's stage keeps each in-flight micro-batch's output (its fwd_cache) until that micro-batch's backward:
+    # the residual stream leaving every chunk but the model's last, which no layer of the chunk saves
+    sent = sum(c < lay.pp * lay.virtual - 1 for c in chunks) if lay.pp > 1 else 0
+    stage_layers += sent * s * b * cfg.hidden // (lay.tp if lay.sp else 1) * act
     if rank == 0 or schedule_spec(lay.schedule).every_rank_in_flight:
-        # Stage 0's in-flight count, as L-layer multiples, applied to this rank's share of the layers.
-        in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual) * lay.pp
+        # in-flight count (stage 0's; this rank's under interleaving) in L-layer multiples, on this rank's layers
+        in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual, rank) * lay.pp
     else:
         in_flight = max(1.0, float(lay.pp - rank)) if m >= lay.pp else 1.0
     out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
     if lay.cp > 1:
         out["cp_mask"] = cp_mask_bytes(work.seq_len, b, lay.cp, act, work.cp_comm) * in_flight
+    if lay.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour for the run: activations
+        # in (all but the first chunk), gradients in (all but the last), in FSDP's compute dtype (fp32 under DDP)
+        recv = sum(m * ((c > 0) + (c < lay.pp * lay.virtual - 1)) for c in chunks)
+        out["pipeline_recv"] = float(recv * s * b * cfg.hidden // (lay.tp if lay.sp else 1) * (act if lay.zero_stage
+                                                                                                else FP32))
     if last:
         out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act)
         out["logits"] = s * b * (cfg.vocab_size // lay.tp) * (act + FP32)

@@ -51,6 +51,26 @@ def test_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.slow
+def test_planner_terms_agree_with_the_dry_run_at_405b_shapes(capsys: pytest.CaptureFixture[str]) -> None:
+    # The 405B reference config's shapes (TP8, seq 8k, 128k vocabulary, ZeRO-1, full recompute, bf16) cut to
+    # 4 layers on PP2: fake tensors cost by op count, not size. The planner's formulas against the measured step.
+    rc = main(["dryrun", str(ROOT / "configs/pretrain/llama3.1-405b-256n-h100.yaml"), "model.n_layers=4",
+               "parallel.pp=2", "parallel.pp_layer_split=[2,2]", "train.global_batch_size=8", "--world", "32",
+               "--vs-planner"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    terms = ("model states", "activations", "logits and loss", "peak")  # framework/dryrun/planner.py rows
+    ratio = {(line[:3], line[23:39].strip()): float(line[39:].split()[2]) for line in text.splitlines()
+             if line.startswith(("pp0 (first)", "pp1 (last)")) and line[23:39].strip() in terms}
+    first = {term: ratio[("pp0", term)] for term in terms}
+    # the first stage: states, kept activations (block inputs, the stage output torch keeps, receive buffers)
+    # and the peak (the unsharded fp32 gradients + one recomputed layer: the embedding's gradient is its rows)
+    assert all(abs(r - 1.0) <= 0.10 for r in first.values()), text
+    assert abs(ratio[("pp1", "logits and loss")] - 1.0) <= 0.10, text
+    assert abs(ratio[("pp1", "model states")] - 1.0) <= 0.02, text
+
+
+@pytest.mark.slow
 def test_a_layout_that_cannot_fit_stops_early_and_says_what_to_change(capsys: pytest.CaptureFixture[str]) -> None:
     # Llama-3-8B replicated on one A100-40GB: fp32 weights and gradients alone pass 40 GB.
     rc = main(["dryrun", TINY, "model.preset=llama3-8b", "model.n_layers=8", "parallel.dp_shard=1",

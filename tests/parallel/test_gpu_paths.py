@@ -1,5 +1,7 @@
 """Properties the CUDA paths rely on, checked on 2 CPU ranks over gloo in one spawn.
 
+- The vocab-parallel embedding's weight gradient is computed as the rank's rows (torch's DTensor rules would
+  compute the whole table on every tp rank).
 - The AdamW kernel is chosen after the DTensor/plain mix is known: TP without sequence parallelism (DTensor
   matrices beside plain norm weights) with train.optimizer_impl=fused trains like the 1-process engine with
   fused AdamW (fused AdamW exists on CPU, so the kernel that would crash on CUDA at the first step runs here).
@@ -149,6 +151,28 @@ def _sharded_init(layout: tuple[str, ...]) -> dict[str, Any]:
             "largest_allocation": max(allocated)}
 
 
+def _embedding_grad_rows(layout: tuple[str, ...]) -> list[int]:
+    """Rows of every embedding-table gradient one forward-backward of `layout` computes on this rank."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from framework.train.parallel_engine import build_parallel_engine
+
+    cfg = make_config(layout)
+    engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
+    rows: list[int] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.embedding_dense_backward.default:
+                rows.append(out.shape[0])
+            return out
+
+    with Spy():
+        engine.forward_backward(rank_batch(batches(cfg, 1)[0], 0, 1, engine.n_micro))
+    return rows
+
+
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -156,6 +180,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"parity": [run_round(rank, world, [FUSED_TP_NO_SP])]}
     out["comm_fn"] = _compiled_under_comm_log()
     out["init"] = {"tp": _sharded_init(TP2), "fsdp": _sharded_init(FSDP2)}
+    out["embedding_grad_rows"] = _embedding_grad_rows(TP2)
     out["ckpt"] = _async_tp_checkpoint(Path(root))
     out["comm_engine"] = {name: [_engine_comm(layout, False), _engine_comm(layout, True)]
                           for name, layout in (("tp", TP2), ("fsdp", FSDP2))}
@@ -177,6 +202,8 @@ def test_gpu_paths_on_two_ranks(tmp_path: Path) -> None:
         fsdp = r["init"]["fsdp"]
         assert 64 + 16 < max(fsdp["sharded"]) and fsdp["largest_allocation"] <= (max(fsdp["sharded"]) + 1) // 2, fsdp
         assert all(r["ckpt"].values()) and len(r["ckpt"]) == 6, r["ckpt"]
+        # the vocab-parallel embedding's backward computes this rank's rows only, not the whole table per rank
+        assert set(r["embedding_grad_rows"]) == {make_config().model.vocab_size // 2}, r["embedding_grad_rows"]
     for r in results:
         eager = r["comm_fn"]["None"]
         assert eager[0] == 0 and eager[1] == {("world", "all_reduce"): 64 * 4}, eager

@@ -81,6 +81,10 @@ def test_in_flight_factor() -> None:
     assert in_flight_factor("1F1B", 4, 2) == 0.5
     assert in_flight_factor("GPipe", 4, 8) == 2.0
     assert in_flight_factor("Interleaved1F1B", 4, 8, 2) == 1 + 3 / 8  # Korthikanti: 1 + (p-1)/(p v)
+    # torch's warm-up is capped at every forward of the step: at m = p all m·v chunk forwards, L layers' worth
+    assert in_flight_factor("Interleaved1F1B", 8, 8, 2) == 1.0
+    assert in_flight_factor("Interleaved1F1B", 4, 16, 2) == (4 + 6 + 1) / 8  # two rounds of p: Korthikanti again
+    assert in_flight_factor("Interleaved1F1B", 8, 8, 2, rank=7) == (8 + 0 + 1) / 16  # the last rank warms up least
     assert in_flight_factor("DualPipeV", 4, 8) == 5 / 4
 
 
