@@ -168,7 +168,7 @@ class FlopsMeter:
         return cls(flops_common=common, flops_causal=causal, flops_hardware=common + recompute_fraction * extra,
                    n_devices=n_devices, peak_tflops=peak, peak=peak_dtype)
 
-    def metrics(self, tokens_per_s: float) -> dict[str, float]:
+    def metrics(self, tokens_per_s: float) -> dict[str, float | str]:
         """Record fields for a step that processed `tokens_per_s` tokens/s over all devices."""
         per_device = tokens_per_s / self.n_devices
         return {

@@ -49,7 +49,7 @@ class Observer:
                  device: torch.device, fp8: bool = False) -> None:
         self.meter: FlopsMeter | None = None
         if obs.mfu:
-            dtype = ("fp8" if fp8 else "bf16") if obs.mfu_peak == "auto" else obs.mfu_peak
+            dtype: str = ("fp8" if fp8 else "bf16") if obs.mfu_peak == "auto" else obs.mfu_peak
             peak = peak_tflops(device, obs.accelerator, obs.peak_tflops, dtype)  # None: unknown GPU, warned, MFU off
             mode = "full" if obs.recompute else parallel.recompute
             every = max(1, parallel.recompute_every)
