@@ -18,8 +18,12 @@ from typing import Any, Literal
 
 from framework.base.errors import ConfigError
 
-FP8_PROVEN = "1 process and data parallelism over dp_shard (ZeRO 1-3, FSDP2)"
-"""The layouts an FP8 run has a parity test for (tests/framework/test_fp8.py); the others are refused."""
+FP8_PROVEN = ("1 process, data parallelism over dp_shard (ZeRO 1-3, FSDP2, FP8 all-gathers), tensor parallelism "
+              "with or without sequence parallelism, and pipeline parallelism")
+"""The layouts an FP8 run has a parity test for (tests/parallel/test_fp8_parity.py); the others are refused."""
+
+MOE_FP8 = ("FP8 experts need torch._scaled_grouped_mm, which has kernels only on CUDA (sm90+), none on the CPU "
+           "this project's tests run on, so the experts' FP8 GEMM cannot be proven here")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -35,7 +39,16 @@ class FP8Config:
     """A linear is converted only when both its in and out features are >= min_dim and multiples of 16 (the FP8
     GEMM's alignment); smaller ones stay bf16, where the casts cost more than the GEMM saves."""
 
+    fsdp_all_gather: bool = False
+    """FSDP (dp_shard, ZeRO-3) all-gathers the converted linears' weights in FP8, cast from each fp32 shard with
+    one tensorwise scale (torchao's `enable_fsdp_float8_all_gather`): half the bytes of a bf16 all-gather, and the
+    cast the GEMM would make anyway. Tensorwise recipe only."""
+
     def validate(self) -> None:
+        if self.fsdp_all_gather and self.recipe != "tensorwise":
+            raise ConfigError(f"train.fp8.fsdp_all_gather=true with train.fp8.recipe={self.recipe}: FP8 all-gathers "
+                              f"need one scale per weight; set train.fp8.recipe=tensorwise or "
+                              f"train.fp8.fsdp_all_gather=false")
         if self.min_dim < 16 or self.min_dim % 16:
             raise ConfigError(f"train.fp8.min_dim={self.min_dim} must be a multiple of 16 and >= 16 (FP8 GEMMs need "
                               f"dimensions divisible by 16); e.g. 16")
@@ -52,15 +65,18 @@ def fp8_problem(precision: str, compile: bool, fp8: FP8Config, parallel: Any, mo
     if precision != "bf16":
         return (f"train.fp8.enabled=true with train.precision={precision}: the FP8 recipes run everything outside "
                 f"the converted linears in bf16; set train.precision=bf16")
-    unproven = {name: value for name, value in (
-        ("parallel.tp", parallel.tp), ("parallel.pp", parallel.pp), ("parallel.cp", parallel.cp),
-        ("parallel.ep", parallel.ep), ("parallel.dp_replicate", parallel.dp_replicate)) if value != 1}
+    unproven: dict[str, Any] = {name: value for name, value in (
+        ("parallel.cp", parallel.cp), ("parallel.ep", parallel.ep), ("parallel.dp_replicate", parallel.dp_replicate))
+        if value != 1}
     if model.moe.enabled:
-        unproven["model.moe.enabled"] = True
+        return (f"train.fp8.enabled=true with model.moe.enabled=true: {MOE_FP8}; set train.fp8.enabled=false for "
+                f"MoE models")
     if compile:
         unproven["train.compile"] = True
     if parallel.zero_quantized_weights or parallel.zero_quantized_gradients:
         unproven["parallel.zero_quantized_*"] = True
+    if fp8.fsdp_all_gather and (parallel.tp > 1 or parallel.pp > 1):  # proven on dp_shard alone
+        unproven["train.fp8.fsdp_all_gather"] = f"true with parallel.tp={parallel.tp}, parallel.pp={parallel.pp}"
     if unproven:
         named = ", ".join(f"{k}={v}" for k, v in unproven.items())
         return (f"train.fp8.enabled=true with {named}: FP8 is proven (matched against the 1-process FP8 run) on "

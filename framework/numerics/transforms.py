@@ -18,8 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
 from framework.numerics.config import FP8Config
 from models.decoder import Decoder
+from models.plans import Plan
 
 
 class TransformSettings(Protocol):
@@ -43,6 +47,8 @@ class Site:
     """The stage's linears are TP-sharded DTensors (compile then compiles sub-layer regions)."""
     graph_breaks: bool = False
     """Blocks call an eager region (the cp ring exchange): compile lets its graphs break there (not fullgraph)."""
+    device_type: str = "cpu"
+    """Where the model will run (a parallel stage may still be on the meta device when a module swap sees it)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,13 @@ class ModelTransform:
     name: str
     apply: Callable[[Decoder, Site], Any]
     """Transform a Decoder (or pipeline stage) in place."""
+    before_sharding: bool = False
+    """A module swap that needs no values and must see the modules before TP shards them (FP8's linears: the TP
+    styles attach hooks to the modules they shard, so a later swap would drop them). `parallelize` applies it to
+    the meta-device stage before step 3; `LocalEngine` at its usual point (no sharding there)."""
+    tp_plan: Callable[[nn.Module, Plan, DeviceMesh], Plan] | None = None
+    """How TP must shard the modules this transform swapped: the plan for `module` (a block, a stage's top or
+    an MTP depth) with its styles replaced where needed (FP8's styles cast before their all-gathers)."""
 
 
 Builder = Callable[[TransformSettings], ModelTransform | None]
@@ -83,6 +96,15 @@ def apply_model_transforms(model: Decoder, transforms: Sequence[ModelTransform],
         transform.apply(model, site)
 
 
+def restyle_tp_plan(transforms: Sequence[ModelTransform], module: nn.Module, plan: Plan, tp_mesh: DeviceMesh
+                    ) -> Plan:
+    """`plan` for `module` as every transform that swapped its modules needs it sharded (`ModelTransform.tp_plan`)."""
+    for transform in transforms:
+        if transform.tp_plan is not None:
+            plan = transform.tp_plan(module, plan, tp_mesh)
+    return plan
+
+
 def _compile(settings: TransformSettings) -> ModelTransform | None:
     """`train.compile`: each block compiled (framework/parallel/compile.py)."""
     if not settings.compile:
@@ -98,10 +120,11 @@ def _fp8(settings: TransformSettings) -> ModelTransform | None:
     """`train.fp8`: chosen linears train in FP8 through torchao (fp8.py); before compile, which traces them."""
     if not settings.fp8.enabled:
         return None
-    from framework.numerics.fp8 import convert_to_fp8
+    from framework.numerics.fp8 import convert_to_fp8, fp8_tp_plan
 
     cfg = settings.fp8
-    return ModelTransform("fp8", lambda model, site: convert_to_fp8(model, cfg))
+    return ModelTransform("fp8", lambda model, site: convert_to_fp8(model, cfg, site.device_type),
+                          before_sharding=True, tp_plan=lambda module, plan, mesh: fp8_tp_plan(module, plan, mesh, cfg))
 
 
 register_transform("fp8", _fp8)

@@ -125,6 +125,9 @@ class ObserveConfig:
     the device name (an unknown GPU: a warning and no MFU)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s per device, overriding the table (and the CPU measurement)."""
+    mfu_peak: Literal["auto", "bf16", "fp8"] = "auto"
+    """Which peak MFU divides by: the dense bf16 or FP8 one of the accelerator (auto: fp8 when train.fp8.enabled).
+    Every record states it (`mfu_peak`, `peak_tflops`)."""
     recompute: bool = False
     """Count full activation recomputation in HFU even when parallel.recompute does not say so (an engine that
     recomputes on its own); otherwise HFU follows parallel.recompute and parallel.recompute_every."""

@@ -11,7 +11,11 @@ All FLOPs come from the one definition in `models.flops.flops_per_token`. Three 
                 (Korthikanti et al. 2022); equal to `mfu` without recomputation.
 
 MFU = (tokens/s per device) x (FLOPs per token) / (peak FLOP/s per device). The peak is the dense bf16 figure of
-the table below for GPUs (sparsity excluded, as everyone reports) and a measured fp32 matmul rate on CPU.
+the table below for GPUs (sparsity excluded, as everyone reports), or the dense FP8 one (`PEAK_FP8_TFLOPS`) when
+`observe.mfu_peak` says so (auto: with `train.fp8.enabled`), and a measured fp32 matmul rate on CPU (no FP8 peak
+there). Every record names the peak it divided by (`mfu_peak`, `peak_tflops`): an FP8 run's MFU against the FP8
+peak is about half its MFU against the bf16 one, and Megatron-Bridge's and torchtitan's published FP8 figures
+are model TFLOP/s, not a fraction of either.
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ PEAK_TFLOPS: dict[str, float] = {
     "h200-nvl": 835.0,  # H200 NVL (PCIe card, 600 W)
 }
 """Peak dense bf16 TFLOP/s per device, by accelerator name."""
+
+PEAK_FP8_TFLOPS: dict[str, float] = {
+    "h100": 1979.0,  # H100 SXM, FP8 dense (the datasheet's 3,958 assumes 2:4 sparsity)
+    "h100-nvl": 1671.0,  # H100 NVL (3,341 sparse)
+    "h100-pcie": 1513.0,  # H100 PCIe (3,026 sparse)
+    "h200": 1979.0,  # H200 SXM: the H100 SXM compute die
+    "h200-nvl": 1671.0,  # H200 NVL
+}
+"""Peak dense FP8 (e4m3/e5m2) TFLOP/s per device; the A100 has no FP8 tensor cores, so no row."""
 
 # (substrings all in the lower-case CUDA device name, table row), most specific first. torch reports e.g.
 # "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB".
@@ -82,13 +95,21 @@ def measure_cpu_peak_tflops(size: int = 512, seconds: float = 0.3, threads: int 
         torch.set_num_threads(old)
 
 
-def peak_tflops(device: torch.device, accelerator: str = "auto", override: float | None = None) -> float | None:
-    """Peak TFLOP/s per device: `override`, else the table row (detected when 'auto'), else measured on CPU.
+def peak_tflops(device: torch.device, accelerator: str = "auto", override: float | None = None,
+                dtype: str = "bf16") -> float | None:
+    """Peak TFLOP/s per device: `override`, else the `dtype` (bf16 or fp8) table's row (detected when 'auto'),
+    else measured on CPU (for either dtype: the CPU has no FP8 peak of its own).
 
     None (MFU off, with a warning naming the device and the fix) for a GPU the table does not know."""
     if override is not None:
         return override
     key = detect_accelerator(device) if accelerator == "auto" else accelerator
+    if dtype == "fp8" and key not in (None, "cpu"):
+        if key not in PEAK_FP8_TFLOPS:
+            logging.getLogger(__name__).warning(
+                "no FP8 peak for accelerator %r (no FP8 tensor cores): MFU/HFU are off; set observe.mfu_peak=bf16 "
+                "or observe.peak_tflops", key)
+        return PEAK_FP8_TFLOPS.get(key)
     if key is None:
         logging.getLogger(__name__).warning(
             "no peak-FLOPs figure for GPU %r: MFU/HFU are off; set observe.peak_tflops (dense bf16 TFLOP/s per "
@@ -115,6 +136,7 @@ class FlopsMeter:
         flops_hardware: executed FLOPs per token (with recomputation when it is on).
         n_devices: devices sharing each step (the world size).
         peak_tflops: peak TFLOP/s of one device.
+        peak: which peak that is (bf16 or fp8), stated in every record.
     """
 
     flops_common: float
@@ -122,10 +144,11 @@ class FlopsMeter:
     flops_hardware: float
     n_devices: int
     peak_tflops: float
+    peak: str = "bf16"
 
     @classmethod
     def for_model(cls, model: ModelConfig, seq_len: int, n_devices: int, peak: float,
-                  recompute: str = "none", recompute_fraction: float = 1.0) -> FlopsMeter:
+                  recompute: str = "none", recompute_fraction: float = 1.0, peak_dtype: str = "bf16") -> FlopsMeter:
         """FLOPs of `model` at `seq_len`.
 
         Args:
@@ -143,9 +166,9 @@ class FlopsMeter:
         else:
             extra = 0.0
         return cls(flops_common=common, flops_causal=causal, flops_hardware=common + recompute_fraction * extra,
-                   n_devices=n_devices, peak_tflops=peak)
+                   n_devices=n_devices, peak_tflops=peak, peak=peak_dtype)
 
-    def metrics(self, tokens_per_s: float) -> dict[str, float]:
+    def metrics(self, tokens_per_s: float) -> dict[str, float | str]:
         """Record fields for a step that processed `tokens_per_s` tokens/s over all devices."""
         per_device = tokens_per_s / self.n_devices
         return {
@@ -154,4 +177,6 @@ class FlopsMeter:
             "mfu": mfu(per_device, self.flops_common, self.peak_tflops),
             "mfu_causal": mfu(per_device, self.flops_causal, self.peak_tflops),
             "hfu": mfu(per_device, self.flops_hardware, self.peak_tflops),
+            "mfu_peak": self.peak,
+            "peak_tflops": self.peak_tflops,
         }

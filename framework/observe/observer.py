@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from framework.observe.config import ObserveConfig
-from framework.observe.mfu import FlopsMeter, peak_tflops
+from framework.observe.mfu import FlopsMeter, detect_accelerator, peak_tflops
 from framework.observe.straggler import StragglerDetector
 from framework.parallel.config import ParallelConfig
 from models.config import ModelConfig
@@ -40,19 +40,25 @@ class Observer:
         rank: this process's global rank; only rank 0 builds sinks.
         world: number of devices sharing each step.
         device: this rank's device (selects the peak-FLOPs row).
+        fp8: the run trains its linears in FP8 (train.fp8.enabled): `observe.mfu_peak=auto` then divides by the
+            FP8 peak.
     """
 
     def __init__(self, obs: ObserveConfig, model: ModelConfig, seq_len: int, parallel: ParallelConfig,
                  run_dir: Path, *, run_name: str, run_config: dict[str, Any], rank: int, world: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fp8: bool = False) -> None:
         self.meter: FlopsMeter | None = None
         if obs.mfu:
-            peak = peak_tflops(device, obs.accelerator, obs.peak_tflops)  # None: unknown GPU, warned, MFU off
+            dtype: str = ("fp8" if fp8 else "bf16") if obs.mfu_peak == "auto" else obs.mfu_peak
+            peak = peak_tflops(device, obs.accelerator, obs.peak_tflops, dtype)  # None: unknown GPU, warned, MFU off
             mode = "full" if obs.recompute else parallel.recompute
             every = max(1, parallel.recompute_every)
             fraction = len(range(0, model.n_layers, every)) / model.n_layers  # layers with i % k == 0
+            row = detect_accelerator(device) if obs.accelerator == "auto" else obs.accelerator
+            if obs.peak_tflops is None and row == "cpu":
+                dtype = "cpu-fp32"  # a measured fp32 matmul rate: the CPU has no bf16 or FP8 table row
             if peak is not None:
-                self.meter = FlopsMeter.for_model(model, seq_len, world, peak, mode, fraction)
+                self.meter = FlopsMeter.for_model(model, seq_len, world, peak, mode, fraction, peak_dtype=dtype)
         self._n_steps, self._peak_mb = 0, 0.0
         self._last: dict[str, Any] | None = None
         self._sums: dict[str, float] = {}
@@ -69,7 +75,7 @@ class Observer:
         from framework.config import to_dict
 
         return cls(cfg.observe, cfg.model, cfg.data.seq_len, cfg.parallel, run_dir, run_name=cfg.run.name,
-                   run_config=to_dict(cfg), rank=rank, world=world, device=device)
+                   run_config=to_dict(cfg), rank=rank, world=world, device=device, fp8=cfg.train.fp8.enabled)
 
     def attach(self, parts: list[torch.nn.Module], optimizers: list[Any]) -> None:
         """Hook the straggler detector's section timers (and any injected fault) into the engine's model parts."""

@@ -9,7 +9,9 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
   2. pipeline: cut this rank's stages by FQN (framework/parallel/pipeline.py); after FSDP, stage boundaries
      send in the compute dtype where FSDP's mixed precision does not already cast (`send_in_compute_dtype`)
   then for every stage:
-  3. TP + SP: the plans of models/plans.py make the parameters DTensors over `tp` (tensor.py)
+  3. TP + SP: the plans of models/plans.py make the parameters DTensors over `tp` (tensor.py); first the model
+     transforms that swap modules (`before_sharding`: FP8's linears), on the meta device, each restyling the plan
+     for what it swapped (FP8's TP styles)
   4. EP: experts over `ep`, routing on the tp sequence shards (expert.py)
   5. CP: attention exchanges K/V over `cp` (context.py)
   6. activation checkpointing on every k-th block (recompute.py)
@@ -34,6 +36,7 @@ count, so the engine builds one per count at its first use.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,7 +45,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from framework.numerics.precision import DTYPES
-from framework.numerics.transforms import ModelTransform, Site, apply_model_transforms
+from framework.numerics.transforms import ModelTransform, Site, apply_model_transforms, restyle_tp_plan
 from framework.parallel.config import ParallelConfig
 from framework.parallel.context import ContextParallel
 from framework.parallel.ddp import ReplicatedGradSync
@@ -102,10 +105,15 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
     else:
         stage_ids, n_stages, parts = [0], 1, [whole]
 
+    # the cp ring's P2P exchange runs eager inside each block (context_ring.py): compiled regions break there
+    site = Site(tensor_parallel=dims.tp > 1, graph_breaks=context is not None and context.comm == "ring",
+                device_type=device.type)
+    swaps = [t for t in transforms if t.before_sharding]
     for part in parts:
-        if dims.tp > 1:  # 3
+        apply_model_transforms(part, swaps, site)  # 3
+        if dims.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], sequence_parallel=pcfg.sequence_parallel,
-                                  loss_parallel=pcfg.loss_parallel)
+                                  loss_parallel=pcfg.loss_parallel, restyle=functools.partial(restyle_tp_plan, swaps))
         moe.parallelize(part)  # 4
         if context is not None:  # 5
             context.install(part)
@@ -113,9 +121,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         if early:
             materialize(part, model_cfg, device, seed)
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 6
-        # the cp ring's P2P exchange runs eager inside each block (context_ring.py): compiled regions break there
-        site = Site(tensor_parallel=dims.tp > 1, graph_breaks=context is not None and context.comm == "ring")
-        apply_model_transforms(part, transforms, site)  # 7
+        apply_model_transforms(part, [t for t in transforms if not t.before_sharding], site)  # 7
         moe.shard(part, mp_policy=mp_policy)  # 8: experts over edp (before FSDP wraps their blocks), or hand-synced
         if shard_mesh is not None:
             apply_fsdp(part, shard_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)

@@ -8,6 +8,7 @@ tp ranks, as Megatron-LM does: each rank computes the one KV head its query head
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -82,8 +83,11 @@ def _present(module: Decoder, plan: Plan) -> Plan:
 
 
 def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
-                          loss_parallel: bool = True) -> None:
-    """Shard every block and the embedding/head of `model` in place following models/plans.py.
+                          loss_parallel: bool = True,
+                          restyle: Callable[[nn.Module, Plan, DeviceMesh], Plan] = lambda module, plan, mesh: plan
+                          ) -> None:
+    """Shard every block and the embedding/head of `model` in place following models/plans.py, each plan first
+    passed through `restyle` (the model transforms' styles for modules they swapped: FP8's).
 
     Tied embeddings stay tied within one module: the vocab-parallel embedding and the column-parallel head
     both shard the (vocab, hidden) weight on dim 0, so the head is re-pointed at the embedding's DTensor.
@@ -94,7 +98,8 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
                                "the per-head norm weights would drift apart; use parallel.tp=1 (FSDP, ep, pp)")
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
-    parallelize_module(model, tp_mesh, _present(model, decoder_top_plan(sequence_parallel, loss_parallel)))
+    top = _present(model, decoder_top_plan(sequence_parallel, loss_parallel))
+    parallelize_module(model, tp_mesh, restyle(model, top, tp_mesh))
     if model.tok_embeddings is not None:
         vocab_shard_lookup(model.tok_embeddings)
     if tied:
@@ -108,12 +113,12 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
     blocks = list(model.layers.values())
     if model.mtp is not None:  # multi-token prediction (models/mtp.py): each depth's projection, norms and block
         for depth in model.mtp.depths.values():
-            parallelize_module(depth, tp_mesh, mtp_module_plan(sequence_parallel))
+            parallelize_module(depth, tp_mesh, restyle(depth, mtp_module_plan(sequence_parallel), tp_mesh))
             blocks.append(cast(nn.Module, depth.block))
     for block in blocks:
         # MoE (docs/MOE.md): framework/parallel/expert.py parallelizes an MoE layer's feed-forward
         plan = moe_plan if isinstance(block.feed_forward, MoE) else block_plan  # type: ignore[union-attr]
-        parallelize_module(block, tp_mesh, _present(block, plan))  # type: ignore[arg-type]
+        parallelize_module(block, tp_mesh, restyle(block, _present(block, plan), tp_mesh))  # type: ignore[arg-type]
         if hasattr(block.attention, "shared_key_grad"):  # MLA's replicated rotary key
             block.attention.shared_key_grad = functools.partial(sum_grad_over, tp_mesh)  # type: ignore[union-attr]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from framework.plan.hardware import Hardware
 from framework.plan.layout import Layout, Workload
-from framework.plan.memory import RankParams
+from framework.plan.memory import RankParams, fp8_linear_params
 
 QUANT_BLOCK = 256
 """Elements per ZeRO++ quantization block (parallel.zero_quant_block_size's default)."""
@@ -123,6 +123,11 @@ def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankPara
             node_gather += m * ring_factor("all_gather", lay.hpz) * psi * prec.param
         else:
             gather += ag_times * ring_factor("all_gather", n) * psi * (q if dense and lay.qwz else prec.param)
+            if dense and work.fp8_all_gather:  # FP8 all-gathers: 1 byte per converted weight element
+                f8 = [fp8_linear_params(work.model, i, lay.tp) for i in params.layers] or [0]
+                # ZeRO-3 keeps the last block gathered from its forward to its backward (zero.py): m gathers, not 2m
+                times = ag_times * sum(f8) - (m * f8[-1] if z == 3 else 0)
+                gather -= ring_factor("all_gather", n) * times * (prec.param - 1)
         n_reduce, n_gather = rs_times * layers, ag_times * layers
     n_node_gather = m * layers if node_gather else 0
     n_gather -= n_node_gather

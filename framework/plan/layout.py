@@ -51,6 +51,9 @@ class Workload:
     """Activation model: Tessera's own block, or Korthikanti et al. 2022 (how Megatron-LM runs a GPT block)."""
     cp_comm: Literal["ring", "all_to_all", "allgather"] = "ring"
     """parallel.cp_comm: what a cp rank keeps for backward (framework/plan/memory.py, `cp_kv_bytes`)."""
+    fp8_all_gather: bool = False
+    """train.fp8 with fsdp_all_gather: ZeRO-3 gathers the block linears' weights in FP8, 1 byte per element
+    (`fp8_linear_params`), the rest in `precision.param`."""
     moe_imbalance: float = 1.25
     """MoE: tokens routed to the busiest expert-parallel rank over the mean. Dropless routing under a balancing
     loss is uneven (Switch Transformer trains with capacity factor 1.25 for it, Fedus et al. 2021); that rank's

@@ -72,6 +72,16 @@ def layer_params(cfg: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tupl
     return dense, moe.n_experts // ep * _mlp_local(cfg, ffn, 1)
 
 
+def fp8_linear_params(cfg: ModelConfig, layer: int, tp: int = 1) -> int:
+    """Weights of a dense layer's attention and MLP linears on one rank (biases excluded): what `train.fp8`
+    converts with its default filter (framework/numerics/fp8.py; min_dim 16 keeps every linear of a real model)."""
+    if cfg.is_moe_layer(layer) or cfg.attention == "mla":
+        return 0  # FP8 is refused for MoE models; MLA's projections are not counted here
+    d, q, kv = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    n_mats = 3 if cfg.mlp == "swiglu" else 2
+    return (2 * q * d + 2 * kv * d) // tp + n_mats * d * cfg.ffn // tp
+
+
 def rank_chunks(lay: Layout, rank: int) -> list[int]:
     """Pipeline chunks (0 .. p·v-1, in model order) that pipeline rank `rank` runs."""
     return stages_of_rank(rank, lay.pp, lay.virtual, lay.schedule)
@@ -282,6 +292,7 @@ __all__ = [
     "checkpoint_staging_bytes",
     "cp_kv_bytes",
     "cp_mask_bytes",
+    "fp8_linear_params",
     "layer_bytes",
     "layer_params",
     "model_state_bytes",

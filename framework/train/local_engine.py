@@ -40,7 +40,7 @@ class LocalEngine:
         self.documents = documents
         self.model = build_model(model_cfg, seed=train_cfg.seed, device=device)
         # The one list of model transforms (framework/numerics/transforms.py), at the point parallelize applies it.
-        apply_model_transforms(self.model, model_transforms(train_cfg), Site())
+        apply_model_transforms(self.model, model_transforms(train_cfg), Site(device_type=device.type))
         self.model_parts: list[nn.Module] = [self.model]
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(self.model_parts, train_cfg, device)]
         self.dp_rank, self.dp_size = 0, 1

@@ -23,9 +23,11 @@ FP8 = ["train.precision=bf16", "train.fp8.enabled=true"]
 
 @pytest.mark.parametrize(("overrides", "names"), [
     (["train.fp8.enabled=true"], "train.precision=fp32"),
-    ([*FP8, "parallel.tp=2"], "parallel.tp=2"),
-    ([*FP8, "parallel.pp=2", "parallel.dp_shard=1"], "parallel.pp=2"),
-    ([*FP8, "model.preset=test-moe"], "model.moe.enabled=True"),
+    ([*FP8, "parallel.cp=2", "parallel.dp_shard=1"], "parallel.cp=2"),
+    ([*FP8, "parallel.dp_replicate=2", "parallel.dp_shard=1"], "parallel.dp_replicate=2"),
+    ([*FP8, "model.preset=test-moe"], "model.moe.enabled=true: FP8 experts need torch._scaled_grouped_mm"),
+    ([*FP8, "train.fp8.fsdp_all_gather=true", "parallel.tp=2"], "train.fp8.fsdp_all_gather=true with parallel.tp=2"),
+    ([*FP8, "train.fp8.recipe=rowwise", "train.fp8.fsdp_all_gather=true"], "train.fp8.fsdp_all_gather=true with"),
     ([*FP8, "train.compile=true"], "train.compile=True"),
     ([*FP8, "train.fp8.min_dim=8"], "train.fp8.min_dim=8"),
 ])
@@ -44,15 +46,15 @@ def test_head_excluded_and_small_linears_stay_bf16() -> None:
     from models.decoder import build_model
 
     moe = build_model(model_config("test-moe"), seed=0, device=torch.device("cpu"))
-    assert convert_to_fp8(moe, FP8Config(enabled=True)) > 0
+    assert convert_to_fp8(moe, FP8Config(enabled=True), "cpu") > 0
     fp8 = {fqn for fqn, m in moe.named_modules() if isinstance(m, Float8Linear)}
     plain = {fqn for fqn, m in moe.named_modules() if type(m) is torch.nn.Linear}
     assert plain == {"output"} and not any("router" in f for f in fp8)  # the router's gate is no nn.Linear either
     cfg = load_config(TINY, FP8)
     wide = build_model(cfg.model, seed=0, device=torch.device("cpu"))
-    assert convert_to_fp8(wide, FP8Config(enabled=True, min_dim=64)) == cfg.model.n_layers * 5  # wk, wv: 32 wide
+    assert convert_to_fp8(wide, FP8Config(enabled=True, min_dim=64), "cpu") == cfg.model.n_layers * 5  # wk, wv: 32 wide
     named = build_model(cfg.model, seed=0, device=torch.device("cpu"))
-    assert convert_to_fp8(named, FP8Config(enabled=True, exclude=("output", "wq"))) == cfg.model.n_layers * 6
+    assert convert_to_fp8(named, FP8Config(enabled=True, exclude=("output", "wq")), "cpu") == cfg.model.n_layers * 6
     assert type(named.layers["0"].attention.wq) is torch.nn.Linear
 
 

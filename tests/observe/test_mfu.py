@@ -111,3 +111,28 @@ def test_one_mfu_convention_for_observer_and_planner() -> None:
     est = estimate(Workload(cfg, 4096, 64), Layout(dp=8), get_hardware("h100-80g"))
     assert est.flops[0] == pytest.approx(mfu_flops_per_token(cfg, 4096) * 4096 * 64)
     assert meter.metrics(est.tokens_per_s)["mfu"] == pytest.approx(est.mfu)
+
+
+def test_fp8_run_divides_by_the_fp8_peak_and_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """observe.mfu_peak: an FP8 run on an H100 reports MFU against the dense FP8 peak (1,979 TFLOP/s, twice the
+    bf16 one), a bf16 run against the bf16 peak, each record naming which; an A100 (no FP8 tensor cores) has no FP8
+    peak, and a CPU's measured fp32 rate is labelled as such."""
+    from framework.config import load_config
+    from framework.observe.observer import Observer
+    from framework.testing.tiny import TINY
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu = torch.device("cuda", 0)
+    fp8 = ["train.precision=bf16", "train.fp8.enabled=true"]
+    cases = [(fp8, "fp8", 1979.0), ([], "bf16", 989.0), ([*fp8, "observe.mfu_peak=bf16"], "bf16", 989.0),
+             (["observe.mfu_peak=fp8"], "fp8", 1979.0)]
+    for overrides, label, peak in cases:
+        meter = Observer.for_config(load_config(TINY, overrides), tmp_path, 1, 8, gpu).meter
+        assert meter is not None
+        record = meter.metrics(1e5)
+        assert (record["mfu_peak"], record["peak_tflops"]) == (label, peak), overrides
+        assert record["mfu"] == pytest.approx(1e5 / 8 * meter.flops_common / (peak * 1e12))
+    a100 = Observer.for_config(load_config(TINY, [*fp8, "observe.accelerator=a100"]), tmp_path, 1, 8, gpu)
+    assert a100.meter is None
+    cpu = Observer.for_config(load_config(TINY, fp8), tmp_path, 1, 8, torch.device("cpu")).meter
+    assert cpu is not None and cpu.metrics(1.0)["mfu_peak"] == "cpu-fp32"
