@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
 from torch import nn
 
 from framework.numerics.config import FP8Config
@@ -30,11 +31,13 @@ def convertible(fqn: str, module: nn.Module, cfg: FP8Config) -> bool:
     return all(d >= cfg.min_dim and d % 16 == 0 for d in dims)
 
 
-def convert_to_fp8(model: Decoder, cfg: FP8Config) -> int:
-    """Swap the chosen linears of `model` for torchao's Float8Linear in place; returns how many."""
+def convert_to_fp8(model: Decoder, cfg: FP8Config, device: torch.device | None = None) -> int:
+    """Swap the chosen linears of `model` for torchao's Float8Linear in place; returns how many. `device`: where
+    the weights will run (a meta model's); by default where they are."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    emulate = next(model.parameters()).device.type != "cuda"  # torch._scaled_mm needs an FP8 GPU
+    device = device or next(model.parameters()).device
+    emulate = device.type != "cuda"  # torch._scaled_mm needs an FP8 GPU
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.recipe), emulate=emulate)
     chosen = {fqn for fqn, m in model.named_modules() if convertible(fqn, m, cfg)}
     kept = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and fqn not in chosen]

@@ -1,10 +1,12 @@
 """The one ordered list of model transforms, applied by both engines at the same point of building a model.
 
-A transform changes how a built, initialized model computes without changing its parameters' values or FQNs'
-meaning: torch.compile today, FP8 linears beside it. `LocalEngine` applies the list to its whole model right
-after initialization; `parallelize` applies it to each pipeline stage at the same point of the recipe (after
-TP/EP/CP, init and activation checkpointing, before FSDP wraps the blocks), so the 1-process reference runs
-exactly the transforms a layout runs. Adding one is a `register_transform` call:
+A transform changes how a built model computes without changing its parameters' values or FQNs' meaning:
+torch.compile and FP8 linears. `LocalEngine` applies the list to its whole model right after initialization;
+`parallelize` applies it to each pipeline stage at the same point of the recipe (after TP/EP/CP and activation
+checkpointing, before FSDP wraps the blocks), so the 1-process reference runs exactly the transforms a layout
+runs. A `meta_safe` transform (both of ours) runs there on the meta model, and the weights are allocated and drawn
+after FSDP, as shards; one that reads weights makes `parallelize` initialize them before it (then an FSDP rank
+holds full weights at start). Adding one is a `register_transform` call:
 
     register_transform("probe", build_probe, before="compile")
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
 
 from framework.numerics.config import FP8Config
 from models.decoder import Decoder
@@ -43,6 +47,8 @@ class Site:
     """The stage's linears are TP-sharded DTensors (compile then compiles sub-layer regions)."""
     graph_breaks: bool = False
     """Blocks call an eager region (the cp ring exchange): compile lets its graphs break there (not fullgraph)."""
+    device: torch.device | None = None
+    """Where the weights will live; None: where they are. A meta-safe transform reads the device from here."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,10 @@ class ModelTransform:
     name: str
     apply: Callable[[Decoder, Site], Any]
     """Transform a Decoder (or pipeline stage) in place."""
+    meta_safe: bool = False
+    """It only rewrites modules and never reads a weight's value or device, so `parallelize` may apply it to the
+    meta model: FSDP then shards on meta and each rank allocates and draws only its shards. A transform that is
+    not meta-safe (the default) sees initialized weights, and FSDP ranks of such runs hold full weights at start."""
 
 
 Builder = Callable[[TransformSettings], ModelTransform | None]
@@ -91,7 +101,8 @@ def _compile(settings: TransformSettings) -> ModelTransform | None:
 
     backend = settings.compile_backend
     return ModelTransform("compile", lambda model, site: compile_blocks(
-        model.layers, backend, tensor_parallel=site.tensor_parallel, fullgraph=not site.graph_breaks))
+        model.layers, backend, tensor_parallel=site.tensor_parallel, fullgraph=not site.graph_breaks),
+        meta_safe=True)  # torch.compile is lazy: it traces at the first forward, on the materialized weights
 
 
 def _fp8(settings: TransformSettings) -> ModelTransform | None:
@@ -101,7 +112,8 @@ def _fp8(settings: TransformSettings) -> ModelTransform | None:
     from framework.numerics.fp8 import convert_to_fp8
 
     cfg = settings.fp8
-    return ModelTransform("fp8", lambda model, site: convert_to_fp8(model, cfg))
+    # torchao swaps modules and keeps the weight Parameters (torchtitan converts its meta model the same way)
+    return ModelTransform("fp8", lambda model, site: convert_to_fp8(model, cfg, device=site.device), meta_safe=True)
 
 
 register_transform("fp8", _fp8)

@@ -20,9 +20,10 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
   9. `to_empty` + per-FQN init (models/init.py): after every sharding, so a rank allocates and draws only its
      shards (FSDP's included), bitwise the 1-process values under any layout; a tied head is re-tied (to_empty
      gives it its own storage). Under cpu_offload the parameters materialize on the host (FSDP's offload wants
-     them there), the buffers on the device. Two things need real weights before FSDP and materialize them
-     before step 6 instead (TP/EP shards still drawn as such, FSDP's not): qwZ, which wraps the weights before
-     fully_shard, and the model transforms, whose contract is initialized weights (a compiled run).
+     them there), the buffers on the device. The model transforms of the list (compile, fp8) are meta-safe and
+     do not change this. Two things need real weights before FSDP and materialize them before step 6 instead
+     (TP/EP shards still drawn as such, FSDP's not): qwZ, which wraps the weights before fully_shard, and a
+     transform registered without `meta_safe` (it may read values).
   after all stages:
  10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients
  11. ZeRO-0 / DDP over dp_replicate without FSDP: bucketed replica all-reduce, launched during backward (ddp.py)
@@ -86,7 +87,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         seed: the run seed of the per-FQN initialization (train.seed).
         precision: train.precision (fp32, bf16 or fp16): FSDP's all-gather dtype and the cp mask dtype.
         transforms: the run's model transforms (framework/numerics/transforms.py `model_transforms`: compile and
-            the like), applied to every stage at step 8, where `LocalEngine` applies them to its model.
+            the like), applied to every stage at step 7, on the meta model when every one is `meta_safe`.
     """
     coord = dict(zip(AXES, mesh.get_coordinate() or ()))
     moe = MoEParallel(model_cfg, pcfg, dims, mesh)
@@ -109,12 +110,14 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         moe.parallelize(part)  # 4
         if context is not None:  # 5
             context.install(part)
-        early = pcfg.zero_quantized_weights or bool(transforms)  # they need values before FSDP
+        # qwZ wraps real weights before fully_shard; a transform that is not meta-safe reads weights
+        early = pcfg.zero_quantized_weights or not all(t.meta_safe for t in transforms)
         if early:
             materialize(part, model_cfg, device, seed)
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 6
         # the cp ring's P2P exchange runs eager inside each block (context_ring.py): compiled regions break there
-        site = Site(tensor_parallel=dims.tp > 1, graph_breaks=context is not None and context.comm == "ring")
+        site = Site(tensor_parallel=dims.tp > 1, graph_breaks=context is not None and context.comm == "ring",
+                    device=device)
         apply_model_transforms(part, transforms, site)  # 7
         moe.shard(part, mp_policy=mp_policy)  # 8: experts over edp (before FSDP wraps their blocks), or hand-synced
         if shard_mesh is not None:
