@@ -20,10 +20,10 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
   9. `to_empty` + per-FQN init (models/init.py): after every sharding, so a rank allocates and draws only its
      shards (FSDP's included), bitwise the 1-process values under any layout; a tied head is re-tied (to_empty
      gives it its own storage). Under cpu_offload the parameters materialize on the host (FSDP's offload wants
-     them there), the buffers on the device. The model transforms of the list (compile, fp8) are meta-safe and
-     do not change this. Two things need real weights before FSDP and materialize them before step 6 instead
-     (TP/EP shards still drawn as such, FSDP's not): qwZ, which wraps the weights before fully_shard, and a
-     transform registered without `meta_safe` (it may read values).
+     them there), the buffers on the device. The model transforms of the list (compile, fp8) are meta-safe, and
+     qwZ wraps the meta weights (its wrapper keeps its type through `to_empty`), so neither changes this. Only a
+     transform registered without `meta_safe` (it may read values) materializes before step 6 instead (TP/EP
+     shards still drawn as such, FSDP's not).
   after all stages:
  10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients
  11. ZeRO-0 / DDP over dp_replicate without FSDP: bucketed replica all-reduce, launched during backward (ddp.py)
@@ -110,8 +110,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         moe.parallelize(part)  # 4
         if context is not None:  # 5
             context.install(part)
-        # qwZ wraps real weights before fully_shard; a transform that is not meta-safe reads weights
-        early = pcfg.zero_quantized_weights or not all(t.meta_safe for t in transforms)
+        early = not all(t.meta_safe for t in transforms)  # a transform that is not meta-safe may read weights
         if early:
             materialize(part, model_cfg, device, seed)
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 6

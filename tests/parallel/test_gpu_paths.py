@@ -18,9 +18,10 @@ from framework.testing import run_distributed
 
 TP2 = ("parallel.tp=2", "parallel.dp_shard=1", "parallel.zero_stage=0")
 FSDP2 = ("parallel.dp_shard=2", "parallel.zero_stage=3")
-# model transforms are meta-safe: runs with them shard on the meta device and draw only their shards too
-TRANSFORMED = {"fsdp_compile": (*FSDP2, "train.compile=true", "train.compile_backend=aot_eager"),
-               "fsdp_fp8": (*FSDP2, "train.precision=bf16", "train.fp8.enabled=true")}
+# Model transforms are meta-safe and qwZ wraps meta weights: these runs shard on meta too and draw only their shards
+ON_META = {"fsdp_compile": (*FSDP2, "train.compile=true", "train.compile_backend=aot_eager"),
+           "fsdp_fp8": (*FSDP2, "train.precision=bf16", "train.fp8.enabled=true"),
+           "fsdp_qwz": (*FSDP2, "train.precision=bf16", "parallel.zero_quantized_weights=true")}
 FUSED_TP_NO_SP: dict[str, Any] = {"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1,
                                   "zero_stage": 0, "train.optimizer_impl": "fused"}
 
@@ -143,10 +144,14 @@ def _sharded_init(layout: tuple[str, ...]) -> dict[str, Any]:
         torch.Tensor.normal_, init.DRAW_CHUNK, torch.empty_like = real, chunk, empty_like  # type: ignore[method-assign]
     from torch._dynamo.eval_frame import OptimizedModule
 
-    transformed = sum(type(m).__name__ == "Float8Linear" or isinstance(m, OptimizedModule)
-                      for m in engine.model_parts[0].modules())
+    from framework.parallel.quant import QuantizedAllGatherWeight
+
+    part = engine.model_parts[0]
+    transformed = sum(type(m).__name__ == "Float8Linear" or isinstance(m, OptimizedModule) for m in part.modules())
+    transformed += sum(isinstance(getattr(p, "_local_tensor", None), QuantizedAllGatherWeight)
+                       for p in part.parameters())
     sharded, mismatched = [], []
-    for fqn, p in engine.model_parts[0].named_parameters():
+    for fqn, p in part.state_dict().items():  # qwZ's state dict holds its plain fp32 shards
         if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
             continue
         sharded.append(p.numel())
@@ -163,7 +168,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"parity": [run_round(rank, world, [FUSED_TP_NO_SP])]}
     out["comm_fn"] = _compiled_under_comm_log()
     out["init"] = {"tp": _sharded_init(TP2), "fsdp": _sharded_init(FSDP2),
-                   **{name: _sharded_init(layout) for name, layout in TRANSFORMED.items()}}
+                   **{name: _sharded_init(layout) for name, layout in ON_META.items()}}
     out["ckpt"] = _async_tp_checkpoint(Path(root))
     out["comm_engine"] = {name: [_engine_comm(layout, False), _engine_comm(layout, True)]
                           for name, layout in (("tp", TP2), ("fsdp", FSDP2))}
@@ -182,8 +187,8 @@ def test_gpu_paths_on_two_ranks(tmp_path: Path) -> None:
             assert init["largest_draw"] <= 64 + 16, (name, init)  # never a sharded parameter drawn whole
         assert 64 + 16 < min(r["init"]["tp"]["sharded"]), r["init"]["tp"]
         # FSDP-only: every parameter is allocated as its shard (init follows fully_shard on the meta device),
-        # with and without model transforms (each of which must really have run)
-        for name in ("fsdp", *TRANSFORMED):
+        # with and without model transforms and qwZ (each of which must really have run)
+        for name in ("fsdp", *ON_META):
             fsdp = r["init"][name]
             assert 64 + 16 < max(fsdp["sharded"]), (name, fsdp)
             assert fsdp["largest_allocation"] <= (max(fsdp["sharded"]) + 1) // 2, (name, fsdp)
