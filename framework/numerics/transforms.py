@@ -4,9 +4,9 @@ A transform changes how a built model computes without changing its parameters' 
 torch.compile and FP8 linears. `LocalEngine` applies the list to its whole model right after initialization;
 `parallelize` applies it to each pipeline stage at the same point of the recipe (after TP/EP/CP and activation
 checkpointing, before FSDP wraps the blocks), so the 1-process reference runs exactly the transforms a layout
-runs. A `meta_safe` transform (both of ours) runs there on the meta model, and the weights are allocated and drawn
-after FSDP, as shards; one that reads weights makes `parallelize` initialize them before it (then an FSDP rank
-holds full weights at start). Adding one is a `register_transform` call:
+runs. A `meta_safe` transform (fp8; not compile yet, see `_compile`) runs there on the meta model, and the
+weights are allocated and drawn after FSDP, as shards; any other makes `parallelize` initialize them before it
+(then an FSDP rank holds full weights at start). Adding one is a `register_transform` call:
 
     register_transform("probe", build_probe, before="compile")
 
@@ -102,7 +102,11 @@ def _compile(settings: TransformSettings) -> ModelTransform | None:
     backend = settings.compile_backend
     return ModelTransform("compile", lambda model, site: compile_blocks(
         model.layers, backend, tensor_parallel=site.tensor_parallel, fullgraph=not site.graph_breaks),
-        meta_safe=True)  # torch.compile is lazy: it traces at the first forward, on the materialized weights
+        meta_safe=False)
+    # Not meta-safe yet, although torch.compile only traces at the first forward: built on meta, the TP2 x MoE
+    # compiled layout (tests/parallel/test_compile.py) changed its step-0 grad norm by 5e-4 relative (forward
+    # bitwise the same); every other compiled layout stayed bitwise. Until that is attributed, compiled runs
+    # initialize before FSDP (their FSDP ranks draw full weights at start).
 
 
 def _fp8(settings: TransformSettings) -> ModelTransform | None:

@@ -20,9 +20,9 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
   9. `to_empty` + per-FQN init (models/init.py): after every sharding, so a rank allocates and draws only its
      shards (FSDP's included), bitwise the 1-process values under any layout; a tied head is re-tied (to_empty
      gives it its own storage). Under cpu_offload the parameters materialize on the host (FSDP's offload wants
-     them there), the buffers on the device. The model transforms of the list (compile, fp8) are meta-safe, and
-     qwZ wraps the meta weights (its wrapper keeps its type through `to_empty`), so neither changes this. Only a
-     transform registered without `meta_safe` (it may read values) materializes before step 6 instead (TP/EP
+     them there), the buffers on the device. fp8 is a meta-safe transform, and qwZ wraps the meta weights (its
+     wrapper keeps its type through `to_empty`), so neither changes this. A transform that is not `meta_safe`
+     (compile for now, framework/numerics/transforms.py `_compile`) materializes before step 6 instead (TP/EP
      shards still drawn as such, FSDP's not).
   after all stages:
  10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients

@@ -95,8 +95,9 @@ def test_a_registered_transform_is_applied_by_both_engines_at_one_point(probe: N
 
 
 def test_the_listed_transforms_run_on_the_meta_model_for_the_target_device() -> None:
-    """compile and fp8 are meta-safe: on a meta model they allocate nothing, keep every parameter's canonical FQN,
-    and fp8 chooses torch._scaled_mm or its emulation by the device the weights will live on, not by meta."""
+    """fp8 is meta-safe (compile is not declared so yet, but runs on meta too): on a meta model they allocate
+    nothing, keep every parameter's canonical FQN, and fp8 chooses torch._scaled_mm or its emulation by the
+    device the weights will live on, not by meta."""
     pytest.importorskip("torchao")
     from torch._dynamo.eval_frame import OptimizedModule
     from torchao.float8.float8_linear import Float8Linear
@@ -108,7 +109,7 @@ def test_the_listed_transforms_run_on_the_meta_model_for_the_target_device() -> 
     cfg = load_config(TINY, ["train.precision=bf16", "train.fp8.enabled=true"])
     compiled = load_config(TINY, ["train.compile=true", "train.compile_backend=aot_eager"])
     transforms = [*model_transforms(cfg.train), *model_transforms(compiled.train)]  # one run may not ask both yet
-    assert [t.name for t in transforms] == ["fp8", "compile"] and all(t.meta_safe for t in transforms)
+    assert [t.name for t in transforms] == ["fp8", "compile"] and [t.meta_safe for t in transforms] == [True, False]
     for device, emulated in (("cuda", False), ("cpu", True)):
         with torch.device("meta"):
             model = Decoder(cfg.model)
