@@ -4,14 +4,21 @@ Phases, in this order (cheapest and most telling first, so a cut run keeps them)
 (a JSON object, rewritten after every row so a cut run still reports):
   meta        torch, the device, its peak-FLOPs row (framework/observe/mfu.py: SXM / PCIe / NVL / H200 / A100 told
               apart; an unknown GPU: a named warning and MFU off) and the MFU convention (models.flops)
+  attention   per model shape (1B, 8B) at seq 4096, bf16: the SDPA kernel each of Tessera's attention paths runs
+              (plain causal, document mask, the dense document mask, an explicit mask), whether flash takes the
+              causal call when forced (sdpa_kernel), and each path's forward + backward time (bench/gpu_phases.py)
   kernels     torch._grouped_mm (aligned groups) against the per-expert loop on unaligned counts with empty experts
   checkpoint  an async save (staged in host memory) of a trained engine and its reload, compared bitwise
-  parity      the 1-process engine and the parallel engine (world 1; recompute none/full/selective), eager, on
-              the GPU against the CPU eager reference (fp32, TF32 off; 5 steps, tiny model)
+  parity      the 1-process engine, the parallel engine (world 1; recompute none/full/selective) and a MoE model
+              on the parallel engine, eager, on the GPU against the CPU eager 1-process run of the same model
+              (fp32, TF32 off; 5 steps, tiny models)
   throughput  eager, then compiled, tokens/s, MFU (non-causal, as the observer and the planner count it) and peak
               memory (freed between rows) of a ~1B model and an 8B-shaped one at seq 4096 (Llama-3 8B
               width, fewer layers to fit), bf16 autocast with fp32 master weights, fused AdamW; beside each, the
-              planner's predicted peak memory for the same workload
+              planner's predicted peak memory, and the plain-PyTorch Llama of bench/ref_llama.py with the same
+              weights trained the same way (eager or compiled alike): framework_tax = Tessera's step time over it
+  slice       (after the eager rows) rank 0 of the production 70B layout (TP8 PP4 FSDP32, 1,024 ranks) built on
+              the fake backend with real tensors on the GPU: its measured peak against the planner's (gpu_slice.py)
   calibration `mm_efficiency` for the planner (`tessera plan --calibration FILE`): the achieved hardware FLOP/s of
               the fastest 8B-shaped step so far over the GPU's peak (written to `--calibration` after each such run)
   parity      compiled: the 1-process engine and the parallel engine with selective recompute, as above
@@ -38,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.gpu_phases import rank0_slice, reference_step_s, sdpa_rows
 from framework.config import load_config
 from framework.observe.mfu import PEAK_TFLOPS, accelerator_row
 from framework.train.local_engine import LocalEngine
@@ -52,8 +60,8 @@ class Report:
 
     def __init__(self, path: Path, meta: dict[str, Any]) -> None:
         self.path, self.t0 = path, time.perf_counter()
-        self.data: dict[str, Any] = {"meta": meta, "kernels": [], "checkpoint": [], "parity": [], "throughput": [],
-                                     "calibration": None}
+        self.data: dict[str, Any] = {"meta": meta, "attention": [], "kernels": [], "checkpoint": [], "parity": [],
+                                     "throughput": [], "slice": [], "calibration": None}
 
     def add(self, phase: str, row: Any) -> None:
         if isinstance(self.data[phase], list):
@@ -78,8 +86,12 @@ def _train(engine: Any, cfg: Any, data: torch.Tensor) -> list[tuple[float, float
     return out
 
 
-PARITY_CASES = {"local": None, "parallel/none": "none", "parallel/full": "full", "parallel/selective": "selective"}
-DRY_PARITY = ("local", "parallel/selective")
+PARITY_CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "local": (None, ()), "parallel/none": ("none", ()), "parallel/full": ("full", ()),
+    "parallel/selective": ("selective", ()), "parallel/moe": ("none", ("model.preset=test-moe",))}
+"""Engine name: (recompute of the parallel engine, None for LocalEngine; model overrides)."""
+DRY_PARITY = ("local", "parallel/selective", "parallel/moe")
+COMPILED_PARITY = ("local", "parallel/selective")
 """The engines also run compiled (on the GPU too: the other recompute modes' compiled parity is CPU-tested)."""
 
 
@@ -93,19 +105,23 @@ def parity(report: Report, device: torch.device, backend: str, names: tuple[str,
     gen = torch.Generator().manual_seed(7)
     data = torch.randint(0, cfg.model.vocab_size, (steps, cfg.train.global_batch_size, cfg.data.seq_len + 1),
                          generator=gen)
-    ref = _train(LocalEngine(cfg.model, cfg.train, torch.device("cpu")), cfg, data)
+    refs: dict[tuple[str, ...], list[tuple[float, float]]] = {}  # the CPU eager 1-process run of each model
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     extra = [f"train.compile={str(compiled).lower()}", f"train.compile_backend={backend}"]
     for name in names:
-        recompute = PARITY_CASES[name]
+        recompute, model = PARITY_CASES[name]
         row: dict[str, Any] = {"engine": name, "compiled": compiled}
         try:
             from framework.train.parallel_engine import build_parallel_engine  # an import error: this row's
 
-            c = load_config("configs/smoke/tiny.yaml", [*TINY, *extra, f"parallel.recompute={recompute or 'none'}",
-                                                        "parallel.dp_shard=1"])
+            if model not in refs:
+                r = load_config("configs/smoke/tiny.yaml", [*TINY, *model])
+                refs[model] = _train(LocalEngine(r.model, r.train, torch.device("cpu")), r, data)
+            ref = refs[model]
+            c = load_config("configs/smoke/tiny.yaml", [*TINY, *model, *extra, "parallel.dp_shard=1",
+                                                        f"parallel.recompute={recompute or 'none'}"])
             engine: Any = (LocalEngine(c.model, c.train, device) if recompute is None
                            else build_parallel_engine(c.model, c.train, c.parallel, device))
             got = _train(engine, c, data)
@@ -171,7 +187,19 @@ def throughput(report: Report, device: torch.device, case: dict[str, Any], compi
            "planner_peak_gib": _predicted_peak(cfg, seq, micro) / 2**30}
     if row["peak_mem_gib"] is not None:
         row["measured_over_planner"] = row["peak_mem_gib"] / row["planner_peak_gib"]
-    del engine, batch
+    # The plain Llama with these weights (copied to the host first: two models' optimizer states may not fit)
+    state = {k: v.detach().to("cpu", copy=True) for k, v in engine.model_parts[0].state_dict().items()}
+    del engine
+    free_memory(device)
+    try:
+        ref_s, ref_peak = reference_step_s(cfg.model, state, device, batch[0], compiled, backend, steps)
+        ref_tok_s = micro * seq / ref_s
+        row.update(reference_step_s=ref_s, reference_tokens_per_s=ref_tok_s, framework_tax=step_s / ref_s,
+                   reference_mfu=ref_tok_s * flops / (peak_tflops * 1e12) if peak_tflops else None,
+                   reference_peak_mem_gib=ref_peak if cuda else None)
+    except Exception as exc:  # the Tessera row stands on its own
+        row["reference_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    del state, batch
     free_memory(device)  # the next row's peak is its own
     report.add("throughput", row)
     return row
@@ -250,9 +278,19 @@ def cases(dry: bool) -> list[dict[str, Any]]:
              "seq": 4096, "micro": 1}]
 
 
-ESTIMATE_S = {"eager": 30.0, "compiled": 100.0, "parity": 60.0}
-"""Seconds a phase may take on the GPU (inductor compiles one block graph per model shape): one is started only
-while that much of the budget is left, so the run ends inside it rather than being cut by the hard timeout."""
+ESTIMATE_S = {"attention": 60.0, "eager": 40.0, "compiled": 160.0, "parity": 60.0, "slice": 60.0}
+"""Seconds a phase may take on the GPU (inductor compiles one block graph per model shape, Tessera's and the plain
+reference's): one is started only while that much of the budget is left, so the run ends inside it rather than
+being cut by the hard timeout. Not yet measured on a GPU: first guesses, to be replaced by the first run's."""
+
+
+def attention_shapes(dry: bool) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """(query heads, KV heads, head dim) of the throughput models, and the sequence length."""
+    shapes = {}
+    for case in cases(dry):
+        m = load_config("configs/smoke/tiny.yaml", [f"model.preset={case['preset']}", "data.vocab_size=512"]).model
+        shapes[case["name"]] = (m.n_heads, m.kv_heads, m.head_dim)
+    return shapes, cases(dry)[0]["seq"]
 
 
 def main() -> int:
@@ -303,18 +341,24 @@ def main() -> int:
         args.calibration.write_text(json.dumps(calib, indent=1))
         report.add("calibration", calib)
 
-    # Cheapest and most telling first, so a cut run keeps them: eager parity, eager throughput (and the
-    # calibration), then the compiled runs, whose first steps compile.
-    for phase in (lambda: grouped_gemm(report, device), lambda: async_checkpoint(report, device, args.out.parent
-                                                                                 / "gpu_check_ckpt")):
+    # Cheapest and most telling first, so a cut run keeps them: attention kernels, eager parity, eager throughput
+    # (and the calibration), the 70B slice, then the compiled runs, whose first steps compile.
+    for key, phase in (("attention", lambda: _attention(report, device, args.dry)),
+                       ("kernels", lambda: grouped_gemm(report, device)),
+                       ("checkpoint", lambda: async_checkpoint(report, device, args.out.parent / "gpu_check_ckpt"))):
         try:
-            phase()
+            if key != "attention" or fits("attention"):
+                phase()
+            else:
+                report.add(key, {"skipped": "time budget"})
         except Exception as exc:  # report and go on
-            report.add("kernels", {"error": f"{type(exc).__name__}: {exc}"[:2000]})
+            report.add(key, {"error": f"{type(exc).__name__}: {exc}"[:2000]})
         free_memory(device)
     names = DRY_PARITY if args.dry else tuple(PARITY_CASES)
     parity(report, device, backend, names, compiled=False, steps=3 if args.dry else 5)
     for compiled in (False, True):
+        if compiled:
+            _slice(report, args.dry, fits("slice"), max(report.left(args.budget_s) - 5, 1.0))
         for case in cases(args.dry):
             if not fits("compiled" if compiled else "eager"):
                 report.add("throughput", {"model": case["name"], "compiled": compiled, "skipped": "time budget"})
@@ -326,12 +370,28 @@ def main() -> int:
                                           "error": f"{type(exc).__name__}: {exc}"[:2000]})
             calibrate()
     if fits("parity"):
-        parity(report, device, backend, DRY_PARITY, compiled=True, steps=3 if args.dry else 5)
+        parity(report, device, backend, COMPILED_PARITY, compiled=True, steps=3 if args.dry else 5)
     else:
-        report.add("parity", {"engine": ", ".join(DRY_PARITY), "compiled": True, "skipped": "time budget"})
-    failed = [r for phase in ("kernels", "checkpoint", "parity", "throughput") for r in report.data[phase]
-              if "error" in r or r.get("ok") is False]
+        report.add("parity", {"engine": ", ".join(COMPILED_PARITY), "compiled": True, "skipped": "time budget"})
+    failed = [r for phase in ("attention", "kernels", "checkpoint", "parity", "throughput", "slice")
+              for r in report.data[phase] if "error" in r or r.get("ok") is False]
     return 1 if failed else 0
+
+
+def _attention(report: Report, device: torch.device, dry: bool) -> None:
+    shapes, seq = attention_shapes(dry)
+    for row in sdpa_rows(shapes, seq, device):
+        report.add("attention", row)
+
+
+def _slice(report: Report, dry: bool, fits: bool, timeout_s: float) -> None:
+    if not fits:
+        report.add("slice", {"skipped": "time budget"})
+        return
+    try:
+        report.add("slice", rank0_slice(dry, timeout_s))
+    except Exception as exc:  # report and go on
+        report.add("slice", {"error": f"{type(exc).__name__}: {exc}"[:2000]})
 
 
 if __name__ == "__main__":

@@ -47,8 +47,7 @@ _LABELS = {
     "setup": "tensors from building the model (each rank's shards of the weights, drawn after FSDP shards them)",
 }
 _ADVICE = {
-    "setup": "building the model passes the budget: this rank's shards of the weights do not fit (with qwZ, "
-             "parallel.zero_quantized_weights, its TP/PP-local weights are materialized before FSDP shards them), "
+    "setup": "building the model passes the budget: this rank's shards of the weights do not fit, "
              "so raise tp or pp (smaller local weights) or the FSDP group",
     "forward": "activations dominate: set parallel.recompute=full (or selective), lower train.micro_batch_size, "
                "or spread the sequence with a larger tp (sequence parallel) or cp",

@@ -22,9 +22,10 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
   9. `to_empty` + per-FQN init (models/init.py): after every sharding, so a rank allocates and draws only its
      shards (FSDP's included), bitwise the 1-process values under any layout; a tied head is re-tied (to_empty
      gives it its own storage). Under cpu_offload the parameters materialize on the host (FSDP's offload wants
-     them there), the buffers on the device. Two things need real weights before FSDP and materialize them
-     before step 6 instead (TP/EP shards still drawn as such, FSDP's not): qwZ, which wraps the weights before
-     fully_shard, and the model transforms, whose contract is initialized weights (a compiled run).
+     them there), the buffers on the device. fp8 is a module swap on the meta stage (step 3), and qwZ wraps the
+     meta weights (its wrapper keeps its type through `to_empty`), so neither changes this. A transform applied
+     at step 7 (compile for now, framework/numerics/transforms.py `_compile`) sees initialized weights, so such a
+     run materializes before step 6 instead (TP/EP shards still drawn as such, FSDP's not).
   after all stages:
  10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients
  11. ZeRO-0 / DDP over dp_replicate without FSDP: bucketed replica all-reduce, launched during backward (ddp.py)
@@ -117,7 +118,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         moe.parallelize(part)  # 4
         if context is not None:  # 5
             context.install(part)
-        early = pcfg.zero_quantized_weights or bool(transforms)  # they need values before FSDP
+        early = any(not t.before_sharding for t in transforms)  # step 7's transforms see initialized weights
         if early:
             materialize(part, model_cfg, device, seed)
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 6

@@ -57,13 +57,14 @@ def dequantize(packed: torch.Tensor, n: int, block: int, dtype: torch.dtype = to
     return (q * scale).view(r, nb * block)[:, :n].to(dtype)
 
 
-# Ops FSDP2 runs on a parameter while sharding it and moving shards: their results stay quantized-all-gather weights.
+# Ops FSDP2 runs on a parameter while sharding it and moving shards, and `to_empty`'s allocation of a meta-built
+# shard (parallelize wraps the meta weights): their results stay quantized-all-gather weights.
 _PRESERVE = {
     torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor, torch.ops.aten.narrow.default,
     torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
     torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default, torch.ops.aten.split.Tensor,
     torch.ops.aten.split_with_sizes.default, torch.ops.aten.clone.default, torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
+    torch.ops.aten.alias.default, torch.ops.aten.empty_like.default,
 }
 
 

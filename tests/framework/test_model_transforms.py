@@ -92,3 +92,33 @@ def test_a_registered_transform_is_applied_by_both_engines_at_one_point(probe: N
     for rank in range(2):
         assert tp2[rank] == [{"tensor_parallel": True, "on_meta": False, "fsdp_blocks": False, "forwards": 2}]
         assert zero3[rank] == [{"tensor_parallel": False, "on_meta": False, "fsdp_blocks": False, "forwards": 2}]
+
+
+def test_the_listed_transforms_run_on_the_meta_model_for_the_target_device() -> None:
+    """fp8 is a module swap applied before sharding (compile is applied later, but runs on meta too): on a meta model they allocate
+    nothing, keep every parameter's canonical FQN, and fp8 chooses torch._scaled_mm or its emulation by the
+    device the weights will live on, not by meta."""
+    pytest.importorskip("torchao")
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torchao.float8.float8_linear import Float8Linear
+
+    from framework.config import load_config
+    from models.decoder import Decoder
+    from models.init import canonical_fqn
+
+    cfg = load_config(TINY, ["train.precision=bf16", "train.fp8.enabled=true"])
+    compiled = load_config(TINY, ["train.compile=true", "train.compile_backend=aot_eager"])
+    transforms = [*model_transforms(cfg.train), *model_transforms(compiled.train)]  # one run may not ask both yet
+    assert [t.name for t in transforms] == ["fp8", "compile"]
+    assert [t.before_sharding for t in transforms] == [True, False]
+    for device, emulated in (("cuda", False), ("cpu", True)):
+        with torch.device("meta"):
+            model = Decoder(cfg.model)
+        before = [fqn for fqn, _ in model.named_parameters()]
+        for t in transforms:
+            t.apply(model, Site(device_type=device))
+        after = list(model.named_parameters())
+        assert all(p.is_meta for _, p in after) and [canonical_fqn(f) for f, _ in after] == before
+        fp8 = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        assert len(fp8) == 7 * cfg.model.n_layers and {m.config.emulate for m in fp8} == {emulated}, device
+        assert all(isinstance(b, OptimizedModule) for b in model.layers.values())

@@ -1,5 +1,6 @@
 """bench/gpu_check.sh end to end in its CPU dry mode (tiny shapes, fp32, aot_eager): every phase reports, the
-JSON is complete after the run, and the planner reads the calibration it writes."""
+JSON is complete after the run, its FLOP convention (Tessera's rows and the plain reference's) is the planner's,
+and the planner reads the calibration it writes."""
 
 from __future__ import annotations
 
@@ -25,10 +26,21 @@ def test_gpu_check_dry_run_reports_every_phase(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["meta"]["dry"] and report["meta"]["backend"] == "aot_eager"
-    skipped = [row for phase in ("parity", "throughput") for row in report[phase] if "skipped" in row]
-    assert not skipped, f"phases skipped for time ({report['meta']['elapsed_s']} s; the machine is loaded?): {skipped}"
-    assert [row["compiled"] for row in report["parity"]] == [False, False, True, True], report["parity"]
-    assert len(report["parity"]) == 4 and all(row["ok"] for row in report["parity"]), report["parity"]
+    phases = ("attention", "kernels", "checkpoint", "parity", "throughput", "slice")
+    skipped = [row for phase in phases for row in report[phase] if "skipped" in row or "error" in row]
+    assert not skipped, f"phases skipped or failed ({report['meta']['elapsed_s']} s; loaded machine?): {skipped}"
+    assert [(row["engine"], row["compiled"]) for row in report["parity"]] == [
+        ("local", False), ("parallel/selective", False), ("parallel/moe", False), ("local", True),
+        ("parallel/selective", True)], report["parity"]
+    assert all(row["ok"] for row in report["parity"]), report["parity"]
+    (attention,) = report["attention"]  # CPU: the flash kernel for CPU takes every path, masks included
+    assert attention["ok"] and attention["causal_flash_eligible"], attention
+    for path in ("causal", "document", "document_dense", "explicit_mask"):
+        assert attention[f"{path}_kernels"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"], attention
+        assert attention[f"{path}_ms"] > 0, attention
+    (rank0,) = report["slice"]
+    assert rank0["layout"] == "tp8 pp4 dp_shard32 zero3" and rank0["n_micro"] == 4, rank0
+    assert rank0["tracker_peak_gib"] > 0 and rank0["planner_peak_gib"] > 0 and rank0["states_gib"] > 0, rank0
     (kernel,) = report["kernels"]
     assert kernel["available"] and kernel["ok"] and kernel["max_rel_diff"] < 1e-5, kernel
     (ckpt,) = report["checkpoint"]
@@ -37,6 +49,8 @@ def test_gpu_check_dry_run_reports_every_phase(tmp_path: Path) -> None:
     assert {(r["model"], r["compiled"]) for r in runs} == {("tiny", False), ("tiny", True)}
     _assert_planner_flop_convention(report, runs)
     assert all(r["tokens_per_s"] > 0 and r["planner_peak_gib"] > 0 for r in runs)
+    for r in runs:  # the tax: Tessera's step over the plain Llama's, same weights, batch and compile mode
+        assert r["framework_tax"] == pytest.approx(r["step_s"] / r["reference_step_s"]), r
     calib = json.loads((tmp_path / "gpu_calibration.json").read_text())
     assert report["calibration"] == calib and 0 < calib["mm_efficiency"] <= 1
     assert load_calibration(str(tmp_path / "gpu_calibration.json"), "cpu") == {
@@ -71,8 +85,12 @@ def test_a_failing_case_is_reported_and_the_run_goes_on(tmp_path: Path, monkeypa
         report.add("throughput", row)  # type: ignore[attr-defined]
         return row
 
+    def slice_dies(*args: object) -> dict:
+        raise RuntimeError("gpu_slice.py exit 1: CUDA out of memory (simulated)")
+
     monkeypatch.setattr(gpu_bench, "throughput", throughput)
     monkeypatch.setattr(gpu_bench, "parity", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_bench, "rank0_slice", slice_dies)
     monkeypatch.setattr(sys, "argv", ["gpu_bench", "--dry", "--out", str(tmp_path / "r.json"),
                                       "--calibration", str(tmp_path / "c.json")])
     assert gpu_bench.main() == 1
@@ -81,6 +99,7 @@ def test_a_failing_case_is_reported_and_the_run_goes_on(tmp_path: Path, monkeypa
     assert report["throughput"][0] == {"model": "tiny", "compiled": False,
                                        "error": "RuntimeError: CUDA out of memory (simulated)"}
     assert report["calibration"]["from"]["compiled"] is True
+    assert report["slice"] == [{"error": "RuntimeError: gpu_slice.py exit 1: CUDA out of memory (simulated)"}]
 
 
 def _assert_planner_flop_convention(report: dict, runs: list[dict]) -> None:
@@ -101,3 +120,5 @@ def _assert_planner_flop_convention(report: dict, runs: list[dict]) -> None:
                            get_hardware("h100-80g"))
         assert r["flops_per_token"] == planned.flops[0] / tokens == flops_per_token(cfg.model, r["seq"])
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * planned.flops[0] / tokens / (989.0 * 1e12))
+        assert r["reference_mfu"] == pytest.approx(
+            r["reference_tokens_per_s"] * planned.flops[0] / tokens / (989.0 * 1e12))

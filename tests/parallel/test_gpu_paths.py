@@ -20,6 +20,9 @@ from framework.testing import run_distributed
 
 TP2 = ("parallel.tp=2", "parallel.dp_shard=1", "parallel.zero_stage=0")
 FSDP2 = ("parallel.dp_shard=2", "parallel.zero_stage=3")
+# fp8 is a module swap on the meta stage (before_sharding) and qwZ wraps meta weights: these runs shard on meta too, drawing only shards
+ON_META = {"fsdp_fp8": (*FSDP2, "train.precision=bf16", "train.fp8.enabled=true"),
+           "fsdp_qwz": (*FSDP2, "train.precision=bf16", "parallel.zero_quantized_weights=true")}
 FUSED_TP_NO_SP: dict[str, Any] = {"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1,
                                   "zero_stage": 0, "train.optimizer_impl": "fused"}
 
@@ -140,15 +143,23 @@ def _sharded_init(layout: tuple[str, ...]) -> dict[str, Any]:
         engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
     finally:
         torch.Tensor.normal_, init.DRAW_CHUNK, torch.empty_like = real, chunk, empty_like  # type: ignore[method-assign]
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from framework.parallel.quant import QuantizedAllGatherWeight
+
+    part = engine.model_parts[0]
+    transformed = sum(type(m).__name__ == "Float8Linear" or isinstance(m, OptimizedModule) for m in part.modules())
+    transformed += sum(isinstance(getattr(p, "_local_tensor", None), QuantizedAllGatherWeight)
+                       for p in part.parameters())
     sharded, mismatched = [], []
-    for fqn, p in engine.model_parts[0].named_parameters():
+    for fqn, p in part.state_dict().items():  # qwZ's state dict holds its plain fp32 shards
         if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
             continue
         sharded.append(p.numel())
         if not torch.equal(p.full_tensor(), init.initial_value(cfg.model, fqn, tuple(p.shape), cfg.train.seed)):
             mismatched.append(fqn)
     return {"sharded": sharded, "largest_draw": max(draws), "mismatched": mismatched,
-            "largest_allocation": max(allocated)}
+            "largest_allocation": max(allocated), "transformed": transformed}
 
 
 def _embedding_grad_rows(layout: tuple[str, ...]) -> list[int]:
@@ -179,7 +190,8 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"parity": [run_round(rank, world, [FUSED_TP_NO_SP])]}
     out["comm_fn"] = _compiled_under_comm_log()
-    out["init"] = {"tp": _sharded_init(TP2), "fsdp": _sharded_init(FSDP2)}
+    out["init"] = {"tp": _sharded_init(TP2), "fsdp": _sharded_init(FSDP2),
+                   **{name: _sharded_init(layout) for name, layout in ON_META.items()}}
     out["embedding_grad_rows"] = _embedding_grad_rows(TP2)
     out["ckpt"] = _async_tp_checkpoint(Path(root))
     out["comm_engine"] = {name: [_engine_comm(layout, False), _engine_comm(layout, True)]
@@ -198,9 +210,13 @@ def test_gpu_paths_on_two_ranks(tmp_path: Path) -> None:
             assert len(init["sharded"]) >= 6 and not init["mismatched"], (name, init)
             assert init["largest_draw"] <= 64 + 16, (name, init)  # never a sharded parameter drawn whole
         assert 64 + 16 < min(r["init"]["tp"]["sharded"]), r["init"]["tp"]
-        # FSDP-only: every parameter is allocated as its shard (init follows fully_shard on the meta device)
-        fsdp = r["init"]["fsdp"]
-        assert 64 + 16 < max(fsdp["sharded"]) and fsdp["largest_allocation"] <= (max(fsdp["sharded"]) + 1) // 2, fsdp
+        # FSDP-only: every parameter is allocated as its shard (init follows fully_shard on the meta device),
+        # with and without model transforms and qwZ (each of which must really have run)
+        for name in ("fsdp", *ON_META):
+            fsdp = r["init"][name]
+            assert 64 + 16 < max(fsdp["sharded"]), (name, fsdp)
+            assert fsdp["largest_allocation"] <= (max(fsdp["sharded"]) + 1) // 2, (name, fsdp)
+            assert (fsdp["transformed"] > 0) == (name != "fsdp"), (name, fsdp)
         assert all(r["ckpt"].values()) and len(r["ckpt"]) == 6, r["ckpt"]
         # the vocab-parallel embedding's backward computes this rank's rows only, not the whole table per rank
         assert set(r["embedding_grad_rows"]) == {make_config().model.vocab_size // 2}, r["embedding_grad_rows"]
