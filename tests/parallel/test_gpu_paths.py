@@ -20,7 +20,8 @@ from framework.testing import run_distributed
 
 TP2 = ("parallel.tp=2", "parallel.dp_shard=1", "parallel.zero_stage=0")
 FSDP2 = ("parallel.dp_shard=2", "parallel.zero_stage=3")
-# fp8 is a module swap on the meta stage (before_sharding) and qwZ wraps meta weights: these runs shard on meta too, drawing only shards
+# fp8 is a module swap on the meta stage (before_sharding) and qwZ wraps meta weights:
+# these runs shard on meta too, drawing only shards
 ON_META = {"fsdp_fp8": (*FSDP2, "train.precision=bf16", "train.fp8.enabled=true"),
            "fsdp_qwz": (*FSDP2, "train.precision=bf16", "parallel.zero_quantized_weights=true")}
 FUSED_TP_NO_SP: dict[str, Any] = {"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1,
