@@ -21,8 +21,8 @@ rank arithmetic (each rank's piece is what `distribute_tensor` cuts for its mesh
 Shard, _StridedShard and uneven shards), as every rank computes the piece lengths: building the plan exchanges
 nothing, so a fake process group (`tessera dryrun`) builds the same plan and measures the same traffic. Where the
 received pieces already lie in order (a 2-D matrix cut in row blocks on one dim: FSDP's Shard(0) alone, the
-common case) the owner keeps no index and assembles by concatenation; elsewhere its indices cost 8 bytes per
-element of the matrices it owns. The collectives are c10d ops, so
+common case) the owner keeps no index and assembles by concatenation; elsewhere its indices cost 4 bytes (int32)
+per element of the matrices it owns, kept between steps. The collectives are c10d ops, so
 the communication logger (framework/parallel/comm.py) sees their bytes on their mesh axes.
 """
 
@@ -166,7 +166,8 @@ def _owner_index(p: DTensor, layout: _Param) -> torch.Tensor | None:
     placement = p.placements[layout.cut[0]]
     if len(layout.cut) == 1 and p.ndim == 2 and isinstance(placement, Shard) and _shard_dim(placement) % 2 == 0:
         return None
-    unit = torch.arange(math.prod(layout.unit_shape), dtype=torch.int64, device=p.to_local().device)
+    n = math.prod(layout.unit_shape)  # int32 where it can address the unit: half the bytes the owner keeps
+    unit = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64, device=p.to_local().device)
     pieces = _pieces(p, layout.cut, unit.view(layout.unit_shape))
     sizes = [p.device_mesh.size(d) for d in layout.cut]
     return torch.cat([pieces[(k, *rest)].reshape(-1) for k in range(sizes[0]) for rest in _every(sizes[1:])])

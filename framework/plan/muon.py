@@ -25,7 +25,7 @@ Transient on that owner, after backward (activations are gone by then): the larg
                      plus the NS working memory of group s in `train.muon.ns_dtype` (`_ns_work`: about n (4ab + a^2)
                      for n stacked a x b matrices, a <= b),
 all in fp32 except the NS working set. Owners whose pieces do not arrive in order (a tp hop, row-wise tp blocks,
-stacked experts cut on dim 1) keep an int64 index per element they own, between steps.
+stacked experts cut on dim 1) keep an int32 index per element they own, between steps.
 `tests/dryrun/test_dryrun_muon.py` holds these terms to the dry run.
 """
 
@@ -62,7 +62,7 @@ class MuonBytes:
     transient: float = 0.0
     """Peak bytes the step's Muon update holds beyond the states, on the busiest owner."""
     index: float = 0.0
-    """The busiest owner's placement indices (int64 per element it places), kept between steps."""
+    """The busiest owner's placement indices (int32 per element it places), kept between steps."""
     ns_flops: float = 0.0
     """The busiest owner's Newton-Schulz FLOPs per step (`NS_STEPS` quintic steps on every matrix it owns)."""
 
@@ -141,7 +141,7 @@ def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int]) -> dict[tuple[str
 def _part(cfg: ModelConfig, lay: Layout, layers: list[int], state: int, ns_bytes: int, out: dict[str, float]
           ) -> float:
     """The transient bytes of one model part's Muon step (one optimizer); adds its traffic and the owner's index
-    bytes (8 per placed element, kept between steps) into `out`."""
+    bytes (4 per placed element, kept between steps) into `out`."""
     sizes = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep, "": 1}
     # apply(): every bucket's pieces (S) live throughout, the owned units (O) from the exchange on (then their
     # results); on top, one bucket's send and receive buffers at a time, or one shape group's Newton-Schulz.
@@ -152,7 +152,7 @@ def _part(cfg: ModelConfig, lay: Layout, layers: list[int], state: int, ns_bytes
         held = max((units[r::size] for r in range(size)), key=lambda us: sum(_numel(u) for u, _ in us))
         o, s2 = sum(_numel(u) for u, _ in held), sum(_numel(u) for u, _ in units) / size
         pieces, owned, mine = pieces + s2 / split, owned + o, mine + [u for u, _ in held]
-        out["index"] = out.get("index", 0.0) + 8 * sum(_numel(u) for u, placed in held if placed)
+        out["index"] = out.get("index", 0.0) + 4 * sum(_numel(u) for u, placed in held if placed)
         if axis:
             out[axis] = out.get(axis, 0.0) + state * (s2 + o)
             exchange = max(exchange, s2 + o)
