@@ -176,8 +176,10 @@ def _owner_index(p: DTensor, layout: _Param) -> torch.Tensor | None:
 class WholeMatrices:
     """Gather, apply, scatter for a fixed list of parameters (the Muon parameters of one optimizer)."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], blocks: Sequence[int] | None = None) -> None:
+        """`blocks[i]`: 0, or +k / -k to run `fn` on the unit's row / column blocks of k (one matrix each)."""
         self.params = list(params)
+        self.blocks = list(blocks or [0] * len(self.params))
         self.layout: list[_Param] = []
         buckets: dict[tuple[int, ...], _Bucket] = {}
         for i, p in enumerate(self.params):
@@ -285,7 +287,7 @@ class WholeMatrices:
                     unit = data.new_empty(math.prod(layout.unit_shape))
                     unit[layout.index] = data
                     units[i] = unit.view(layout.unit_shape)
-        results = _batched(units, fn)  # empties `units` as it goes
+        results = _batched(units, fn, self.blocks)  # empties `units` as it goes
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for i, layout in enumerate(self.layout):
             if layout.owner < 0:
@@ -299,21 +301,38 @@ class WholeMatrices:
         return out  # type: ignore[return-value]
 
 
-def _batched(units: dict[int, torch.Tensor], fn: MatrixFn) -> dict[int, torch.Tensor]:
-    """fn over every unit, one call per matrix shape (units of shape (A, B) or (E, A, B)); each unit leaves
-    `units` once stacked, so a shape's inputs are freed before the next shape's Newton-Schulz."""
+def _to_blocks(unit: torch.Tensor, block: int) -> torch.Tensor:
+    """(n, a, b) matrices of a unit: itself, its row blocks of `block` (> 0) or its column blocks of -`block`."""
+    if block > 0:
+        return unit.reshape(-1, block, unit.shape[-1])
+    if block < 0:
+        return unit.reshape(unit.shape[-2], -1, -block).transpose(0, 1)
+    return unit.reshape(-1, unit.shape[-2], unit.shape[-1])
+
+
+def _from_blocks(blocks_NAB: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
+    if block < 0:
+        return blocks_NAB.transpose(0, 1).reshape(shape)
+    return blocks_NAB.reshape(shape)
+
+
+def _batched(units: dict[int, torch.Tensor], fn: MatrixFn, blocks: Sequence[int]) -> dict[int, torch.Tensor]:
+    """fn over every unit's matrices (`_to_blocks`), one call per matrix shape (units of shape (A, B) or
+    (E, A, B)); each unit leaves `units` once stacked, so a shape's inputs are freed before the next shape's
+    Newton-Schulz."""
     by_shape: dict[tuple[int, int], list[int]] = {}
     shapes = {i: u.shape for i, u in units.items()}
     for i, u in units.items():
-        by_shape.setdefault((u.shape[-2], u.shape[-1]), []).append(i)
+        m = _to_blocks(u, blocks[i])
+        by_shape.setdefault((m.shape[-2], m.shape[-1]), []).append(i)
     out: dict[int, torch.Tensor] = {}
     for (a, b), ids in by_shape.items():
-        stacked = torch.cat([units.pop(i).reshape(-1, a, b) for i in ids])
+        stacked = torch.cat([_to_blocks(units.pop(i), blocks[i]) for i in ids])
         result = fn(stacked)
         del stacked  # before the next shape's stack
         start = 0
         for i in ids:
             n = shapes[i].numel() // (a * b)
-            out[i] = result[start:start + n].reshape(shapes[i])
+            out[i] = _from_blocks(result[start:start + n], shapes[i], blocks[i])
             start += n
     return out
