@@ -15,6 +15,7 @@ import torch
 from framework.base.errors import ConfigError
 from framework.testing.tiny import tiny_config
 from framework.train.local_engine import LocalEngine
+from models.attention import dense_document_mask, max_logits
 from models.layers import apply_rope
 
 MUON = ["train.optimizer=muon", "train.muon.ns_dtype=fp32", "train.muon.qk_clip=true"]
@@ -111,6 +112,14 @@ def test_gqa_clip_brings_every_head_over_tau_to_tau() -> None:
         torch.testing.assert_close(after[i], before[i].clamp(max=0.3), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(engine.qk_clip.last_max, torch.stack([before[i] for i in sorted(before)]),
                                rtol=1e-5, atol=1e-7)
+
+
+def test_max_logits_in_query_blocks_with_documents_equals_the_dense_masked_maximum() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 10, 4, 8, generator=g), torch.randn(2, 10, 2, 8, generator=g)
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2, 2, 2]])
+    s = torch.einsum("bihe,bjhe->bhij", q, k.repeat_interleave(2, dim=2)) / 8**0.5 + dense_document_mask(doc)
+    torch.testing.assert_close(max_logits(q, k, doc, block=3), s.amax(dim=(0, 2, 3)))
 
 
 def test_a_skipped_step_clips_nothing_and_forgets_its_maxima() -> None:
