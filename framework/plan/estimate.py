@@ -39,6 +39,7 @@ from framework.plan.comm import (
     cp_comm_per_micro,
     dp_comm_per_step,
     ep_comm_per_micro,
+    muon_comm_per_step,
     pp_comm_per_step,
     tp_comm_per_micro,
 )
@@ -52,7 +53,7 @@ from framework.plan.memory import (
     rank_chunks,
     rank_params,
 )
-from framework.plan.muon import muon_bytes, muon_comm_per_step
+from framework.plan.muon import muon_bytes
 from models.config import ModelConfig
 from models.flops import flops_per_token, mfu_flops_per_token
 

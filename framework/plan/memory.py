@@ -29,6 +29,7 @@ from framework.plan.activations import (
     tessera_layer_bytes,
 )
 from framework.plan.layout import Layout, Precision, Workload
+from framework.plan.muon import muon_bytes
 from models.config import ModelConfig
 from models.flops import mla_params
 
@@ -267,8 +268,6 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
 def _add_muon(out: dict[str, float], work: Workload, lay: Layout, rank: int) -> None:
     """Muon's terms (framework/plan/muon.py): its momentum in place of AdamW's moments, the owners' index, and the
     update's transient where it passes the forward-backward transients (freed before the optimizer step)."""
-    from framework.plan.muon import muon_bytes
-
     mb = muon_bytes(work, lay, rank)
     out["optimizer"] += mb.state_delta
     states = ("params", "master", "grads", "optimizer")

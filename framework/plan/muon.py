@@ -33,10 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from framework.plan.comm import AxisComm, _axis, _plus, ring_factor
-from framework.plan.hardware import Hardware
+from framework.parallel.pipeline_schedules import stages_of_rank
 from framework.plan.layout import Layout, Workload
-from framework.plan.memory import rank_chunks
 from models.config import ModelConfig
 
 NS_STEPS = 5
@@ -172,7 +170,7 @@ def chunk_layers(cfg: ModelConfig, lay: Layout, rank: int) -> list[list[int]]:
     n_chunks = lay.pp * lay.virtual
     split = lay.layer_split or (cfg.n_layers // n_chunks,) * n_chunks
     bounds = [sum(split[:c]) for c in range(n_chunks + 1)]
-    return [list(range(bounds[c], bounds[c + 1])) for c in rank_chunks(lay, rank)]
+    return [list(range(bounds[c], bounds[c + 1])) for c in stages_of_rank(rank, lay.pp, lay.virtual, lay.schedule)]
 
 
 def muon_bytes(work: Workload, lay: Layout, rank: int) -> MuonBytes:
@@ -195,18 +193,4 @@ def muon_bytes(work: Workload, lay: Layout, rank: int) -> MuonBytes:
     return MuonBytes(dense + experts, sharded * (state - prec.optimizer), traffic, gather, transient, index, flops)
 
 
-def muon_comm_per_step(work: Workload, lay: Layout, hw: Hardware, mb: MuonBytes) -> AxisComm:
-    """The owner exchange's wire traffic and time on one rank per step: two all-to-alls per primary axis and the
-    tp hop's all-gather, after backward with nothing to hide behind (framework/plan/estimate.py adds it whole)."""
-    intra = {"dp_shard": lay.tp * lay.shard_group <= hw.gpus_per_node, "tp": True,
-             "edp": lay.dp * lay.tp <= hw.gpus_per_node}
-    group = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep}
-    total = AxisComm(0.0, 0, 0.0)
-    for axis, payload in mb.all_to_all.items():
-        total = _plus(total, _axis(hw, intra[axis], ring_factor("all_to_all", group[axis]) * payload, 2, group[axis]))
-    if mb.all_gather_tp:
-        total = _plus(total, _axis(hw, True, ring_factor("all_gather", lay.tp) * mb.all_gather_tp, 1, lay.tp))
-    return total
-
-
-__all__ = ["MuonBytes", "chunk_layers", "layer_units", "muon_bytes", "muon_comm_per_step"]
+__all__ = ["MuonBytes", "chunk_layers", "layer_units", "muon_bytes"]
