@@ -26,7 +26,7 @@ Transient on that owner, after backward (activations are gone by then): the larg
                      for n stacked a x b matrices, a <= b),
 all in fp32 except the NS working set. Owners whose pieces do not arrive in order (a tp hop, row-wise tp blocks,
 stacked experts cut on dim 1) keep an int32 index per element they own, between steps.
-`tests/dryrun/test_dryrun_muon.py` holds these terms to the dry run.
+`tests/dryrun/test_ground_truth.py` holds these terms to the dry run (itself held to real gloo steps).
 """
 
 from __future__ import annotations
