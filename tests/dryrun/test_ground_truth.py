@@ -35,9 +35,9 @@ WORLD4 = {
                 "train.global_batch_size=4"],
     # Muon's owner plan is rank arithmetic (no exchange at construction), so the fake world builds it too: its
     # momentum, the dp_shard all-to-alls and the update's transient. (TP2 x DP2 ZeRO-3 Muon, whose tp hop and
-    # owner index the dry run measures too, is not here: after cp2-tp2 in this world the real run's TP
-    # collectives run on process groups the comm logger does not name "tp" (its "other"), a harness artefact;
-    # docs/PLANNER.md has its dry-run figures.)
+    # owner index the dry run measures too, is not here: run after cp2-tp2 in this world, the real run's TP
+    # collectives (TP layers' and Muon's alike) went on process groups the comm logger did not name "tp" but
+    # "other", totals equal; not investigated further. docs/PLANNER.md has its dry-run figures.)
     "dp4-zero3-muon": ["parallel.dp_shard=4", "parallel.zero_stage=3", "model.n_layers=8", "train.optimizer=muon"],
 }
 WORLD8 = {
