@@ -73,7 +73,7 @@ class QKClip:
         for group in self.groups:  # one mesh axis after another: the maximum over the whole mesh
             dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
         self.last_max = table
-        eta = (self.tau / table).clamp(max=1.0)  # -inf (not seen) and logits under tau: 1
+        eta = torch.where(table > self.tau, self.tau / table, 1.0)  # -inf (not seen) and logits under tau: 1
         for layer, module in self.attention.items():
             q_scale, k_scale = head_scales(eta[layer], self.n_kv)
             _scale_rows(module.wq, q_scale.repeat_interleave(self.head_dim))
