@@ -92,6 +92,11 @@ class Config:
                 f"data.seq_len={self.data.seq_len} must be divisible by parallel.tp={tp}: sequence parallelism cuts "
                 f"every sequence into tp equal pieces; use data.seq_len={' or '.join(map(str, fits))}, or set "
                 f"parallel.sequence_parallel=false")
+        if self.train.muon.per_head and self.model.attention == "mla":
+            raise ConfigError("train.muon.per_head=true splits wq/wk/wv/wo into head blocks; MLA's projections "
+                              "(models/mla.py) have other shapes: set model.attention=gqa or train.muon.per_head=false")
+        if self.train.muon.qk_clip and (why := _qk_clip_problem(self)):
+            raise ConfigError(f"train.muon.qk_clip=true {why}")
         if self.train.optimizer == "muon" and self.parallel.nvme_offload.enabled:
             raise ConfigError(
                 f"train.optimizer=muon cannot keep its states on NVMe (parallel.nvme_offload.path="
@@ -168,3 +173,24 @@ def dump_config(cfg: Config) -> str:
 
 __all__ = ["Config", "ConfigError", "RunConfig", "config_from_dict", "dump_config", "load_config", "replace",
            "to_dict"]
+
+
+def _qk_clip_problem(cfg: Config) -> str | None:
+    """Why QK-clip cannot run with this config (framework/train/qk_clip.py), or None."""
+    m = cfg.model
+    if cfg.train.optimizer != "muon":
+        return f"is MuonClip's half and needs train.optimizer=muon (not {cfg.train.optimizer})"
+    if m.attention == "mla":
+        return ("is built for MHA/GQA; MLA clips its per-head and shared RoPE parts by their own rule (Kimi K2), "
+                "not implemented: set model.attention=gqa or train.muon.qk_clip=false")
+    if m.qk_norm:
+        return "with model.qk_norm=true: a normalized query or key does not scale with its projection; drop one"
+    if cfg.parallel.cp > 1:
+        return (f"with parallel.cp={cfg.parallel.cp}: a cp rank sees its chunk's queries against all keys only "
+                f"inside the context kernel, where the largest logit is not read out; set parallel.cp=1")
+    if cfg.train.compile:
+        return "with train.compile=true: the logit maximum is recorded eagerly; set train.compile=false"
+    if cfg.parallel.tp > m.kv_heads:
+        return (f"with parallel.tp={cfg.parallel.tp} > model.n_kv_heads={m.kv_heads}: key heads replicated over "
+                f"tp ranks are not clipped yet; use tp <= {m.kv_heads}")
+    return None

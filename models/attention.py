@@ -96,3 +96,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask
 
 __all__ = ["BlockMask", "DocumentMask", "attend", "block_sparse_available", "dense_document_mask",
            "document_mask", "document_mask_mod"]
+
+
+@torch.no_grad()
+def max_logits(q_BTHE: torch.Tensor, k_BTKE: torch.Tensor, doc_BT: torch.Tensor | None = None,
+               block: int = 1024) -> torch.Tensor:
+    """(H,) each query head's largest attention logit q.k / sqrt(E) over the batch and the positions it may attend
+    (causal, and within its document when `doc_BT` is given), in fp32: what QK-clip (MuonClip, Kimi K2, arXiv
+    2507.20534) bounds. Head h reads key head h // (H / K) (GQA). Queries go `block` rows at a time, so the
+    scores held at once are (B, H, block, T), not (B, H, T, T)."""
+    _, t, h, e = q_BTHE.shape
+    q = q_BTHE.float().transpose(1, 2)  # (B, H, T, E)
+    k = k_BTKE.float().transpose(1, 2).repeat_interleave(h // k_BTKE.shape[2], dim=1)
+    out = torch.full((h,), float("-inf"), device=q.device)
+    keys = torch.arange(t, device=q.device)
+    for start in range(0, t, block):
+        rows = keys[start:start + block]
+        scores = q[:, :, rows] @ k.transpose(-1, -2) / e**0.5  # (B, H, rows, T)
+        allowed = keys[None, :] <= rows[:, None]  # (rows, T)
+        if doc_BT is not None:
+            allowed = allowed & (doc_BT[:, rows, None] == doc_BT[:, None, :])[:, None]
+        out = torch.maximum(out, scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)))
+    return out

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import DocumentMask, attend
+from models.attention import DocumentMask, attend, max_logits
 from models.config import ModelConfig, RopeScaling
 from models.kv_cache import LayerKVCache
 from models.rope import attention_factor, inv_freq
@@ -93,6 +93,10 @@ class Attention(nn.Module):
         # (B, L, H, E) queries and (B, L, K, E) keys/values with the sequence split over cp ranks, given the mask
         # the decoder built; returns (B, L, H, E). None: single-device attention.
         self.context_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor] | None = None
+        # QK-clip (framework/train/qk_clip.py) turns this on: each training forward raises `max_logits_H`, this
+        # rank's heads' largest attention logit since the last clip, which the clip reads and resets.
+        self.track_max_logits = False
+        self.max_logits_H: torch.Tensor | None = None
 
     def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | DocumentMask | None = None,
                 kv_cache: LayerKVCache | None = None) -> torch.Tensor:
@@ -107,6 +111,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.track_max_logits and self.training and kv_cache is None and not isinstance(attn_mask, torch.Tensor):
+            seen = max_logits(q, k, attn_mask.doc_BT if isinstance(attn_mask, DocumentMask) else None)
+            self.max_logits_H = seen if self.max_logits_H is None else torch.maximum(self.max_logits_H, seen)
         if self.context_attention is not None:
             return self.wo(self.context_attention(q, k, v, attn_mask).reshape(b, t, -1))
         if kv_cache is not None:

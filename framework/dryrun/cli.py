@@ -50,14 +50,6 @@ def dry_run(cfg: Config, world_size: int, *, rank: int | None = None, gpu: str =
     from framework.parallel.mesh import ParallelDims
     from framework.plan.hardware import get_hardware
 
-    if cfg.train.optimizer == "muon":
-        from framework.dryrun.fake import DryRunError
-
-        raise DryRunError("train.optimizer=muon is not rehearsed: Muon's owner plan (framework/parallel/"
-                          "whole_matrix.py) exchanges shard lengths and indices as values when the optimizer is "
-                          "built, which a fake backend cannot answer; rehearse with train.optimizer=adamw, whose "
-                          "two fp32 moments per parameter bound Muon's one momentum per hidden-matrix element "
-                          "(`tessera launch slurm --no-dryrun` skips the rehearsal)")
     hw = get_hardware(gpu)
     classes = rank_classes(cfg, world_size)
     if rank is not None:

@@ -5,7 +5,8 @@
 The planner (framework/plan/memory.py) predicts a pipeline rank's peak from formulas; the dry run measures the
 same rank's step. Terms are matched by meaning: model states (parameters, master copy, gradients, optimizer
 states held between steps), activations kept for backward, logits and loss, and the rest (buffers,
-gathered parameters, temporaries). A term whose two figures differ by more than 10% is flagged; docs/PLANNER.md
+gathered parameters, temporaries); under Muon also the owner exchange's all-to-all bytes and the optimizer
+step's transient (framework/plan/muon.py). A term whose two figures differ by more than 10% is flagged; docs/PLANNER.md
 explains or the planner is fixed.
 """
 
@@ -19,6 +20,7 @@ from framework.parallel.mesh import ParallelDims
 from framework.plan.activations import FP32
 from framework.plan.layout import Layout, Precision, Workload
 from framework.plan.memory import rank_memory, rank_params, resident_state_bytes
+from framework.plan.muon import muon_bytes
 
 TOLERANCE = 0.10
 
@@ -44,7 +46,8 @@ def layout_of(cfg: Config, world_size: int) -> tuple[Workload, Layout]:
     p = cfg.parallel
     dims = ParallelDims.from_config(p, world_size, cfg.model)
     work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, Precision.named(cfg.train.precision),
-                    cp_comm=p.cp_comm, fp8_all_gather=cfg.train.fp8.enabled and cfg.train.fp8.fsdp_all_gather)
+                    cp_comm=p.cp_comm, fp8_all_gather=cfg.train.fp8.enabled and cfg.train.fp8.fsdp_all_gather,
+                    optimizer=cfg.train.optimizer, muon_ns_bytes=2 if cfg.train.muon.ns_dtype == "bf16" else 4)
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_size, ep=dims.ep, cp=dims.cp, zero_stage=p.zero_stage,
                  recompute=p.recompute, micro_batch=cfg.train.micro_batch_size, schedule=p.pp_schedule,
                  virtual=p.virtual_stages if dims.pp > 1 else 1, prefetch=p.fsdp_prefetch,
@@ -61,6 +64,8 @@ def compare(cfg: Config, world_size: int, verdicts: list[Verdict]) -> list[TermR
         plan = rank_memory(work, lay, pp_rank)
         # Held between steps, as the dry run measures them; the step-time rest stays in the planner's peak.
         states = resident_state_bytes(rank_params(work.model, lay, pp_rank), lay, work.precision)
+        muon = muon_bytes(work, lay, pp_rank) if work.optimizer == "muon" else None
+        states += muon.state_delta if muon else 0.0
         measured = v.measure.states
         dry_states = sum(measured.get(k, 0) for k in ("params", "grads", "optimizer"))
         at_peak = v.measure.peak_by_label
@@ -78,6 +83,10 @@ def compare(cfg: Config, world_size: int, verdicts: list[Verdict]) -> list[TermR
             TermRow(name, "logits and loss", plan.get("logits", 0.0) + log_probs, own_max.get("logits_loss", 0)),
             TermRow(name, "peak", sum(plan.values()), v.measure.peak),
         ]
+        if muon:  # the owner exchange's payload per step on its primary axes, and the update's transient
+            measured_a2a = sum(c.bytes for c in v.measure.collectives if c.op == "all_to_all" and c.axis != "ep")
+            rows += [TermRow(name, "muon all_to_all", sum(muon.all_to_all.values()), measured_a2a),
+                     TermRow(name, "muon transient", muon.transient, v.measure.optimizer_rise)]
     return rows
 
 

@@ -61,6 +61,9 @@ class StepMeasure:
     """The step was stopped when live bytes passed the budget: `peak` is where it stopped, a lower bound."""
     label_max: dict[str, int] = field(default_factory=dict)
     """Each category's own largest live bytes during the step, at whatever moment (the peak's are a snapshot)."""
+    optimizer_rise: int = 0
+    """Live bytes the measured step's clipping and optimizer step add at most over what they begin with (Muon's
+    owner exchange and Newton-Schulz; framework/plan/muon.py predicts it)."""
 
     def bytes_by_axis(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -209,4 +212,4 @@ def _measure_step(engine: Any, batch: torch.Tensor, tracker: MemoryTracker, rank
                    sorted(str(d).removeprefix("torch.") for d in log.dtypes[(axis, op)]))
         for (axis, op), n in sorted(log.calls.items())]
     return StepMeasure(rank, grads, tracker.peak, dict(tracker.peak_by_label), tracker.peak_phase, collectives,
-                       label_max=dict(tracker.label_max))
+                       label_max=dict(tracker.label_max), optimizer_rise=tracker.rise.get("optimizer", 0))

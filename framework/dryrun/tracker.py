@@ -104,6 +104,10 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_phase = ""
         self.label_max: dict[str, int] = {}
         """Each category's own largest live bytes inside the window, whenever it happened (not only at the peak)."""
+        self.rise: dict[str, int] = {}
+        """Per phase entered with `phase()`: its highest live bytes over the live bytes at its start (the last
+        entry's), e.g. what the optimizer step adds to the states it begins with."""
+        self._floor = 0
         self._phase = "setup"
         self._saved: dict[tuple[str, str], Any] = {}
 
@@ -161,6 +165,8 @@ class MemoryTracker(TorchDispatchMode):
         self.total += nbytes
         if nbytes > 0 and self.by_label[label] > self.label_max.get(label, 0):
             self.label_max[label] = self.by_label[label]
+        if self._phase in self.rise and self.total - self._floor > self.rise[self._phase]:
+            self.rise[self._phase] = self.total - self._floor
         if peak and self.total > self.peak:
             self.peak = self.total
             self.peak_by_label = {k: v for k, v in self.by_label.items() if v}
@@ -182,11 +188,12 @@ class MemoryTracker(TorchDispatchMode):
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        before, self._phase = self._phase, name
+        before, floor, self._phase = self._phase, self._floor, name
+        self._floor, self.rise[name] = self.total, 0
         try:
             yield
         finally:
-            self._phase = before
+            self._phase, self._floor = before, floor
 
     # --- the dispatch mode ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

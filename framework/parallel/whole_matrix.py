@@ -16,24 +16,26 @@ How the pieces travel (a parameter's mesh dims sorted by its placements):
                     before the primary exchange; the ranks of such a dim then compute the same matrices (the
                     "orthogonalize the full matrix" choice: tp is small and inside a node, and it spares a
                     second level of owners at the cost of tp-fold Newton-Schulz work on those ranks).
-Owners put the pieces in place through flat global indices, exchanged once at construction the same way as the
-data (int64), so any placement DTensor can describe is handled by one code path: a piece is whatever
-`distribute_tensor(arange, mesh, placements, src_data_rank=None)` says it is. Where the received pieces already
-lie in order (FSDP's Shard(0) alone, the common case) the owner keeps no index and assembles by concatenation;
-elsewhere its indices cost 8 bytes per element of the matrices it owns. The collectives are c10d ops, so
+Owners put the pieces in place through flat positions in the unit, which every owner computes for itself from
+rank arithmetic (each rank's piece is what `distribute_tensor` cuts for its mesh coordinate: one code path for
+Shard, _StridedShard and uneven shards), as every rank computes the piece lengths: building the plan exchanges
+nothing, so a fake process group (`tessera dryrun`) builds the same plan and measures the same traffic. Where the
+received pieces already lie in order (a 2-D matrix cut in row blocks on one dim: FSDP's Shard(0) alone, the
+common case) the owner keeps no index and assembles by concatenation; elsewhere its indices cost 4 bytes (int32)
+per element of the matrices it owns, kept between steps. The collectives are c10d ops, so
 the communication logger (framework/parallel/comm.py) sees their bytes on their mesh axes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Shard
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (the same c10d op); older torch lacks the latter.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -60,6 +62,7 @@ class _Param:
     # per secondary hop: (group, buffer length of every member before the hop, my position in the group)
     own_offset: int = 0  # where this rank's piece sits in its buffer after the secondary hops
     own_numel: int = 0
+    cut: list[int] = field(default_factory=list)  # the mesh dims that cut the unit: primary first, then secondary
     owner: int = -1  # rank in the primary group (-1: no primary dim, the unit is assembled locally)
     recv_lengths: list[int] = field(default_factory=list)  # owner: buffer length from each primary member
     index: torch.Tensor | None = None  # owner: flat positions in the unit of the received elements, in order;
@@ -87,16 +90,31 @@ def _split_dims(p: torch.Tensor) -> tuple[list[int], list[int]]:
     return cut, whole
 
 
-def _unit_index(p: DTensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """(flat position of each local element inside this rank's unit, the unit's shape)."""
-    shape = tuple(p.shape)
-    full = torch.arange(math.prod(shape), dtype=torch.int64, device=p.to_local().device).view(shape)
-    local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local().reshape(-1)
-    if p.ndim != 3:
-        return local, shape
-    # stacked experts: the unit is this rank's block of whole experts along dim 0
-    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return local - offset[0] * shape[1] * shape[2], (local_shape[0], shape[1], shape[2])
+def _split(p: DTensor, d: int, t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's chunk of `t` along mesh dim d, as `distribute_tensor` cuts it (uneven and strided alike)."""
+    chunks, _ = p.placements[d]._split_tensor(  # type: ignore[attr-defined]
+        t, p.device_mesh.size(d), with_padding=False, contiguous=False)
+    return list(chunks)
+
+
+def _unit_shape(p: DTensor, whole: list[int]) -> tuple[int, ...]:
+    """The shape of this rank's unit: the whole matrix, or its block of whole experts along the whole-unit dims."""
+    t = torch.empty(p.shape, device="meta")
+    coordinate = p.device_mesh.get_coordinate()
+    assert coordinate is not None
+    for d in whole:
+        t = _split(p, d, t)[coordinate[d]]
+    return tuple(t.shape)
+
+
+def _pieces(p: DTensor, cut: list[int], unit: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
+    """{(k along cut[0], k along cut[1], ...): that rank's piece of `unit`} for every rank of the cut dims (the
+    other dims at this rank's coordinate): rank arithmetic, no collective. Whole-unit dims cut only dim 0 of a
+    stacked expert tensor, which the cut dims never cut, so cutting the unit by the cut dims alone is exact."""
+    out: dict[tuple[int, ...], torch.Tensor] = {(): unit}
+    for d in cut:  # ascending mesh dims: the order distribute_tensor applies placements in
+        out = {(*key, k): chunk for key, t in out.items() for k, chunk in enumerate(_split(p, d, t))}
+    return out
 
 
 def _all_gather_flat(pieces: list[torch.Tensor], lengths: list[list[int]], group: dist.ProcessGroup
@@ -115,68 +133,78 @@ def _all_gather_flat(pieces: list[torch.Tensor], lengths: list[list[int]], group
     return result
 
 
+def _plan(p: DTensor, cut: list[int], whole: list[int]) -> _Param:
+    """Lengths and offsets of one parameter's pieces on their way to the owner, from rank arithmetic alone (every
+    rank's piece size is what `distribute_tensor` would cut for it), so nothing is exchanged to plan and a fake
+    process group (`tessera dryrun`) plans exactly as a real one."""
+    mesh = p.device_mesh
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    unit_shape = _unit_shape(p, whole)
+    numel = {k: t.numel() for k, t in _pieces(p, cut, torch.empty(unit_shape, device="meta")).items()}
+    mine = tuple(coordinate[d] for d in cut)
+    sizes = [mesh.size(d) for d in cut]
+    layout = _Param(unit_shape=unit_shape, own_numel=numel[mine], cut=cut)
+    for hop in range(1, len(cut)):
+        # member k's buffer before this hop: its pieces gathered over the hops before (dims cut[1:hop])
+        lengths = [sum(numel[mine[:1] + inner + (k,) + mine[hop + 1:]] for inner in _every(sizes[1:hop]))
+                   for k in range(sizes[hop])]
+        layout.secondary.append((mesh.get_group(cut[hop]), lengths, mine[hop]))
+        layout.own_offset += sum(lengths[:mine[hop]])
+    layout.recv_lengths = [sum(numel[(k, *rest)] for rest in _every(sizes[1:])) for k in range(sizes[0])]
+    return layout
+
+
+def _every(sizes: list[int]) -> list[tuple[int, ...]]:
+    """Every coordinate over dims of these sizes, the first fastest (the order the secondary hops concatenate)."""
+    return [tuple(reversed(k)) for k in itertools.product(*(range(n) for n in reversed(sizes)))]
+
+
+def _owner_index(p: DTensor, layout: _Param) -> torch.Tensor | None:
+    """The owner's flat positions in the unit of the elements it receives, in arrival order; None where that order
+    is 0, 1, 2, ... (a 2-D matrix cut into row blocks on one dim: FSDP's Shard(0), TP's Colwise)."""
+    placement = p.placements[layout.cut[0]]
+    if len(layout.cut) == 1 and p.ndim == 2 and isinstance(placement, Shard) and _shard_dim(placement) % 2 == 0:
+        return None
+    n = math.prod(layout.unit_shape)  # int32 where it can address the unit: half the bytes the owner keeps
+    unit = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64, device=p.to_local().device)
+    pieces = _pieces(p, layout.cut, unit.view(layout.unit_shape))
+    sizes = [p.device_mesh.size(d) for d in layout.cut]
+    return torch.cat([pieces[(k, *rest)].reshape(-1) for k in range(sizes[0]) for rest in _every(sizes[1:])])
+
+
 class WholeMatrices:
     """Gather, apply, scatter for a fixed list of parameters (the Muon parameters of one optimizer)."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], blocks: Sequence[int] | None = None) -> None:
+        """`blocks[i]`: 0, or +k / -k to run `fn` on the unit's row / column blocks of k (one matrix each)."""
         self.params = list(params)
+        self.blocks = list(blocks or [0] * len(self.params))
         self.layout: list[_Param] = []
         buckets: dict[tuple[int, ...], _Bucket] = {}
-        local_index: list[torch.Tensor] = []
         for i, p in enumerate(self.params):
-            cut, _ = _split_dims(p)
+            cut, whole = _split_dims(p)
             if not cut:  # the local tensor holds whole units: a plain tensor, replicas, whole experts
                 self.layout.append(_Param(unit_shape=tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape)))
-                local_index.append(torch.empty(0, dtype=torch.int64))
                 continue
             assert isinstance(p, DTensor)
-            index, unit = _unit_index(p)
-            self.layout.append(_Param(unit_shape=unit, own_numel=index.numel()))
-            local_index.append(index)
+            self.layout.append(_plan(p, cut, whole))
             group = p.device_mesh.get_group(cut[0])
-            self.layout[i].secondary = [(p.device_mesh.get_group(d), [], p.device_mesh.get_local_rank(d))
-                                        for d in cut[1:]]
             key = (id(group), *(id(g) for g, _, _ in self.layout[i].secondary))
             buckets.setdefault(key, _Bucket(group, [])).members.append(i)
         self.buckets = list(buckets.values())
-        self._plan(local_index)
-
-    def _plan(self, local_index: list[torch.Tensor]) -> None:
-        """Lengths, offsets and owners' index tensors: the data path run once on the flat positions."""
         for bucket in self.buckets:
-            size = dist.get_world_size(bucket.group)
+            size, me = dist.get_world_size(bucket.group), dist.get_rank(bucket.group)
             for n, i in enumerate(bucket.members):
                 self.layout[i].owner = n % size
-            buffers = self._secondary_hops(bucket, [local_index[i] for i in bucket.members], plan=True)
-            lengths = torch.tensor([b.numel() for b in buffers], dtype=torch.int64)
-            every = lengths.new_empty(size * lengths.numel())
-            _all_gather_single(every, lengths, group=bucket.group)
-            every_KP = every.view(size, -1).tolist()
-            for n, i in enumerate(bucket.members):
-                self.layout[i].recv_lengths = [every_KP[k][n] for k in range(size)]
-            received = self._to_owners(bucket, buffers)
-            for i, index in received.items():
-                in_order = torch.equal(index, torch.arange(index.numel(), device=index.device))
-                self.layout[i].index = None if in_order else index
+                if n % size == me:
+                    self.layout[i].index = _owner_index(self.params[i], self.layout[i])  # type: ignore[arg-type]
 
-    def _secondary_hops(self, bucket: _Bucket, pieces: list[torch.Tensor], plan: bool = False
-                        ) -> list[torch.Tensor]:
-        """All-gather along each secondary dim (bucketed per dim); `plan` records lengths and offsets."""
-        first = self.layout[bucket.members[0]]
-        for hop, (group, _, position) in enumerate(first.secondary):
-            if plan:
-                size = dist.get_world_size(group)
-                mine = torch.tensor([x.numel() for x in pieces], dtype=torch.int64)
-                every = mine.new_empty(size * mine.numel())
-                _all_gather_single(every, mine, group=group)
-                every_KP = every.view(size, -1).tolist()
-                for n, i in enumerate(bucket.members):
-                    lengths = [every_KP[k][n] for k in range(size)]
-                    layout = self.layout[i]
-                    layout.secondary[hop] = (group, lengths, position)
-                    layout.own_offset += sum(lengths[:position])
+    def _secondary_hops(self, bucket: _Bucket, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All-gather along each secondary dim (bucketed per dim)."""
+        for hop in range(len(self.layout[bucket.members[0]].secondary)):
             lengths_P = [self.layout[i].secondary[hop][1] for i in bucket.members]
-            pieces = _all_gather_flat(pieces, lengths_P, group)
+            pieces = _all_gather_flat(pieces, lengths_P, self.layout[bucket.members[0]].secondary[hop][0])
         return pieces
 
     def _to_owners(self, bucket: _Bucket, buffers: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -188,6 +216,8 @@ class WholeMatrices:
             by_owner[self.layout[i].owner].append(buf)
         send = torch.cat([x for per in by_owner for x in per])
         in_splits = [sum(x.numel() for x in per) for per in by_owner]
+        del by_owner
+        buffers.clear()  # the caller's gathered buffers, now copied into `send`: freed before the owner's copies
         mine = [i for i in bucket.members if self.layout[i].owner == me]
         out_splits = [sum(self.layout[i].recv_lengths[k] for i in mine) for k in range(size)]
         recv = send.new_empty(sum(out_splits))
@@ -207,20 +237,25 @@ class WholeMatrices:
         size = dist.get_world_size(bucket.group)
         me = dist.get_rank(bucket.group)
         mine = [i for i in bucket.members if self.layout[i].owner == me]
-        send_parts: list[torch.Tensor] = [like.new_empty(0)]
-        for k in range(size):
+        in_splits = [sum(self.layout[i].recv_lengths[k] for i in mine) for k in range(size)]
+        send = like.new_empty(sum(in_splits))
+        at = 0
+        for k in range(size):  # written in place: no per-piece copies beside the send buffer
             for i in mine:
                 layout = self.layout[i]
                 start, stop = sum(layout.recv_lengths[:k]), sum(layout.recv_lengths[:k + 1])
-                flat = results[i].reshape(-1)
-                send_parts.append(flat[start:stop] if layout.index is None else flat[layout.index[start:stop]])
-        in_splits = [sum(self.layout[i].recv_lengths[k] for i in mine) for k in range(size)]
+                flat, part = results[i].reshape(-1), send[at:at + stop - start]
+                if layout.index is None:
+                    part.copy_(flat[start:stop])
+                else:
+                    torch.index_select(flat, 0, layout.index[start:stop], out=part)
+                at += stop - start
         by_owner: list[list[int]] = [[] for _ in range(size)]
         for i in bucket.members:
             by_owner[self.layout[i].owner].append(i)
         out_splits = [sum(self._buffer_len(i) for i in per) for per in by_owner]
         recv = like.new_empty(sum(out_splits))
-        dist.all_to_all_single(recv, torch.cat(send_parts), out_splits, in_splits, group=bucket.group)
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=bucket.group)
         out: dict[int, torch.Tensor] = {}
         start = 0
         for per in by_owner:
@@ -252,7 +287,7 @@ class WholeMatrices:
                     unit = data.new_empty(math.prod(layout.unit_shape))
                     unit[layout.index] = data
                     units[i] = unit.view(layout.unit_shape)
-        results = _batched(units, fn)
+        results = _batched(units, fn, self.blocks)  # empties `units` as it goes
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for i, layout in enumerate(self.layout):
             if layout.owner < 0:
@@ -266,18 +301,38 @@ class WholeMatrices:
         return out  # type: ignore[return-value]
 
 
-def _batched(units: dict[int, torch.Tensor], fn: MatrixFn) -> dict[int, torch.Tensor]:
-    """fn over every unit, one call per matrix shape (units of shape (A, B) or (E, A, B))."""
+def _to_blocks(unit: torch.Tensor, block: int) -> torch.Tensor:
+    """(n, a, b) matrices of a unit: itself, its row blocks of `block` (> 0) or its column blocks of -`block`."""
+    if block > 0:
+        return unit.reshape(-1, block, unit.shape[-1])
+    if block < 0:
+        return unit.reshape(unit.shape[-2], -1, -block).transpose(0, 1)
+    return unit.reshape(-1, unit.shape[-2], unit.shape[-1])
+
+
+def _from_blocks(blocks_NAB: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
+    if block < 0:
+        return blocks_NAB.transpose(0, 1).reshape(shape)
+    return blocks_NAB.reshape(shape)
+
+
+def _batched(units: dict[int, torch.Tensor], fn: MatrixFn, blocks: Sequence[int]) -> dict[int, torch.Tensor]:
+    """fn over every unit's matrices (`_to_blocks`), one call per matrix shape (units of shape (A, B) or
+    (E, A, B)); each unit leaves `units` once stacked, so a shape's inputs are freed before the next shape's
+    Newton-Schulz."""
     by_shape: dict[tuple[int, int], list[int]] = {}
+    shapes = {i: u.shape for i, u in units.items()}
     for i, u in units.items():
-        by_shape.setdefault((u.shape[-2], u.shape[-1]), []).append(i)
+        m = _to_blocks(u, blocks[i])
+        by_shape.setdefault((m.shape[-2], m.shape[-1]), []).append(i)
     out: dict[int, torch.Tensor] = {}
     for (a, b), ids in by_shape.items():
-        stacked = torch.cat([units[i].reshape(-1, a, b) for i in ids])
+        stacked = torch.cat([_to_blocks(units.pop(i), blocks[i]) for i in ids])
         result = fn(stacked)
+        del stacked  # before the next shape's stack
         start = 0
         for i in ids:
-            n = units[i].numel() // (a * b)
-            out[i] = result[start:start + n].reshape(units[i].shape)
+            n = shapes[i].numel() // (a * b)
+            out[i] = _from_blocks(result[start:start + n], shapes[i], blocks[i])
             start += n
     return out

@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-imbalance", type=float, default=1.25,
                    help="MoE: tokens on the busiest expert-parallel rank over the mean (1: perfect balance); "
                         "its expert matmuls and all-to-all set the step's pace")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="train.optimizer: muon keeps one fp32 momentum per hidden-matrix element and adds the owner "
+                        "exchange, Newton-Schulz and its transient (framework/plan/muon.py)")
     p.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
                    help=f"comma-separated pipeline schedules to consider, of {', '.join(SCHEDULES)}")
     p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to consider")
@@ -204,10 +207,13 @@ def run(args: argparse.Namespace) -> int:
         overrides = {**load_calibration(args.calibration, args.gpu), **overrides}
     hw = get_hardware(args.gpu, overrides)
     space = space_from_args(args)
+    if args.optimizer == "muon" and args.nvme_offload:
+        raise ConfigError("--optimizer muon with --nvme-offload: a Muon run cannot keep its states on NVMe "
+                          "(train.optimizer=muon refuses parallel.nvme_offload); drop one of the two")
     if args.moe_imbalance < 1:
         raise ConfigError(f"--moe-imbalance {args.moe_imbalance} must be >= 1 (the busiest rank over the mean)")
     work = Workload(cfg, args.seq, args.global_batch, Precision.named(args.precision), args.kernel,
-                    args.activations, moe_imbalance=args.moe_imbalance, cp_comm=args.cp_comm)
+                    args.activations, moe_imbalance=args.moe_imbalance, cp_comm=args.cp_comm, optimizer=args.optimizer)
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be >= 1")
     result = plan_or_explain(work, args.gpus, hw, space, progress=sys.stderr.isatty())

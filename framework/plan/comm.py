@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from framework.plan.hardware import Hardware
 from framework.plan.layout import Layout, Workload
 from framework.plan.memory import RankParams, fp8_linear_params
+from framework.plan.muon import MuonBytes
 
 QUANT_BLOCK = 256
 """Elements per ZeRO++ quantization block (parallel.zero_quant_block_size's default)."""
@@ -145,9 +146,23 @@ def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankPara
     return {"reduce": red, "gather": gat}
 
 
+def muon_comm_per_step(work: Workload, lay: Layout, hw: Hardware, mb: MuonBytes) -> AxisComm:
+    """The owner exchange's wire traffic and time on one rank per step: two all-to-alls per primary axis and the
+    tp hop's all-gather, after backward with nothing to hide behind (framework/plan/estimate.py adds it whole)."""
+    intra = {"dp_shard": lay.tp * lay.shard_group <= hw.gpus_per_node, "tp": True,
+             "edp": lay.dp * lay.tp <= hw.gpus_per_node}
+    group = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep}
+    total = AxisComm(0.0, 0, 0.0)
+    for axis, payload in mb.all_to_all.items():
+        total = _plus(total, _axis(hw, intra[axis], ring_factor("all_to_all", group[axis]) * payload, 2, group[axis]))
+    if mb.all_gather_tp:
+        total = _plus(total, _axis(hw, True, ring_factor("all_gather", lay.tp) * mb.all_gather_tp, 1, lay.tp))
+    return total
+
+
 def _plus(a: AxisComm, b: AxisComm) -> AxisComm:
     return AxisComm(a.wire_bytes + b.wire_bytes, a.messages + b.messages, a.seconds + b.seconds)
 
 
-__all__ = ["AxisComm", "cp_comm_per_micro", "dp_comm_per_step", "ep_comm_per_micro", "pp_comm_per_step", "ring_factor",
-           "tp_comm_per_micro"]
+__all__ = ["AxisComm", "cp_comm_per_micro", "dp_comm_per_step", "ep_comm_per_micro", "muon_comm_per_step",
+           "pp_comm_per_step", "ring_factor", "tp_comm_per_micro"]

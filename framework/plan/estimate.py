@@ -17,6 +17,8 @@ compute to hide behind, the others hide behind the neighbouring unit's compute u
 prefetch >= 1; FSDP2's default, prefetch 0, still prefetches one unit in backward) or not at all (forward,
 prefetch 0); per-unit latency ((n-1) ring steps) and the inter-node bandwidth
 of a group that spans nodes enter through each collective's time (`framework.plan.comm`).
+Under Muon (`Workload.optimizer`) the owner exchange and the owners' Newton-Schulz FLOPs add to the step
+whole (framework/plan/muon.py): they run after backward and nothing overlaps them yet.
 NVMe offload adds reading and writing the rank's AdamW states (16 bytes per parameter) at `nvme_gbps` after
 backward, where nothing hides it.
 Selective recompute adds the memory traffic of rewriting what it recomputes (norms, RoPE, activations are
@@ -37,6 +39,7 @@ from framework.plan.comm import (
     cp_comm_per_micro,
     dp_comm_per_step,
     ep_comm_per_micro,
+    muon_comm_per_step,
     pp_comm_per_step,
     tp_comm_per_micro,
 )
@@ -50,6 +53,7 @@ from framework.plan.memory import (
     rank_chunks,
     rank_params,
 )
+from framework.plan.muon import muon_bytes
 from models.config import ModelConfig
 from models.flops import flops_per_token, mfu_flops_per_token
 
@@ -192,16 +196,21 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
         states = model_state_bytes(params, dataclasses.replace(lay, nvme_offload=False), work.precision)
         nvme_s = 2 * states["optimizer"] / (hw.nvme_gbps * 1e9)
         optimizer_s += 2 * states["optimizer"] / (hw.hbm_gbps * 1e9)
-    step = pipeline + pp.seconds + dp_exposed + optimizer_s + nvme_s
+    muon = AxisComm(0.0, 0, 0.0)
+    if work.optimizer == "muon":  # the owner exchange and Newton-Schulz run after backward, nothing hides them
+        mb = muon_bytes(work, lay, max({0, lay.pp - 1}, key=lambda r: muon_bytes(work, lay, r).ns_flops))
+        muon = muon_comm_per_step(work, lay, hw, mb)
+        optimizer_s += mb.ns_flops / rate
+    step = pipeline + pp.seconds + dp_exposed + optimizer_s + nvme_s + muon.seconds
     tokens = work.global_batch * s
     model_flops = mfu_flops_per_token(cfg, s) * tokens  # the MFU convention shared with the observer
     hw_flops = _flops(cfg, s, full_rc) * tokens
     denom = step * lay.world * hw.peak_flops
     comm = {"tp": _scaled(tp_c, m), "cp": _scaled(cp_c, m), "ep": _scaled(ep_c, m), "pp": pp,
-            "dp_reduce": dp["reduce"], "dp_gather": dp["gather"]}
+            "dp_reduce": dp["reduce"], "dp_gather": dp["gather"], **({"muon": muon} if muon.messages else {})}
     time = {"compute": m * compute, "tp": m * tp_c.seconds, "cp": m * cp_c.seconds, "ep": m * ep_c.seconds,
             "bubble": bubble_s, "pp_p2p": pp.seconds, "dp_exposed": dp_exposed, "optimizer": optimizer_s,
-            "nvme_io": nvme_s}
+            "nvme_io": nvme_s, **({"muon_exchange": muon.seconds} if muon.messages else {})}
     return Estimate(lay, mem, mem_rank, parts, step, model_flops / denom, hw_flops / denom, tokens / step, bubble,
                     (model_flops, hw_flops), comm, time)
 

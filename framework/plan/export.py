@@ -63,6 +63,8 @@ def config_dict(work: Workload, lay: Layout) -> dict[str, Any]:
         parallel["nvme_offload"] = {"path": "/local_nvme/SET_ME", "buffer_count": 4}
     train: dict[str, Any] = {"global_batch_size": work.global_batch, "micro_batch_size": lay.micro_batch,
                              "precision": "bf16" if work.precision.param == 2 else "fp32"}
+    if work.optimizer == "muon":
+        train["optimizer"] = "muon"
     known_parallel = {f.name for f in dataclasses.fields(ParallelConfig)}
     known_train = {f.name for f in dataclasses.fields(TrainConfig)}
     return {

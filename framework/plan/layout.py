@@ -58,6 +58,11 @@ class Workload:
     """MoE: tokens routed to the busiest expert-parallel rank over the mean. Dropless routing under a balancing
     loss is uneven (Switch Transformer trains with capacity factor 1.25 for it, Fedus et al. 2021); that rank's
     expert matmuls and all-to-all set the pace of every rank."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """train.optimizer: under Muon the hidden matrices keep one fp32 momentum instead of AdamW's two moments, and
+    each step adds the owner exchange and Newton-Schulz (framework/plan/muon.py)."""
+    muon_ns_bytes: int = 2
+    """Bytes per element of Muon's Newton-Schulz iteration (train.muon.ns_dtype: bf16 2, fp32 4)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from framework.plan.activations import (
     tessera_layer_bytes,
 )
 from framework.plan.layout import Layout, Precision, Workload
+from framework.plan.muon import muon_bytes
 from models.config import ModelConfig
 from models.flops import mla_params
 
@@ -259,7 +260,20 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     out["comm_buffers"] = params.largest_layer * (prec.grad + ((1 + lay.prefetch) * prec.param if z == 3 else 0))
     if z == 3 and lay.hpz > 1:  # ZeRO++ hpZ: every unit's node-sharded copy, held from its forward to its backward
         out["hpz_secondary"] = params.dense * prec.param / lay.hpz
+    if work.optimizer == "muon":
+        _add_muon(out, work, lay, rank)
     return out
+
+
+def _add_muon(out: dict[str, float], work: Workload, lay: Layout, rank: int) -> None:
+    """Muon's terms (framework/plan/muon.py): its momentum in place of AdamW's moments, the owners' index, and the
+    update's transient where it passes the forward-backward transients (freed before the optimizer step)."""
+    mb = muon_bytes(work, lay, rank)
+    out["optimizer"] += mb.state_delta
+    states = ("params", "master", "grads", "optimizer")
+    during_backward = sum(v for k, v in out.items() if k not in states)
+    out["muon_index"] = mb.index
+    out["muon_step"] = max(0.0, mb.transient - during_backward)
 
 
 def checkpoint_staging_bytes(work: Workload, lay: Layout, rank: int, pin_budget: float = 16 * 2**30

@@ -35,6 +35,16 @@ class MuonConfig:
     original: sqrt(max(1, A / B)) (Jordan et al. 2024), which wants a ~0.02 learning rate."""
     update_rms: float = 0.2
     """Target update RMS for match_rms_adamw: AdamW's typical 0.2-0.4 (Liu et al. 2025 use 0.2)."""
+    per_head: bool = False
+    """Orthogonalize the attention projections per head: wq, wk, wv as (head_dim x hidden) row blocks and wo as
+    (hidden x head_dim) column blocks, each its own matrix (Newton-Schulz and the update scale per block). No
+    published default to cite: off, the whole-matrix rule of Jordan et al. and Liu et al."""
+    qk_clip: bool = False
+    """QK-clip (MuonClip, Kimi K2, arXiv 2507.20534): after each step, rescale the query and key projections of
+    every head whose largest attention logit of the step passed qk_clip_tau, so it would be tau
+    (framework/train/qk_clip.py). Off by default: Kimi K2 needed it at 1T parameters, Moonlight did not."""
+    qk_clip_tau: float = 100.0
+    """QK-clip's threshold on q.k / sqrt(d) (Kimi K2 uses 100)."""
 
     def validate(self) -> None:
         if not 0 <= self.momentum < 1:
@@ -44,6 +54,8 @@ class MuonConfig:
         if len(self.ns_coefficients) != 3 or not all(math.isfinite(c) for c in self.ns_coefficients):
             raise ConfigError(f"train.muon.ns_coefficients={self.ns_coefficients} must be three finite numbers "
                               f"(a, b, c); the published ones are [3.4445, -4.7750, 2.0315]")
+        if not self.qk_clip_tau > 0:
+            raise ConfigError(f"train.muon.qk_clip_tau={self.qk_clip_tau} must be > 0; Kimi K2 uses 100")
         if not (self.ns_eps > 0 and self.update_rms > 0):
             raise ConfigError(f"train.muon.ns_eps={self.ns_eps} and train.muon.update_rms={self.update_rms} must be "
                               f"> 0; the published values are 1e-7 and 0.2")

@@ -20,6 +20,7 @@ from framework.numerics.transforms import Site, apply_model_transforms, model_tr
 from framework.parallel.memory import model_state_report
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
+from framework.train.qk_clip import QKClip
 from models.config import ModelConfig
 from models.decoder import build_model
 from models.documents import DocumentMasking, model_kwargs
@@ -48,6 +49,7 @@ class LocalEngine:
                                  growth_interval=train_cfg.loss_scale_growth_interval)
         self._found_inf: bool | None = None  # after this step's unscale: whether a gradient overflowed
         self.is_moe = model_cfg.moe.enabled
+        self.qk_clip = QKClip.build(self.model_parts, model_cfg, train_cfg)  # MuonClip (train.muon.qk_clip)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for part in self.model_parts:
@@ -90,6 +92,8 @@ class LocalEngine:
     def optimizer_step(self, lr: float, apply: bool = True) -> bool:
         applied = finish_step(self.optimizers, self.scaler, lr, apply=apply, overflow=self.grads_overflowed())
         self._found_inf = None
+        if self.qk_clip is not None:
+            self.qk_clip.after_optimizer_step(applied)
         if self.is_moe:  # MoE (docs/MOE.md): auxiliary-loss-free balancing moves the routing bias after the step
             (update_routing_bias if applied else discard_routing_counts)(self.model_parts)
         return applied

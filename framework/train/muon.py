@@ -88,13 +88,15 @@ def _grad_like_param(p: torch.Tensor) -> torch.Tensor:
 class Muon(torch.optim.AdamW):
     """AdamW groups (`"muon": False`) stepped by AdamW; Muon groups (`"muon": True`) by `_muon_step`."""
 
-    def __init__(self, groups: list[dict[str, Any]], cfg: TrainConfig, **adamw_flags: bool) -> None:
+    def __init__(self, groups: list[dict[str, Any]], cfg: TrainConfig, blocks: dict[int, int] | None = None,
+                 **adamw_flags: bool) -> None:
         super().__init__(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_flags)
         self.muon_cfg = cfg.muon
         from framework.parallel.whole_matrix import WholeMatrices
 
-        # Built now, on every rank of the layout at once (its plan exchanges flat positions once).
-        self._whole = WholeMatrices(self._muon_params())
+        # `blocks` (train.muon.per_head): id(param) -> +k (rows in blocks of k) or -k (columns in blocks of k)
+        self._blocks = [(blocks or {}).get(id(p), 0) for p in self._muon_params()]
+        self._whole = WholeMatrices(self._muon_params(), self._blocks)
 
     def _muon_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups if g.get("muon") for p in g["params"]]
@@ -141,11 +143,32 @@ class Muon(torch.optim.AdamW):
         updates = self._whole.apply(nesterov_in, lambda u: newton_schulz(
             u, cfg.ns_coefficients, cfg.ns_steps, cfg.ns_eps, dtype))
         scale = {id(p): (g["lr"], g["weight_decay"]) for g in self.param_groups if g.get("muon") for p in g["params"]}
-        for p, update in zip(params, updates, strict=True):
+        for p, update, block in zip(params, updates, self._blocks, strict=True):
             lr, wd = scale[id(p)]
             w = _local(p)
             w.mul_(1 - lr * wd)
-            w.add_(update, alpha=-lr * update_scale(p.shape, cfg))
+            w.add_(update, alpha=-lr * update_scale(block_shape(tuple(p.shape), block), cfg))
+
+
+def block_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
+    """The shape of one matrix Newton-Schulz sees: the whole (A, B), or a head block of it (`train.muon.per_head`)."""
+    if block > 0:
+        return (block, shape[-1])
+    return (shape[-2], -block) if block < 0 else shape
+
+
+def head_blocks(modules: Iterable[nn.Module]) -> dict[int, int]:
+    """`train.muon.per_head`: id(weight) -> +head_dim for wq, wk, wv (one row block per head), -head_dim for wo (one
+    column block per head) of every attention module."""
+    from models.layers import Attention
+
+    out: dict[int, int] = {}
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, Attention):
+                out |= {id(lin.weight): m.head_dim for lin in (m.wq, m.wk, m.wv)}
+                out[id(m.wo.weight)] = -m.head_dim
+    return out
 
 
 def muon_param_groups(modules: Iterable[nn.Module], adamw_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -58,7 +58,8 @@ def build_optimizer(modules: list[nn.Module], cfg: TrainConfig, device: torch.de
     params = [p for g in groups for p in g["params"]]  # type: ignore[attr-defined]
     flags = _impl_flags(cfg, device, params)
     if cfg.optimizer == "muon":
-        from framework.train.muon import Muon, muon_param_groups
+        from framework.train.muon import Muon, head_blocks, muon_param_groups
 
-        return Muon(muon_param_groups(modules, groups), cfg, **flags)
+        blocks = head_blocks(modules) if cfg.muon.per_head else {}
+        return Muon(muon_param_groups(modules, groups), cfg, blocks=blocks, **flags)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)  # type: ignore[arg-type]

@@ -42,6 +42,7 @@ from framework.parallel.precision import global_grad_norm, resolve_partial_grads
 from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
+from framework.train.qk_clip import QKClip
 from models.config import ModelConfig
 from models.documents import DocumentMasking, model_kwargs
 from models.mtp import mtp_metrics, set_mtp_loss_scale
@@ -98,6 +99,9 @@ class ParallelEngine:
         self.tied_copy = self.tied.head if self.tied is not None else None  # the last stage's copy of a tied embedding
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer([p], train_cfg, device)
                                                         for p in self.model_parts]
+        # MuonClip (train.muon.qk_clip): this tp rank's heads start at tp_rank x H/tp; maxima meet over every axis
+        self.qk_clip = QKClip.build(self.model_parts, model_cfg, train_cfg, coord["tp"] * model_cfg.n_heads // dims.tp,
+                                    [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self._fix_tied_decay()
         self.optimizers = offload_optimizers(  # ZeRO-Infinity (docs/PARALLELISM.md): AdamW states on local NVMe
             self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
@@ -250,6 +254,8 @@ class ParallelEngine:
         applied = finish_step(self.optimizers, self.scaler, lr, apply=apply, overflow=self.grads_overflowed())
         # MoE (docs/MOE.md): routing-bias update from this step's counts, or the counts dropped with the step
         self.moe.after_optimizer_step(self.model_parts, applied)
+        if self.qk_clip is not None:
+            self.qk_clip.after_optimizer_step(applied)
         self._found_inf = self._unscaled = False
         return applied
 

@@ -93,38 +93,3 @@ def test_405b_at_tp1_pp1_is_refused_with_its_cause(capsys: pytest.CaptureFixture
     assert "DOES NOT FIT" in text and "stopped at" in text and "gathered FSDP units dominate" in text, text
     setup = float(text.split("tensors from building the model")[1].split(")")[1].split(",")[0])
     assert 11.0 < setup < 12.5, text  # the shards, drawn after fully_shard
-
-
-def test_muon_is_refused_in_words(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["dryrun", TINY, "train.optimizer=muon", "--world", "2"])
-    assert rc == 2 and "train.optimizer=adamw" in capsys.readouterr().err
-
-
-def test_launch_slurm_refuses_before_submitting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from framework.dryrun import cli as dryrun_cli
-    from framework.dryrun.report import verdict
-    from framework.dryrun.run import RankClass
-    from framework.dryrun.step import StepMeasure
-    from framework.plan.hardware import get_hardware
-
-    calls = []
-
-    def fake_dry_run(cfg: object, world: int, **kw: object) -> list[object]:
-        calls.append(world)
-        measure = StepMeasure(0, {}, 90 * 2**30, {"forward": 90 * 2**30}, "forward", over_budget=True)
-        return [verdict(RankClass("all ranks", 0, world, (0,), 4), measure, get_hardware("h100-80g"), 0.05)]
-
-    import launch.slurm
-
-    submitted: list[str] = []
-    monkeypatch.setattr(dryrun_cli, "dry_run", fake_dry_run)
-    monkeypatch.setattr(launch.slurm, "check_cluster", lambda spec: None)
-    monkeypatch.setattr(launch.slurm, "submit", lambda script, run_dir: submitted.append(script) or "42")
-    base = ["launch", "slurm", TINY, f"run.dir={tmp_path}/run", "--nodes", "1", "--gpus-per-node", "8"]
-    rc = main(base)
-    err = capsys.readouterr().err
-    assert rc == 2 and calls == [8] and not submitted, err
-    assert "does not fit" in err and "recompute" in err
-    assert main([*base, "--no-dryrun"]) == 0 and calls == [8] and len(submitted) == 1
-    assert main([*base, "--dry-run"]) == 0 and calls == [8]  # printing the script rehearses nothing

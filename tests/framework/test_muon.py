@@ -54,6 +54,20 @@ def muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.95) 
     return zeropower_via_newtonschulz5(update).to(grad.dtype)
 
 
+def per_head_update(name: str, grad: torch.Tensor, momentum: torch.Tensor, head_dim: int
+                    ) -> tuple[torch.Tensor, tuple[int, int]]:
+    """`train.muon.per_head`: the attention projections orthogonalized per head block (wq/wk/wv: head_dim rows
+    each, wo: head_dim columns each); returns the update and the block shape its scale is taken from."""
+    a, b = grad.shape
+    if name.endswith(("wq.weight", "wk.weight", "wv.weight")):
+        heads = [muon_update(grad[h:h + head_dim], momentum[h:h + head_dim]) for h in range(0, a, head_dim)]
+        return torch.cat(heads), (head_dim, b)
+    if name.endswith("wo.weight"):
+        heads = [muon_update(grad[:, h:h + head_dim], momentum[:, h:h + head_dim]) for h in range(0, b, head_dim)]
+        return torch.cat(heads, dim=1), (a, head_dim)
+    return muon_update(grad, momentum), (a, b)
+
+
 def _reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = build_model(cfg.model, seed=cfg.train.seed)
     named = dict(model.named_parameters())
@@ -77,9 +91,12 @@ def _reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
             adamw.step()
             for n, p in hidden.items():
                 assert p.grad is not None
-                o = muon_update(p.grad, bufs[n])
+                if cfg.train.muon.per_head:
+                    o, shape = per_head_update(n, p.grad, bufs[n], cfg.model.head_dim)
+                else:
+                    o, shape = muon_update(p.grad, bufs[n]), tuple(p.shape)
                 p.mul_(1 - LR * cfg.train.weight_decay)
-                p.add_(o, alpha=-LR * 0.2 * math.sqrt(max(p.shape)))
+                p.add_(o, alpha=-LR * 0.2 * math.sqrt(max(shape)))
         model.zero_grad(set_to_none=True)
     return losses, {n: p.detach().clone() for n, p in named.items()}
 
@@ -104,6 +121,20 @@ def test_muon_matches_the_published_pseudocode_to_1e_6_over_10_steps() -> None:
     # Muon moved the hidden matrices away from where AdamW takes them (the comparison is not AdamW against AdamW).
     adamw_losses, _ = _engine_run(tiny_config(None))
     assert abs(adamw_losses[-1] - losses[-1]) > 1e-3
+
+
+def test_per_head_blocks_match_the_pseudocode_per_head() -> None:
+    """`train.muon.per_head`: each head's block of wq/wk/wv/wo orthogonalized on its own, 10 steps at 1e-6; a
+    rectangular head_dim (kv_channels 8 x 4 heads = 32 != hidden 64) so the wo column blocks are (64, 8)."""
+    cfg = tiny_config(None, "train.optimizer=muon", "train.muon.ns_dtype=fp32", "train.muon.per_head=true",
+                      "model.kv_channels=8")
+    ref_losses, ref_params = _reference_run(cfg)
+    losses, params = _engine_run(cfg)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-6, rtol=0)
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], atol=1e-6, rtol=0, msg=name)
+    whole, _ = _engine_run(tiny_config(None, "train.optimizer=muon", "train.muon.ns_dtype=fp32", "model.kv_channels=8"))
+    assert abs(whole[-1] - losses[-1]) > 1e-5  # per head is not the whole-matrix update
 
 
 def test_muon_steps_as_accurately_as_torch_optim_muon_in_bf16() -> None:
