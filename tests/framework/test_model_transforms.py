@@ -96,8 +96,8 @@ def test_a_registered_transform_is_applied_by_both_engines_at_one_point(probe: N
 
 def test_the_listed_transforms_run_on_the_meta_model_for_the_target_device() -> None:
     """fp8 is a module swap applied before sharding (compile is applied later, but runs on meta too): on a meta
-    model they allocate nothing, keep every parameter's canonical FQN, and fp8 chooses torch._scaled_mm or its emulation by the
-    device the weights will live on, not by meta."""
+    model they allocate nothing, keep every parameter's canonical FQN, and fp8 chooses torch._scaled_mm or its
+    emulation by the device the weights will live on, not by meta."""
     pytest.importorskip("torchao")
     from torch._dynamo.eval_frame import OptimizedModule
     from torchao.float8.float8_linear import Float8Linear
