@@ -194,7 +194,8 @@ def _qualnames(src: str) -> list[str]:
     return out
 
 
-def mutants(module: str, per_module: int, functions: Sequence[str] = (), ops: Sequence[str] = ()) -> list[Mutant]:
+def mutants(module: str, per_module: int, functions: Sequence[str] = (), ops: Sequence[str] = (),
+            offset: int = 0) -> list[Mutant]:
     """A fixed sample of the module's mutants that still compile (seeded by the module path), optionally only
     those inside `functions` (the code that decides correctness, not messages and plumbing) and of `ops`."""
     src = (REPO / module).read_text()
@@ -212,7 +213,7 @@ def mutants(module: str, per_module: int, functions: Sequence[str] = (), ops: Se
         every.append(m)
     every.sort(key=lambda m: (m.line, m.op, m.after))
     random.Random(module).shuffle(every)
-    return every[:per_module] if per_module > 0 else every
+    return every[offset:offset + per_module] if per_module > 0 else every[offset:]
 
 
 def copy_tree(dest: Path) -> None:
@@ -250,7 +251,7 @@ def run_tests(tree: Path, tests: list[str], timeout_s: float) -> tuple[str, floa
 
 def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: Path | None,
                only: list[Mutant] | None = None, functions: Sequence[str] = (), ops: Sequence[str] = (),
-               tests: list[str] | None = None) -> dict[str, object]:
+               tests: list[str] | None = None, offset: int = 0) -> dict[str, object]:
     tests = tests or MODULE_TESTS[module]
     target = tree / module
     original = target.read_text()
@@ -263,7 +264,7 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
     if base != "passed":
         return result
     limit = max(timeout_s, 3 * base_s)
-    for m in only if only is not None else mutants(module, per_module, functions, ops):
+    for m in only if only is not None else mutants(module, per_module, functions, ops, offset):
         try:
             target.write_text(apply(original, m))
         except ValueError as err:
@@ -362,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per mutant here")
     ap.add_argument("--functions", nargs="+", default=(), metavar="NAME",
                     help="only mutants inside these functions (name or Class.name) of the one module given")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip the sample's first N (a slow module's mutants run in pieces: 0, then N, ...)")
     ap.add_argument("--ops", nargs="+", default=(), help="only these operators (compare offbyone negate ...)")
     ap.add_argument("--tests", nargs="+", default=None,
                     help="judge by these tests instead of the map's (a quick check of a new test; report the map's)")
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(results) + "\n\nSurvivors:\n\n" + survivors_md(results))
         return 0
     if args.list:
-        for m in mutants(args.list, args.per_module, args.functions, args.ops):
+        for m in mutants(args.list, args.per_module, args.functions, args.ops, args.offset):
             print(f"{m.module}:{m.line} {m.op}: {m.before!r} -> {m.after!r}")
         return 0
     rerun: dict[str, list[Mutant]] | None = None
@@ -400,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             only = rerun.get(module, []) if rerun is not None else None
             tests = (args.tests or MODULE_TESTS[module]) + (["-k", args.keyword] if args.keyword else [])
             results.append(run_module(tree, module, args.per_module, args.timeout, args.out, only, args.functions,
-                                      args.ops, tests))
+                                      args.ops, tests, args.offset))
     for r in results:
         for m in r["mutants"]:  # type: ignore[attr-defined]
             m["first_killed"] = _killed(m)

@@ -75,3 +75,31 @@ def test_expert_all_to_all_bytes_by_hand() -> None:
     # no experts parallel, or no MoE layer: nothing moves
     assert ep_comm_per_micro(work, Layout(tp=2, dp=8, ep=1), HW, 3).wire_bytes == 0.0
     assert ep_comm_per_micro(work, lay, HW, 0).messages == 0
+
+
+def test_no_data_parallelism_moves_nothing() -> None:
+    """One data rank (and experts on every rank of their group): no reduction, no gather, not even a message."""
+    params = RankParams(dense=PSI, experts=PSI_E, largest_layer=PSI, layers=(0,), n_moe=1)
+    for zero in (0, 1, 3):
+        dp = dp_comm_per_step(_work(), Layout(tp=2, dp=1, ep=2, zero_stage=zero, micro_batch=8), HW, params)
+        for part in ("reduce", "gather"):
+            assert (dp[part].wire_bytes, dp[part].messages, dp[part].seconds) == (0.0, 0, 0.0), (zero, part)
+    # control: two data ranks do move the gradients
+    assert dp_comm_per_step(_work(), Layout(dp=2, zero_stage=1, micro_batch=8), HW, params)["reduce"].messages > 0
+
+
+def test_tensor_parallel_under_context_parallel_and_the_ring_latency() -> None:
+    """TP's 8 collectives per layer move one cp chunk of the sequence (s/cp x b x h, bf16) each; a ring collective
+    over n ranks takes n - 1 steps, each paying the link latency once, on top of bytes / bandwidth."""
+    from framework.plan.comm import tp_comm_per_micro
+
+    work = _work()
+    lay = Layout(tp=4, cp=2, dp=2, micro_batch=1)
+    buf = 4096 // 2 * 1 * 4096 * 2
+    got = tp_comm_per_micro(work, lay, HW, n_layers=2)
+    wire = 8 * 2 * (4 - 1) / 4 * buf
+    assert got.wire_bytes == pytest.approx(wire, rel=1e-12) and got.messages == 16
+    nvlink = HW.nvlink_gbps * 1e9 * HW.bus_efficiency  # bytes/s a GPU achieves on a ring inside the node
+    assert got.seconds == pytest.approx(wire / nvlink + 16 * (4 - 1) * HW.latency_us * 1e-6, rel=1e-12)
+    # control: the latency term is not negligible here (a wrong step count moves seconds beyond rel 1e-12)
+    assert 16 * HW.latency_us * 1e-6 > 1e-9 * got.seconds
