@@ -5,10 +5,11 @@ layout against the 1-process LocalEngine at the parity tests' tolerances (tests/
 The layouts take every branch of framework/parallel/parallelize.py and framework/train/parallel_engine.py that a
 CPU can: TP with sequence and loss parallel under FSDP ZeRO-3 (partial gradients resolved, FSDP on the meta
 device), a pipeline of tied embeddings over dp_replicate without FSDP (the tied-gradient swap, the bucketed
-replica all-reduce, pipeline micro-batches), and TP x PP in fp16 (the loss scale through the schedule, the
-stage boundary sent in the compute dtype), FSDP with its parameters on the host (cpu_offload) and context
-parallel (K/V exchanged over cp). Not collected by CI (bench/ is outside testpaths): the full matrix is
-tests/parallel/test_parity.py; this file is only the mutation bench's judge.
+replica all-reduce, pipeline micro-batches), TP x PP in fp16 (the loss scale through the schedule, the stage
+boundary sent in the compute dtype), FSDP with its parameters on the host (cpu_offload) and context parallel
+(K/V exchanged over cp); after training each layout evaluates a batch (`eval_loss`). Not collected by CI
+(bench/ is outside testpaths): the full matrix is tests/parallel/test_parity.py; this file is only the mutation
+bench's judge.
 
     PYTHONPATH=$PWD python -m pytest bench/mutation_parity.py -q
 """
@@ -23,9 +24,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel"))
 
-from parallel_parity import compare, pack_rounds, run_rounds
+import parallel_parity
+from parallel_parity import batches, compare, pack_rounds, rank_batch, run_rounds
 
 from framework.testing import run_distributed
+
+_train_engine = parallel_parity.train_engine
+
+
+def train_then_eval(engine: Any, cfg: Any, steps: int = parallel_parity.STEPS) -> Any:
+    """The parity run, then `eval_loss` of a batch no step trained on, handed over as one micro-batch of all this
+    rank's rows (as the trainer's evaluation does: a pipeline splits it so every stage gets work), appended as a
+    last (loss, 0) step. Replicas see equal row counts, so the mean over data ranks is the 1-process mean."""
+    out, sums = _train_engine(engine, cfg, steps)
+    rows = batches(cfg, steps + 1)[steps]
+    mine = rank_batch(rows, engine.dp_rank, engine.dp_size, rows.shape[0] // engine.dp_size)
+    return [*out, (engine.eval_loss(mine), 0.0)], sums
 
 LAYOUTS: list[dict[str, Any]] = [
     {"tp": 2, "dp_shard": 2, "zero_stage": 3},
@@ -37,7 +51,10 @@ LAYOUTS: list[dict[str, Any]] = [
 
 
 @pytest.mark.distributed
-def test_mutation_layouts_match_one_process() -> None:
+def test_mutation_layouts_match_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # set before the ranks fork and before the (cached) 1-process reference runs: both evaluate
+    monkeypatch.setattr(parallel_parity, "train_engine", train_then_eval)
+    parallel_parity.reference.cache_clear()
     rounds = pack_rounds(LAYOUTS, 4)
     results = run_distributed(run_rounds, 4, timeout_s=240, rounds=rounds)
     bad = compare(rounds, results)
