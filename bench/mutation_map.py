@@ -49,9 +49,10 @@ MODULE_TESTS: dict[str, list[str]] = {
     # locks and signals
     "framework/base/locks.py": ["tests/framework/test_lockset_failure.py",
                                 "tests/framework/test_locks_without_flock.py", "tests/framework/test_locks.py"],
+    # (tests/launch/test_launch_signals.py, nine real launches, is the end-to-end check: minutes, not per mutant)
     "framework/checkpoint/signals.py": [
         f"{CK}/test_ckpt_units.py::test_stop_signals_set_the_flag_and_restore_handlers",
-        "tests/launch/test_launch_signals.py",
+        "tests/framework/test_one_rank_speaks.py::test_pool_workers_leave_a_stop_signal_to_their_parent",
     ],
     # precision, MoE routing, RoPE
     "framework/parallel/precision.py": ["tests/parallel/test_partial_grads.py", "tests/parallel/test_clip_foreach.py",
@@ -82,7 +83,8 @@ MODULE_TESTS: dict[str, list[str]] = {
                                                  "tests/parallel/test_bubble_bench.py"],
     # one mutant costs the judge's 4-rank spawn (~1 min here): bench/mutation_parity.py is a cut of
     # tests/parallel/test_parity.py (5+ min) that still takes every branch of the two modules a CPU can
-    "framework/parallel/parallelize.py": ["bench/mutation_parity.py"],
+    "framework/parallel/parallelize.py": ["tests/parallel/test_offload_materialize.py",
+                                          "tests/parallel/test_recipe_draws_shards.py", "bench/mutation_parity.py"],
     "framework/train/parallel_engine.py": ["bench/mutation_parity.py"],
 }
 
