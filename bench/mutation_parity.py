@@ -1,5 +1,5 @@
 """The parity check bench/mutation.py runs against mutants of the parallel engine and the parallelize recipe: a
-cut of tests/parallel/test_parity.py small enough to run once per mutant (one 4-rank spawn, four rounds), each
+cut of tests/parallel/test_parity.py small enough to run once per mutant (two 4-rank spawns), each
 layout against the 1-process LocalEngine at the parity tests' tolerances (tests/parallel/parallel_parity.py).
 
 The layouts take every branch of framework/parallel/parallelize.py and framework/train/parallel_engine.py that a
@@ -7,7 +7,8 @@ CPU can: TP with sequence and loss parallel under FSDP ZeRO-3 (partial gradients
 device), a pipeline of tied embeddings over dp_replicate without FSDP (the tied-gradient swap, the bucketed
 replica all-reduce, pipeline micro-batches), TP x PP in fp16 (the loss scale through the schedule, the stage
 boundary sent in the compute dtype), FSDP with its parameters on the host (cpu_offload) and context parallel
-(K/V exchanged over cp); after training each layout evaluates a batch (`eval_loss`). Not collected by CI
+(K/V exchanged over cp); after training each layout evaluates a batch (`eval_loss`); and an MoE model with
+experts over ep, with and without a pipeline (`MOE_CASES`). Not collected by CI
 (bench/ is outside testpaths): the full matrix is tests/parallel/test_parity.py; this file is only the mutation
 bench's judge.
 
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "moe"))
 
 import parallel_parity
 from parallel_parity import batches, compare, pack_rounds, rank_batch, run_rounds
@@ -59,3 +61,34 @@ def test_mutation_layouts_match_one_process(monkeypatch: pytest.MonkeyPatch) -> 
     results = run_distributed(run_rounds, 4, timeout_s=240, rounds=rounds)
     bad = compare(rounds, results)
     assert not bad, "\n".join(bad)
+
+
+MOE_CASES = [("dropless", {"ep": 2, "pp": 2}), ("capacity", {"ep": 2})]
+"""Two cases of tests/moe/test_moe_engine_parity.py on 4 ranks: experts over ep under a pipeline (the aux losses'
+gradient scale per schedule) and without one (per micro-batch), with bias balancing, a shared expert, capacity
+drops and the z-loss; loss, aux loss and grad norm against the 1-process engine to 1e-5, as there."""
+
+
+def _moe_cases(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    from test_moe_engine_parity import _config, _train
+
+    from framework.train.parallel_engine import build_parallel_engine
+
+    out = {}
+    for mode, layout in MOE_CASES:
+        cfg = _config(mode, layout)
+        engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
+        out[f"{mode} {layout}"] = (mode, _train(engine, cfg))
+    return out
+
+
+@pytest.mark.distributed
+def test_mutation_moe_layouts_match_one_process() -> None:
+    from test_moe_engine_parity import _reference
+
+    results = run_distributed(_moe_cases, 4, timeout_s=240)
+    for case, (mode, got) in results[0].items():
+        for step, (values, expected) in enumerate(zip(got, _reference(mode), strict=True)):
+            for what, a, b in zip(("loss", "aux", "grad_norm"), values, expected, strict=True):
+                assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (case, step, what, a, b)
