@@ -51,6 +51,7 @@ MODULE_TESTS: dict[str, list[str]] = {
                                 "tests/framework/test_locks_without_flock.py", "tests/framework/test_locks.py"],
     # (tests/launch/test_launch_signals.py, nine real launches, is the end-to-end check: minutes, not per mutant)
     "framework/checkpoint/signals.py": [
+        f"{CK}/test_stop_signal_rules.py",
         f"{CK}/test_ckpt_units.py::test_stop_signals_set_the_flag_and_restore_handlers",
         "tests/framework/test_one_rank_speaks.py::test_pool_workers_leave_a_stop_signal_to_their_parent",
     ],
