@@ -245,8 +245,10 @@ def run_tests(tree: Path, tests: list[str], timeout_s: float) -> tuple[str, floa
         proc.wait()
         return "timeout", time.perf_counter() - t0
     took = time.perf_counter() - t0
-    # 1: a test failed; 2: collection failed (the mutant broke an import): both kill the mutant
-    return {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, "error"), took
+    # 1: a test failed; 2: collection failed (the mutant broke an import); any other code but pytest's own
+    # (3 internal error, 4 usage, 5 nothing collected) is the test process dying, e.g. os._exit or a signal:
+    # all three kill the mutant
+    return {0: "passed", 3: "error", 4: "error", 5: "error"}.get(proc.returncode, "failed"), took
 
 
 def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: Path | None,

@@ -114,6 +114,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "WORD_BATCH_BYTES 16 -> 32 MiB: word hashes do not depend on how the input is split (tested)",
     ("framework/plan/memory.py:35", "negate", "True", "False"):
         "RankParams frozen=False: nothing assigns to one (immutability is a guard, not a behaviour)",
+    ("framework/checkpoint/signals.py:97", "offbyone", "0", "1"):
+        "the initial agreed_signal (0 -> 1): read only by signal_name, which gives the same text while nothing is "
+        "agreed (kind NO_STOP matches neither), and agreed_stop() sets it with the vote before anything else reads it",
     ("framework/train/parallel_engine.py:196", "negate", "True", "False"):
         "batch.to(device, non_blocking=False): the same values (on CPU no copy; on a GPU the step's kernels run on "
         "the copy's stream, after it); its 2026-12-06 run timed out (load average 78), not a failure",
