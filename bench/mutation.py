@@ -344,15 +344,16 @@ def from_logs(paths: list[Path]) -> list[dict[str, object]]:
 
 
 def survivors_md(results: list[dict[str, object]]) -> str:
-    """Every mutant that survived its first run: what became of it (killed now, or why it is equivalent)."""
+    """Every mutant that survived its first run, and every equivalent one: what became of it (killed now, or why
+    it is equivalent)."""
     rows = ["| module:line | operator | before | after | now |", "| --- | --- | --- | --- | --- |"]
     for r in results:
         for m in r["mutants"]:  # type: ignore[attr-defined]
-            if m["first_killed"] or m["outcome"] == "error":
-                continue
+            if (m["first_killed"] and _equivalent(m) is None) or m["outcome"] == "error":
+                continue  # (an equivalent mutant is listed even when a timeout under load "killed" it)
             cell = [str(m[k]).replace("|", "\\|").replace("\n", " ") for k in ("before", "after")]
             why = _equivalent(m)
-            now = "killed by a new test" if _killed(m) else f"equivalent: {why}" if why else "**survives**"
+            now = f"equivalent: {why}" if why else "killed by a new test" if _killed(m) else "**survives**"
             rows.append(f"| {m['module']}:{m['line']} | {m['op']} | `{cell[0]}` | `{cell[1]}` | {now} |")
     return "\n".join(rows)
 
