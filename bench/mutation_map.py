@@ -35,6 +35,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         f"{CK}/test_ckpt_units.py::test_compatibility_names_the_field",
     ],
     "framework/checkpoint/manager.py": [
+        f"{CK}/test_manager_resume_point.py",
         f"{CK}/test_ckpt_units.py::test_fallback_to_previous_valid_checkpoint",
         f"{CK}/test_ckpt_units.py::test_compatibility_names_the_field",
         f"{CK}/test_suspect_checkpoints.py",
