@@ -43,6 +43,8 @@ MODULE_TESTS: dict[str, list[str]] = {
     ],
     # commit, prune, latest and the candidates resume walks (the save/load plumbing is the multi-rank tests')
     "framework/checkpoint/dcp.py": [
+        f"{CK}/test_latest_first.py",
+        f"{CK}/test_rng_restore_rule.py",
         f"{CK}/test_ckpt_units.py",
         f"{CK}/test_ckpt_safety.py",
         f"{CK}/test_suspect_checkpoints.py",
