@@ -73,7 +73,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     ],
     "data_pipeline/build/minhash.py": [f"{DP}/test_minhash_golden.py", f"{DP}/test_dedup.py",
                                  f"{DP}/test_minhash_variance.py"],
-    "data_pipeline/build/dedup.py": [f"{DP}/test_dedup.py"],
+    "data_pipeline/build/dedup.py": [f"{DP}/test_removals_by_range.py", f"{DP}/test_dedup.py"],
     # the planner
     "framework/plan/memory.py": ["tests/plan/test_plan_prefetch_buffers.py", "tests/plan/test_plan_memory_comm.py",
                                  "tests/plan/test_plan_activations.py"],
@@ -120,6 +120,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("framework/checkpoint/signals.py:97", "offbyone", "0", "1"):
         "the initial agreed_signal (0 -> 1): read only by signal_name, which gives the same text while nothing is "
         "agreed (kind NO_STOP matches neither), and agreed_stop() sets it with the vote before anything else reads it",
+    ("data_pipeline/build/dedup.py:39", "kwarg", "np.empty(len(priority), dtype=np.int64)", "np.empty(len(priority))"):
+        "keep-preference ranks as float64: they are only sorted (argsort, lexsort), exact below 2^53 documents, and "
+        "preference_rank has no caller outside the module",
     ("framework/train/parallel_engine.py:196", "negate", "True", "False"):
         "batch.to(device, non_blocking=False): the same values (on CPU no copy; on a GPU the step's kernels run on "
         "the copy's stream, after it); its 2026-12-06 run timed out (load average 78), not a failure",
