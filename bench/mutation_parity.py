@@ -63,10 +63,11 @@ def test_mutation_layouts_match_one_process(monkeypatch: pytest.MonkeyPatch) -> 
     assert not bad, "\n".join(bad)
 
 
-MOE_CASES = [("dropless", {"ep": 2, "pp": 2}), ("capacity", {"ep": 2})]
+MOE_CASES = [("dropless", {"ep": 2, "pp": 2}), ("capacity", {"ep": 2, "tp": 2})]
 """Two cases of tests/moe/test_moe_engine_parity.py on 4 ranks: experts over ep under a pipeline (the aux losses'
-gradient scale per schedule) and without one (per micro-batch), with bias balancing, a shared expert, capacity
-drops and the z-loss; loss, aux loss and grad norm against the 1-process engine to 1e-5, as there."""
+gradient scale per schedule) and without one (per micro-batch: 4 micro-batches of 2 rows, so a scale by the rows
+instead of the micro-batch count shows), with bias balancing, a shared expert, capacity drops and the z-loss;
+loss, aux loss and grad norm against the 1-process engine to 1e-5, as there."""
 
 
 def _moe_cases(rank: int, world: int) -> dict[str, Any]:
