@@ -96,8 +96,10 @@ MODULE_TESTS: dict[str, list[str]] = {
 
 
 # Mutants that change no behaviour a caller can observe, with the reason: (module:line, operator, before, after),
-# at the paths and lines of this tree (the 2026-12-06 run predates the data_pipeline/build and framework/base
-# moves: its log names data_pipeline/minhash.py:377 and :93 and framework/locks.py:69). Update with each run.
+# keyed by the line of the run that found them, at today's paths (the first 2026-12-06 run predates the
+# data_pipeline/build and framework/base moves: its log names data_pipeline/minhash.py:377 and :93 and
+# framework/locks.py:69; lines of its other entries have moved since with edits). The second run's entries match
+# its logs in docs/benchmarks/mutation_logs/. Update with each run.
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("framework/checkpoint/manifest.py:27", "offbyone", "22", "23"):
         "the read chunk size (4 -> 8 MiB): a streamed checksum does not depend on how the stream is cut",
