@@ -1,8 +1,8 @@
 """A fixed handful of bench/mutation.py's mutants of three pure modules (the loss guard, the resume rules, the
-planner's traffic model), each run in process against the module's own fast tests: every one must be killed. A rewrite that makes a test unable to
-fail, or a mutant the tests stopped seeing, shows here in CI; the full bench (bench/mutation.py, docs/BENCHMARKS.md)
-covers the rest. Each mutant is named by its operator and source text, not its line, so edits elsewhere in the
-module do not move it."""
+planner's traffic model), each run in process against the module's own fast tests: every one must be killed.
+A rewrite that makes a test unable to fail, or a mutant the tests stopped seeing, shows here in CI; the full
+bench (bench/mutation.py, docs/BENCHMARKS.md) covers the rest. Each mutant is named by its operator and source
+text, not its line, so edits elsewhere in the module do not move it."""
 
 from __future__ import annotations
 
