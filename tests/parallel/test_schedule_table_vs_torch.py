@@ -42,3 +42,24 @@ def test_fewest_micro_batches_are_the_ones_torch_accepts(name: str) -> None:
     action_table(name, PP, least)  # accepted
     with pytest.raises(ParallelismError, match="refused by torch"):
         action_table(name, PP, least - 1)
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_micro_batch_problem_is_what_torch_refuses(name: str) -> None:
+    """`schedule_micro_batch_problem` claims the conditions torch's constructors check: for every micro-batch
+    count around the minimum, it names a problem exactly when torch refuses the schedule, and its suggested
+    neighbours are counts torch accepts."""
+    from framework.parallel.pipeline_schedules import schedule_micro_batch_problem
+
+    for m in range(2, 10):
+        problem = schedule_micro_batch_problem(name, PP, m)
+        try:
+            action_table(name, PP, m)
+            refused = False
+        except ParallelismError:
+            refused = True
+        assert bool(problem) == refused, (name, m, problem)
+        if "nearest that fit are" in problem:
+            lower, upper = (int(x) for x in problem.rsplit("are ", 1)[1].split(" and "))
+            assert lower < m < upper and not schedule_micro_batch_problem(name, PP, upper)
+            action_table(name, PP, upper)  # accepted by torch
