@@ -48,6 +48,9 @@ def _draws(rank: int, world: int) -> list[dict[str, Any]]:
                         "n_stages": pm.n_stages, "stage_ids": pm.stage_ids, "parts": len(pm.parts)})
     finally:
         Decoder.init_weights = real  # type: ignore[method-assign]
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 hosts the store the groups rendezvous through: it must not exit before the others
     return out
 
 
