@@ -29,11 +29,12 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -159,13 +160,50 @@ def apply(src: str, m: Mutant) -> str:
     return "".join([*lines[:l0 - 1], head + m.after + tail, *lines[l1:]])
 
 
-def mutants(module: str, per_module: int) -> list[Mutant]:
-    """A fixed sample of the module's mutants that still compile (seeded by the module path)."""
+def function_lines(src: str, names: Sequence[str]) -> set[int]:
+    """Source lines of the named functions (`name` or `Class.name`; a class name takes all its methods)."""
+    lines: set[int] = set()
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qual = f"{prefix}{node.name}"
+                if node.name in names or qual in names:
+                    lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+                if isinstance(node, ast.ClassDef):
+                    walk(node.body, f"{qual}.")
+
+    walk(ast.parse(src).body, "")
+    unknown = [n for n in names if not any(n in (q, q.rsplit(".", 1)[-1]) for q in _qualnames(src))]
+    if unknown:
+        raise SystemExit(f"no function {unknown} in the module")
+    return lines
+
+
+def _qualnames(src: str) -> list[str]:
+    out: list[str] = []
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.append(f"{prefix}{node.name}")
+                if isinstance(node, ast.ClassDef):
+                    walk(node.body, f"{prefix}{node.name}.")
+
+    walk(ast.parse(src).body, "")
+    return out
+
+
+def mutants(module: str, per_module: int, functions: Sequence[str] = (), ops: Sequence[str] = (),
+            offset: int = 0) -> list[Mutant]:
+    """A fixed sample of the module's mutants that still compile (seeded by the module path), optionally only
+    those inside `functions` (the code that decides correctness, not messages and plumbing) and of `ops`."""
     src = (REPO / module).read_text()
+    inside = function_lines(src, functions) if functions else None
     every = []
     seen = set()
     for m in _sites(src, module):
-        if m.key in seen:
+        if m.key in seen or (inside is not None and m.line not in inside) or (ops and m.op not in ops):
             continue
         seen.add(m.key)
         try:
@@ -175,7 +213,7 @@ def mutants(module: str, per_module: int) -> list[Mutant]:
         every.append(m)
     every.sort(key=lambda m: (m.line, m.op, m.after))
     random.Random(module).shuffle(every)
-    return every[:per_module] if per_module > 0 else every
+    return every[offset:offset + per_module] if per_module > 0 else every[offset:]
 
 
 def copy_tree(dest: Path) -> None:
@@ -196,18 +234,27 @@ def run_tests(tree: Path, tests: list[str], timeout_s: float) -> tuple[str, floa
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
     t0 = time.perf_counter()
+    # its own session, so a timeout ends the forked ranks of a multi-rank test too (they would otherwise wait out
+    # their collective timeout, holding a core)
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         return "timeout", time.perf_counter() - t0
     took = time.perf_counter() - t0
-    # 1: a test failed; 2: collection failed (the mutant broke an import): both kill the mutant
-    return {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, "error"), took
+    # 1: a test failed; 2: collection failed (the mutant broke an import); any other code but pytest's own
+    # (3 internal error, 4 usage, 5 nothing collected) is the test process dying, e.g. os._exit or a signal:
+    # all three kill the mutant
+    return {0: "passed", 3: "error", 4: "error", 5: "error"}.get(proc.returncode, "failed"), took
 
 
 def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: Path | None,
-               only: list[Mutant] | None = None) -> dict[str, object]:
-    tests = MODULE_TESTS[module]
+               only: list[Mutant] | None = None, functions: Sequence[str] = (), ops: Sequence[str] = (),
+               tests: list[str] | None = None, offset: int = 0) -> dict[str, object]:
+    tests = tests or MODULE_TESTS[module]
     target = tree / module
     original = target.read_text()
     base, base_s = run_tests(tree, tests, timeout_s * 4)
@@ -219,7 +266,7 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
     if base != "passed":
         return result
     limit = max(timeout_s, 3 * base_s)
-    for m in only if only is not None else mutants(module, per_module):
+    for m in only if only is not None else mutants(module, per_module, functions, ops, offset):
         try:
             target.write_text(apply(original, m))
         except ValueError as err:
@@ -297,15 +344,16 @@ def from_logs(paths: list[Path]) -> list[dict[str, object]]:
 
 
 def survivors_md(results: list[dict[str, object]]) -> str:
-    """Every mutant that survived its first run: what became of it (killed now, or why it is equivalent)."""
+    """Every mutant that survived its first run, and every equivalent one: what became of it (killed now, or why
+    it is equivalent)."""
     rows = ["| module:line | operator | before | after | now |", "| --- | --- | --- | --- | --- |"]
     for r in results:
         for m in r["mutants"]:  # type: ignore[attr-defined]
-            if m["first_killed"] or m["outcome"] == "error":
-                continue
+            if (m["first_killed"] and _equivalent(m) is None) or m["outcome"] == "error":
+                continue  # (an equivalent mutant is listed even when a timeout under load "killed" it)
             cell = [str(m[k]).replace("|", "\\|").replace("\n", " ") for k in ("before", "after")]
             why = _equivalent(m)
-            now = "killed by a new test" if _killed(m) else f"equivalent: {why}" if why else "**survives**"
+            now = f"equivalent: {why}" if why else "killed by a new test" if _killed(m) else "**survives**"
             rows.append(f"| {m['module']}:{m['line']} | {m['op']} | `{cell[0]}` | `{cell[1]}` | {now} |")
     return "\n".join(rows)
 
@@ -316,6 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-module", type=int, default=12, help="mutants sampled per module (0: all)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's test run (at least 3x baseline)")
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per mutant here")
+    ap.add_argument("--functions", nargs="+", default=(), metavar="NAME",
+                    help="only mutants inside these functions (name or Class.name) of the one module given")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip the sample's first N (a slow module's mutants run in pieces: 0, then N, ...)")
+    ap.add_argument("--ops", nargs="+", default=(), help="only these operators (compare offbyone negate ...)")
+    ap.add_argument("--tests", nargs="+", default=None,
+                    help="judge by these tests instead of the map's (a quick check of a new test; report the map's)")
+    ap.add_argument("-k", dest="keyword", default=None,
+                    help="pytest -k expression: run only the mapped tests it selects (the covering subset)")
     ap.add_argument("--list", metavar="MODULE", help="print the module's sampled mutants and exit")
     ap.add_argument("--report", nargs="+", type=Path, help="print the table and survivors of earlier --out files")
     ap.add_argument("--survivors-of", nargs="+", type=Path, metavar="LOG",
@@ -326,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(results) + "\n\nSurvivors:\n\n" + survivors_md(results))
         return 0
     if args.list:
-        for m in mutants(args.list, args.per_module):
+        for m in mutants(args.list, args.per_module, args.functions, args.ops, args.offset):
             print(f"{m.module}:{m.line} {m.op}: {m.before!r} -> {m.after!r}")
         return 0
     rerun: dict[str, list[Mutant]] | None = None
@@ -347,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         copy_tree(tree)
         for module in modules:
             only = rerun.get(module, []) if rerun is not None else None
-            results.append(run_module(tree, module, args.per_module, args.timeout, args.out, only))
+            tests = (args.tests or MODULE_TESTS[module]) + (["-k", args.keyword] if args.keyword else [])
+            results.append(run_module(tree, module, args.per_module, args.timeout, args.out, only, args.functions,
+                                      args.ops, tests, args.offset))
     for r in results:
         for m in r["mutants"]:  # type: ignore[attr-defined]
             m["first_killed"] = _killed(m)

@@ -1,8 +1,8 @@
-"""A fixed handful of bench/mutation.py's mutants of two pure modules (the loss guard, the resume rules), each run
-in process against the module's own fast tests: every one must be killed. A rewrite that makes a test unable to
-fail, or a mutant the tests stopped seeing, shows here in CI; the full bench (bench/mutation.py, docs/BENCHMARKS.md)
-covers the rest. Each mutant is named by its operator and source text, not its line, so edits elsewhere in the
-module do not move it."""
+"""A fixed handful of bench/mutation.py's mutants of three pure modules (the loss guard, the resume rules, the
+planner's traffic model), each run in process against the module's own fast tests: every one must be killed.
+A rewrite that makes a test unable to fail, or a mutant the tests stopped seeing, shows here in CI; the full
+bench (bench/mutation.py, docs/BENCHMARKS.md) covers the rest. Each mutant is named by its operator and source
+text, not its line, so edits elsewhere in the module do not move it."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "checkpoint"))
+sys.path.insert(0, str(REPO / "tests" / "plan"))
 
 from bench.mutation import Mutant, apply, mutants  # noqa: E402
 
-GUARD, RULES = "framework/checkpoint/guard.py", "framework/checkpoint/resume_rules.py"
+GUARD, RULES, COMM = "framework/checkpoint/guard.py", "framework/checkpoint/resume_rules.py", "framework/plan/comm.py"
 FIXED: list[tuple[str, str, str]] = [  # (module, operator, source text the mutant changes)
     (GUARD, "compare", "z > self.cfg.zscore"),
     (GUARD, "compare", "self.consecutive >= self.cfg.max_consecutive"),
@@ -31,6 +32,11 @@ FIXED: list[tuple[str, str, str]] = [  # (module, operator, source text the muta
     (RULES, "compare", "old_gbs != new_gbs"),
     (RULES, "negate", "not cfg.allow_data_change"),
     (RULES, "compare", 'int(p.get("start_step", 0)) <= step'),
+    # the planner's traffic model: each survived the first bench run until tests/plan/test_plan_comm_hand.py
+    (COMM, "arith", 'm * ring_factor("all_gather", n)'),
+    (COMM, "arith", "work.model.moe.top_k * tokens * work.model.hidden * work.precision.act"),
+    (COMM, "arith", "group - 1"),
+    (COMM, "arith", "work.seq_len // lay.cp"),
 ]
 
 
@@ -76,7 +82,18 @@ def _rules_tests(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp: Path) ->
             test_resume_fewer_steps.test_fewer_steps_needs_the_flag_on_crafted_metadata]
 
 
-TESTS = {GUARD: _guard_tests, RULES: _rules_tests}
+def _comm_tests(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp: Path) -> list[Callable[[], None]]:
+    import test_plan_comm_hand as hand
+
+    monkeypatch.setattr(hand, "dp_comm_per_step", mod.dp_comm_per_step)
+    monkeypatch.setattr(hand, "ep_comm_per_micro", mod.ep_comm_per_micro)  # tp_comm_per_micro: imported per call
+    return [hand.test_hpz_gathers_forward_over_the_shard_group_and_backward_over_the_node,
+            hand.test_zeropp_leaves_the_experts_reduction_plain, hand.test_expert_all_to_all_bytes_by_hand,
+            hand.test_no_data_parallelism_moves_nothing,
+            hand.test_tensor_parallel_under_context_parallel_and_the_ring_latency]
+
+
+TESTS = {GUARD: _guard_tests, RULES: _rules_tests, COMM: _comm_tests}
 
 
 def _killed(module: str, source: str, monkeypatch: pytest.MonkeyPatch, tmp: Path) -> bool:
