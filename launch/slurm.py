@@ -8,7 +8,8 @@ The rendered script is meant to be read by a person before it is submitted (`--d
 - runs the ranks either directly (`srun python -m framework.cli train ...`, one task per rank, `launch.env`
   reads SLURM's variables) or through torchrun (`srun` one agent per node, c10d rendezvous on the first node);
 - on SIGUSR1 or SIGTERM the trainer saves a checkpoint and exits with `checkpoint.requeue_exit_code` (42); the script
-  sees it and runs `scontrol requeue`, and the restarted job resumes from `latest` in the same run directory; after
+  sees it and requeues the job (`python -m launch.exclude requeue`: `scontrol requeue`, plus the nodes of the run's
+  exclude.json in the job's ExcNodeList), and the restarted job resumes from `latest` in the same run directory; after
   SIGINT the ranks save and exit 130, which the script passes on (not requeued);
 - a signal sent to the script itself (`scancel --batch`) is forwarded to every rank (`_forward_block`).
 """
@@ -343,6 +344,7 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
     world = spec.nodes * spec.procs_per_node
     layout = " x ".join(f"{k} {v}" for k, v in degrees.items())
     program = program or ["-m", "framework.cli", "train", config_path, *overrides]
+    shrink = " --shrink" if cfg.observe.exclude.enabled and cfg.observe.exclude.shrink else ""
     hardware = f"{spec.gpus_per_node} GPUs" if spec.gpus_per_node else f"{spec.procs_per_node} CPU ranks"
     lines = [
         "#!/bin/bash",
@@ -376,7 +378,12 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
         'echo "[tessera] ranks exited with $rc at $(date -u +%FT%TZ)"',
         'if [ "$rc" -eq "$TESSERA_REQUEUE_EXIT_CODE" ]; then',
         '    echo "[tessera] checkpoint saved on SIGTERM/SIGUSR1: requeueing job $SLURM_JOB_ID"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    # The nodes in the run directory's exclude.json (a bad node the run named, `tessera launch exclude`) go",
+        "    # into the requeued job's ExcNodeList; the requeue sends SIGTERM to this script: ignored",
+        "    # (launch/exclude.py says why).",
+        "    trap '' TERM",
+        f'    "$PYTHON" -m launch.exclude requeue {shlex.quote(run_dir)} --job "$SLURM_JOB_ID"{shrink} \\',
+        '        || scontrol requeue "$SLURM_JOB_ID"',
         "    exit 0",
         "fi",
         'exit "$rc"',
