@@ -123,10 +123,11 @@ class SniffConfig:
     interval: int = 0
     """And every this many steps (0: never); each run costs a few ms per test on a GPU, seconds on gloo."""
     inject: str = ""
-    """Fault injection for tests and drills: "RANK:SECONDS" sleeps that long in each GEMM call of that rank."""
+    """Fault injection for tests and drills: "RANK:gemm:SECONDS" sleeps that long in each GEMM call of that rank
+    (the straggler's RANK:SECTION:SECONDS form; a bare 1:0.03 would read as a YAML sexagesimal number)."""
 
     def parse_inject(self) -> tuple[int, float]:
-        rank, seconds = self.inject.split(":") if self.inject else ("-1", "0")
+        rank, _, seconds = self.inject.split(":") if self.inject else ("-1", "gemm", "0")
         return int(rank), float(seconds)
 
     def validate(self) -> None:
@@ -134,11 +135,11 @@ class SniffConfig:
             raise ConfigError(f"observe.sniff.interval={self.interval} must be >= 0 (0: never); e.g. 1000")
         try:
             rank, seconds = self.parse_inject()
-            ok = (rank >= 0 and seconds >= 0) or not self.inject
+            ok = not self.inject or (rank >= 0 and seconds >= 0 and self.inject.split(":")[1] == "gemm")
         except ValueError:
             ok = False
         if not ok:
-            raise ConfigError(f"observe.sniff.inject={self.inject!r} must read RANK:SECONDS; e.g. '1:0.03'")
+            raise ConfigError(f"observe.sniff.inject={self.inject!r} must read RANK:gemm:SECONDS; e.g. 1:gemm:0.03")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -130,8 +130,8 @@ def _hang_case(rank: int, base: Path) -> None:
 
 def _sniff_exclude(rank: int, base: Path) -> dict[str, Any]:
     cfg = tiny_config(base / "sniffex", *DP4, "train.steps=4", "checkpoint.interval=0",
-                      "observe.straggler.enabled=false", "observe.sniff.at_start=true", "observe.sniff.inject=1:0.03",
-                      "observe.exclude.enabled=true")
+                      "observe.straggler.enabled=false", "observe.sniff.at_start=true",
+                      "observe.sniff.inject=1:gemm:0.03", "observe.exclude.enabled=true")
     result = Trainer(cfg).train()
     records = RunDir(base / "sniffex").read_metrics("train") if rank == 0 else []
     return {"exit_code": result.exit_code, "final_step": result.final_step, "records": records}
