@@ -309,7 +309,9 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
             "# srun gets --cpus-per-task again: since SLURM 22.05 it no longer inherits it from sbatch. Each rank is",
             "# bound to its own cores (--cpu-bind=cores: SLURM hands out a task's cores within one socket where",
             "# they fit, so a rank's threads stay on its NUMA node instead of migrating across the machine).",
-            f'srun --ntasks-per-node={spec.procs_per_node} --cpus-per-task="$CPUS_PER_RANK" --cpu-bind=cores \\',
+            "# --ntasks from the nodes this start got: a job requeued onto fewer nodes keeps the old SLURM_NTASKS.",
+            f"srun --ntasks=$(( SLURM_JOB_NUM_NODES * {spec.procs_per_node} )) "
+            f'--ntasks-per-node={spec.procs_per_node} --cpus-per-task="$CPUS_PER_RANK" --cpu-bind=cores \\',
             f'    "$PYTHON" {prog} &',
         ]
     return [
@@ -323,7 +325,8 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
         f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHRUN_SIGNALS}",
         "export PET_SIGNALS_TO_HANDLE=$TORCHELASTIC_SIGNALS_TO_HANDLE",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={spec.signal_lead_s}",
-        f'srun --ntasks-per-node=1 --cpus-per-task=$(( CPUS_PER_RANK * {spec.procs_per_node} )) --cpu-bind=none \\',
+        'srun --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \\',
+        f'    --cpus-per-task=$(( CPUS_PER_RANK * {spec.procs_per_node} )) --cpu-bind=none \\',
         '    "$PYTHON" -m launch.torchrun \\',
         f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={spec.procs_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\',
