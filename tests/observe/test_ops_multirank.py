@@ -140,7 +140,7 @@ def _sniff_exclude(rank: int, base: Path) -> dict[str, Any]:
 def _layer_grads(rank: int, base: Path) -> dict[str, Any]:
     """Per-layer gradient norms of the FSDP engine (4 shards: each element on one rank) and of the 1-process engine
     on the same global batch."""
-    t = Trainer(tiny_config(base / "grads", *DP4, "parallel.dp_replicate=1", "parallel.zero_stage=1", "train.steps=4",
+    t = Trainer(tiny_config(base / "grads", *DP4, "parallel.dp_replicate=1", "parallel.zero_stage=3", "train.steps=4",
                             "observe.straggler.enabled=false"))
     t.engine.forward_backward(t.loader.next_batch())
     parallel = t.engine.layer_grad_norms(t.engine.clip_grad_norm(0.0))
