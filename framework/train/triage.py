@@ -84,7 +84,9 @@ def _replay_with_layer_rms(engine: Engine, batch: torch.Tensor, device: torch.de
             out = output[0] if isinstance(output, tuple) else output
             local = out.to_local() if hasattr(out, "to_local") else out  # a DTensor: this rank's piece
             if isinstance(local, torch.Tensor) and local.numel():
-                seen[index] = max(seen.get(index, 0.0), float(local.detach().float().pow(2).mean().sqrt()))
+                value, before = float(local.detach().float().pow(2).mean().sqrt()), seen.get(index)
+                # max() would drop a NaN (max(0.0, nan) is 0.0): a non-finite output must stay visible
+                seen[index] = value if before is None or not math.isfinite(value) or value > before else before
         return record
 
     handles = [module.register_forward_hook(hook(int(m.group(1))))
