@@ -209,9 +209,12 @@ def _spike_layers(records: list[dict[str, Any]], top: int = 3) -> list[Finding]:
     """Per spike the triage replayed: the layers whose output RMS was largest (the triage record's layer_act_rms)."""
     out = []
     for r in (r for r in records if r.get("type") == "triage"):
-        rms = [(_num(v), str(i)) for i, v in enumerate(r.get("layer_act_rms") or []) if _num(v) >= 0]
+        # metrics.jsonl holds a non-finite value as null: it stays a non-finite layer here (ranked first)
+        rms = [(math.inf if v is None else _num(v), str(i)) for i, v in enumerate(r.get("layer_act_rms") or [])
+               if v is None or _num(v) >= 0]
         grads = list(r.get("layer_grad_norm") or [])
-        grads = [(_num(v), str(i) if i < len(grads) - 1 else "rest") for i, v in enumerate(grads)]
+        grads = [(math.inf if v is None else _num(v), str(i) if i < len(grads) - 1 else "rest")
+                 for i, v in enumerate(grads)]
         lines = [f"{what} {_ranked(vals, top)}" for what, vals in (("output RMS:", rms), ("gradient norm:", grads))
                  if vals]
         if not lines:

@@ -224,7 +224,10 @@ def test_the_spike_replay_saves_every_layers_activation_rms_for_doctor(ops_resul
     assert len(hw) == n_layers and all(0 < v < 100 for v in hw) and len(set(hw)) == n_layers, hw
     assert all(r["layer_rms"] == ranks[0]["layer_rms"] for r in ranks)
     (tri,) = ranks[0]["triage"]["poison"]  # the poisoned rows' NaN embedding runs through every block
-    assert tri["layer_act_rms"] == ranks[0]["layer_rms"]["poison"] == [float("inf")] * n_layers
+    assert ranks[0]["layer_rms"]["poison"] == [float("inf")] * n_layers
+    assert tri["layer_act_rms"] == [None] * n_layers  # metrics.jsonl writes a non-finite value as null
+    (poison,) = [f for f in diagnose(ops_results["base"] / "poison") if "largest activations" in f.summary]
+    assert poison.summary.startswith("spike at step 6 (data): largest activations in layer(s) 0, 1, 2;"), poison
     (found,) = [f for f in diagnose(ops_results["base"] / "hw") if "largest activations" in f.summary]
     top = ", ".join(map(str, sorted(range(n_layers), key=lambda i: -hw[i])[:3]))
     assert found.summary.startswith(f"spike at step 3 (hardware): largest activations in layer(s) {top}; "), found
