@@ -9,6 +9,9 @@ why it lives in neither; dtypes, autocast and loss scaling are framework/numeric
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -55,6 +58,12 @@ class Engine(Protocol):
         """Restore `extra_state()` (None or a missing entry: keep the current value, e.g. an fp32 checkpoint)."""
         ...
 
+    def layer_grad_norms(self, total: float) -> list[float]:
+        """This step's gradient norm per decoder block, then one entry for the rest (embeddings, final norm,
+        output), as before clipping (`total`: clip_grad_norm's result). Valid between clip_grad_norm and
+        optimizer_step; a collective on the parallel engine. For the spike triage (framework/train/triage.py)."""
+        ...
+
     def eval_loss(self, batch: torch.Tensor) -> float:
         """Mean loss over `batch` (n_micro, B, T+1) without gradients (global mean over data ranks)."""
         ...
@@ -78,3 +87,20 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+_BLOCK_PARAM = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # models/decoder.py's blocks, also under compile wrappers
+
+
+def params_by_layer(parts: Iterable[nn.Module], n_layers: int) -> Iterator[tuple[int, nn.Parameter]]:
+    """(layer index, parameter) of every parameter; n_layers for those outside the blocks."""
+    for part in parts:
+        for name, p in part.named_parameters():
+            m = _BLOCK_PARAM.search(name)
+            yield (int(m.group(1)) if m else n_layers), p
+
+
+def unclipped(norms: list[float], total: float) -> list[float]:
+    """Per-layer norms of clipped gradients scaled back to before clipping (clipping scales every layer alike)."""
+    now = math.sqrt(sum(n * n for n in norms))
+    return [n * total / now for n in norms] if now > 0 and math.isfinite(now) and math.isfinite(total) else norms

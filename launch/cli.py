@@ -3,6 +3,7 @@
     tessera launch slurm CONFIG --nodes N (--gpus-per-node G | --procs-per-node P) --time T
                          [--partition P] [--account A] [--mode srun|torchrun] [--dry-run] [a.b.c=value ...]
     tessera launch local --nproc N CONFIG ...   (launch.local)
+    tessera launch exclude RUN_DIR [--add NODE | --clear NODE|all] [--job ID]   (launch.exclude)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch import local
+from launch import exclude, local
 
 
 class _OverridesParser(argparse.ArgumentParser):
@@ -69,6 +70,7 @@ def cmd_slurm(args: argparse.Namespace) -> int:
                      time=args.time, partition=args.partition, account=args.account, mode=args.mode,
                      signal_lead_s=args.signal_lead, extra_sbatch=tuple(args.sbatch_arg))
     degrees = validate_spec(cfg, spec)
+    exclude.check_shrink(cfg, spec)  # observe.exclude.shrink: the layout must also fit the smaller world
     if gpus and procs % degrees["tp"]:
         print(f"tessera: warning: parallel.tp={degrees['tp']} does not divide {procs} ranks per node, so tensor-"
               f"parallel groups span nodes and every layer's collectives cross the network", file=sys.stderr)
@@ -140,3 +142,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     sub = launch.add_subparsers(dest="launcher", required=True, metavar="LAUNCHER", parser_class=_OverridesParser)
     _register_slurm(sub)
     local.register(sub)
+    exclude.add_parser(sub)

@@ -8,7 +8,8 @@ The rendered script is meant to be read by a person before it is submitted (`--d
 - runs the ranks either directly (`srun python -m framework.cli train ...`, one task per rank, `launch.env`
   reads SLURM's variables) or through torchrun (`srun` one agent per node, c10d rendezvous on the first node);
 - on SIGUSR1 or SIGTERM the trainer saves a checkpoint and exits with `checkpoint.requeue_exit_code` (42); the script
-  sees it and runs `scontrol requeue`, and the restarted job resumes from `latest` in the same run directory; after
+  sees it and requeues the job (`python -m launch.exclude requeue`: `scontrol requeue`, plus the nodes of the run's
+  exclude.json in the job's ExcNodeList), and the restarted job resumes from `latest` in the same run directory; after
   SIGINT the ranks save and exit 130, which the script passes on (not requeued);
 - a signal sent to the script itself (`scancel --batch`) is forwarded to every rank (`_forward_block`).
 """
@@ -308,7 +309,9 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
             "# srun gets --cpus-per-task again: since SLURM 22.05 it no longer inherits it from sbatch. Each rank is",
             "# bound to its own cores (--cpu-bind=cores: SLURM hands out a task's cores within one socket where",
             "# they fit, so a rank's threads stay on its NUMA node instead of migrating across the machine).",
-            f'srun --ntasks-per-node={spec.procs_per_node} --cpus-per-task="$CPUS_PER_RANK" --cpu-bind=cores \\',
+            "# --ntasks from the nodes this start got: a job requeued onto fewer nodes keeps the old SLURM_NTASKS.",
+            f"srun --ntasks=$(( SLURM_JOB_NUM_NODES * {spec.procs_per_node} )) "
+            f'--ntasks-per-node={spec.procs_per_node} --cpus-per-task="$CPUS_PER_RANK" --cpu-bind=cores \\',
             f'    "$PYTHON" {prog} &',
         ]
     return [
@@ -322,7 +325,8 @@ def _launch_block(spec: SlurmSpec, program: list[str]) -> list[str]:
         f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHRUN_SIGNALS}",
         "export PET_SIGNALS_TO_HANDLE=$TORCHELASTIC_SIGNALS_TO_HANDLE",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={spec.signal_lead_s}",
-        f'srun --ntasks-per-node=1 --cpus-per-task=$(( CPUS_PER_RANK * {spec.procs_per_node} )) --cpu-bind=none \\',
+        'srun --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \\',
+        f'    --cpus-per-task=$(( CPUS_PER_RANK * {spec.procs_per_node} )) --cpu-bind=none \\',
         '    "$PYTHON" -m launch.torchrun \\',
         f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={spec.procs_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\',
@@ -343,6 +347,7 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
     world = spec.nodes * spec.procs_per_node
     layout = " x ".join(f"{k} {v}" for k, v in degrees.items())
     program = program or ["-m", "framework.cli", "train", config_path, *overrides]
+    shrink = " --shrink" if cfg.observe.exclude.enabled and cfg.observe.exclude.shrink else ""
     hardware = f"{spec.gpus_per_node} GPUs" if spec.gpus_per_node else f"{spec.procs_per_node} CPU ranks"
     lines = [
         "#!/bin/bash",
@@ -376,7 +381,12 @@ def render_sbatch(cfg: Config, spec: SlurmSpec, config_path: str, overrides: lis
         'echo "[tessera] ranks exited with $rc at $(date -u +%FT%TZ)"',
         'if [ "$rc" -eq "$TESSERA_REQUEUE_EXIT_CODE" ]; then',
         '    echo "[tessera] checkpoint saved on SIGTERM/SIGUSR1: requeueing job $SLURM_JOB_ID"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    # The nodes in the run directory's exclude.json (a bad node the run named, `tessera launch exclude`) go",
+        "    # into the requeued job's ExcNodeList; the requeue sends SIGTERM to this script: ignored",
+        "    # (launch/exclude.py says why).",
+        "    trap '' TERM",
+        f'    "$PYTHON" -m launch.exclude requeue {shlex.quote(run_dir)} --job "$SLURM_JOB_ID"{shrink} \\',
+        '        || scontrol requeue "$SLURM_JOB_ID"',
         "    exit 0",
         "fi",
         'exit "$rc"',

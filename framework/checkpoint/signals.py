@@ -95,6 +95,8 @@ class StopSignals:
         self.kind = NO_STOP
         self.agreed = NO_STOP
         self.agreed_signal = 0
+        self.requested_by = ""
+        """Why this process asked for the stop itself (`request`), when no signal did."""
         self._previous: dict[signal.Signals, Any] = {}
         self._pid = os.getpid()
 
@@ -120,9 +122,18 @@ class StopSignals:
         if signum == signal.SIGINT and self.kind == INTERRUPT:
             os.write(2, b"tessera: second interrupt: aborting now, without a checkpoint\n")
             os._exit(INTERRUPT_EXIT_CODE)
+        self._vote(signum)
+
+    def _vote(self, signum: int) -> None:
         if self.received is None or stop_kind(signum) > self.kind:
             self.received = signum
         self.kind = max(self.kind, stop_kind(signum))
+
+    def request(self, why: str, signum: int = signal.SIGUSR1) -> None:
+        """Stop at the next step boundary as if `signum` had arrived (commit a checkpoint, exit with its code):
+        a decision of the run itself, e.g. the node-exclusion policy (framework/observe/exclusion.py)."""
+        self.requested_by = why
+        self._vote(signum)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -153,6 +164,8 @@ class StopSignals:
 
     @property
     def signal_name(self) -> str:
+        if self.requested_by:
+            return self.requested_by
         if self.received is not None and stop_kind(self.received) == self.agreed:
             return signal.Signals(self.received).name
         if self.agreed_signal and stop_kind(self.agreed_signal) == self.agreed:

@@ -114,6 +114,63 @@ class StragglerConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class SniffConfig:
+    """Sniff tests inside a training run (framework/observe/sniff.py): GEMM, P2P, all-reduce, all-to-all on every
+    rank at once, each rank against its peers; a named slow rank confirms its node for observe.exclude."""
+
+    at_start: bool = False
+    """Run them at the first step of every start (the preflight of each job and requeue)."""
+    interval: int = 0
+    """And every this many steps (0: never); each run costs a few ms per test on a GPU, seconds on gloo."""
+    inject: str = ""
+    """Fault injection for tests and drills: "RANK:gemm:SECONDS" sleeps that long in each GEMM call of that rank
+    (the straggler's RANK:SECTION:SECONDS form; a bare 1:0.03 would read as a YAML sexagesimal number)."""
+
+    def parse_inject(self) -> tuple[int, float]:
+        rank, _, seconds = self.inject.split(":") if self.inject else ("-1", "gemm", "0")
+        return int(rank), float(seconds)
+
+    def validate(self) -> None:
+        if self.interval < 0:
+            raise ConfigError(f"observe.sniff.interval={self.interval} must be >= 0 (0: never); e.g. 1000")
+        try:
+            rank, seconds = self.parse_inject()
+            ok = not self.inject or (rank >= 0 and seconds >= 0 and self.inject.split(":")[1] == "gemm")
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"observe.sniff.inject={self.inject!r} must read RANK:gemm:SECONDS; e.g. 1:gemm:0.03")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ExcludeConfig:
+    """Exclude a confirmed bad node and requeue (framework/observe/exclusion.py, launch/exclude.py)."""
+
+    enabled: bool = False
+    """On a confirmed bad node: commit a checkpoint, write the node with its evidence into <run>/exclude.json and
+    exit with checkpoint.requeue_exit_code; the `launch slurm` script requeues the job with every node of that
+    file in its ExcNodeList. Off: the verdicts are only logged."""
+    windows: int = 3
+    """A straggler (observe.straggler) confirms a node once named for this many windows in a row."""
+    min_slowdown: float = 1.5
+    """...and at least this many times the median of its peers in its section."""
+    sniff: bool = True
+    """A rank named slow by the sniff tests (observe.sniff) confirms its node."""
+    max_nodes: int = 1
+    """At most this many nodes excluded by the policy over the run (manual entries do not count): a slowdown
+    that moves from node to node is not one bad node. Past it the verdict is logged and the run goes on."""
+    shrink: bool = False
+    """Requeue with one node fewer per excluded node of the allocation (a cluster without spare nodes); the
+    layout must fit the smaller world (`launch slurm` checks it). Off: the job keeps its node count and SLURM
+    picks replacement nodes."""
+
+    def validate(self) -> None:
+        if self.windows < 1 or self.max_nodes < 1 or self.min_slowdown < 1:
+            raise ConfigError(f"observe.exclude: windows={self.windows} and max_nodes={self.max_nodes} must be >= 1 "
+                              f"and min_slowdown={self.min_slowdown} >= 1; e.g. 3, 1, 1.5")
+
+
+@dataclass(kw_only=True, frozen=True)
 class ObserveConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: bool = False
@@ -133,6 +190,8 @@ class ObserveConfig:
     recomputes on its own); otherwise HFU follows parallel.recompute and parallel.recompute_every."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    sniff: SniffConfig = field(default_factory=SniffConfig)
+    exclude: ExcludeConfig = field(default_factory=ExcludeConfig)
 
     def validate(self) -> None:
         from framework.observe.mfu import PEAK_TFLOPS

@@ -205,6 +205,40 @@ def _train(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _spike_layers(records: list[dict[str, Any]], top: int = 3) -> list[Finding]:
+    """Per spike the triage replayed: the layers whose output RMS was largest (the triage record's layer_act_rms)."""
+    out = []
+    for r in (r for r in records if r.get("type") == "triage"):
+        # metrics.jsonl holds a non-finite value as null: it stays a non-finite layer here (ranked first)
+        rms = [(math.inf if v is None else _num(v), str(i)) for i, v in enumerate(r.get("layer_act_rms") or [])
+               if v is None or _num(v) >= 0]
+        grads = list(r.get("layer_grad_norm") or [])
+        grads = [(math.inf if v is None else _num(v), str(i) if i < len(grads) - 1 else "rest")
+                 for i, v in enumerate(grads)]
+        lines = [f"{what} {_ranked(vals, top)}" for what, vals in (("output RMS:", rms), ("gradient norm:", grads))
+                 if vals]
+        if not lines:
+            continue
+        top_act = ", ".join(i for _, i in sorted(rms, key=_worst)[:top]) or "-"
+        top_grad = ", ".join(i for _, i in sorted(grads, key=_worst)[:top]) or "-"
+        out.append(Finding("info", "loss", f"spike at step {r.get('step')} ({r.get('verdict')}): largest activations "
+                           f"in layer(s) {top_act}; largest gradients in layer(s) {top_grad}", lines,
+                           "a layer far above the others at a data spike points at what the samples excite (read the "
+                           "quarantined samples); at a hardware verdict, at the device that computed it"))
+    return out
+
+
+def _worst(value_name: tuple[float, str]) -> float:
+    """Sort key, largest first; a non-finite value (NaN included) first of all."""
+    return -value_name[0] if math.isfinite(value_name[0]) else -math.inf
+
+
+def _ranked(values: list[tuple[float, str]], top: int) -> str:
+    mid = median(v for v, _ in values if math.isfinite(v)) if any(math.isfinite(v) for v, _ in values) else 0.0
+    return "; ".join(f"layer {i} {v:.4g}" + (f" ({v / mid:.1f}x the median)" if mid > 0 and math.isfinite(v) else "")
+                     for v, i in sorted(values, key=_worst)[:top])
+
+
 def check_loss(records: list[dict[str, Any]]) -> list[Finding]:
     out: list[Finding] = []
     train = [r for r in records if r.get("type") == "train"]
@@ -226,6 +260,7 @@ def check_loss(records: list[dict[str, Any]]) -> list[Finding]:
                             f"(z-score {_num(r.get('guard_zscore')):.1f})" for r in spikes[:8]],
                            "isolated spikes are absorbed by the guard; repeated ones mean the LR is too high for the "
                            "batch size, or bad data: lower train.lr, raise train.warmup_steps, inspect the batches"))
+    out += _spike_layers(records)
     if rollbacks:
         out.append(Finding("warning", "loss", f"the guard rolled back {len(rollbacks)} time(s)",
                            [f"at step {r.get('from_step')}: back to {r.get('checkpoint')}, skipped samples "

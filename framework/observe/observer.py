@@ -4,20 +4,25 @@ The trainer calls, in order:
 
     obs = Observer.for_config(cfg, run_dir, rank, world, device)   # wandb/TensorBoard sinks on rank 0
     obs.attach(engine.model_parts, engine.optimizers)    # the straggler detector's section hooks
-    record.update(obs.on_step(record))                   # per train step: tokens/s per device, MFU, HFU, straggler/*
+    record.update(obs.on_step(record))                   # per train step: tokens/s per device, MFU, HFU, straggler/*,
+                                                         # sniff/* (observe.sniff), exclude/* (a confirmed bad
+                                                         # node stops the run for a requeue)
     out.update(obs.eval_metrics(out))                     # per evaluation: val_ppl/<domain>
     obs.summary(step, final_eval, checkpoint_time_s)      # once per start: a `summary` record
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from framework.base.logs import get_logger
 from framework.observe.config import ObserveConfig
+from framework.observe.exclusion import NodeExclusion
 from framework.observe.mfu import FlopsMeter, detect_accelerator, peak_tflops
 from framework.observe.straggler import StragglerDetector
 from framework.parallel.config import ParallelConfig
@@ -25,6 +30,8 @@ from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from framework.config import Config
+
+log = get_logger("observe")
 
 BREAKDOWN = ("data_time_s", "fwd_bwd_time_s", "optim_time_s")
 
@@ -63,6 +70,8 @@ class Observer:
         self._last: dict[str, Any] | None = None
         self._sums: dict[str, float] = {}
         self.straggler = StragglerDetector(obs.straggler, rank, world, device)
+        self.exclusion = NodeExclusion(obs.exclude, run_dir, rank)
+        self.sniff_cfg, self.device = obs.sniff, device
         self.sinks: list[Any] = []
         if rank == 0:
             from framework.observe.sinks import build_sinks
@@ -91,8 +100,33 @@ class Observer:
                 self._sums[key] = self._sums.get(key, 0.0) + float(record[key])
         self._peak_mb = max(self._peak_mb, float(record["memory_mb"]))
         out: dict[str, Any] = dict(self.meter.metrics(record["tokens_per_s"])) if self.meter else {}
-        out.update(self.straggler.on_step(record))
+        verdict = self.straggler.on_step(record)
+        out.update(verdict)
+        out.update(self.exclusion.on_straggler(verdict, int(record["step"])))  # observe.exclude: stop, requeue
+        if (self._n_steps == 1 and self.sniff_cfg.at_start) or (
+                self.sniff_cfg.interval and record["step"] % self.sniff_cfg.interval == 0):
+            out.update(self._sniff(int(record["step"])))
         return out
+
+    def _sniff(self, step: int) -> dict[str, Any]:
+        """observe.sniff: the sniff tests on every rank; a named slow rank goes to the exclusion policy."""
+        import torch.distributed as dist
+
+        from framework.observe.sniff import sniff
+
+        if not dist.is_initialized() or dist.get_world_size() < 3:  # two ranks cannot say which one is slow
+            return {}
+        rank, seconds = self.sniff_cfg.parse_inject()
+        report = sniff(self.device, slow_gemm_s=seconds if rank == dist.get_rank() else 0.0)
+        if dist.get_rank() == 0:
+            level = logging.WARNING if report.slow else logging.INFO
+            for line in report.lines():
+                log.log(level, "sniff at step %d: %s", step, line)
+        out: dict[str, Any] = {"sniff/slow_ranks": len(report.slow)}
+        if report.slow:
+            worst = report.slow[0]
+            out.update({"sniff/rank": worst["rank"], "sniff/test": worst["test"], "sniff/slowdown": worst["slowdown"]})
+        return out | self.exclusion.on_sniff(report.slow, self.straggler.gathered_hosts(), step)
 
     @staticmethod
     def eval_metrics(out: dict[str, float]) -> dict[str, float]:

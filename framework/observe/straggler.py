@@ -91,6 +91,14 @@ class StragglerDetector:
         if inject_rank != rank:
             self._sleep_in, self._sleep = "", 0.0
 
+    def gathered_hosts(self) -> list[str]:
+        """Every rank's hostname (gathered by `attach` when the detector is active, else now: a collective)."""
+        if not self.active and dist.is_initialized():
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, socket.gethostname())
+            self.hosts = [str(h) for h in gathered]
+        return self.hosts
+
     @property
     def active(self) -> bool:
         return self.cfg.enabled and self.world > 1

@@ -70,6 +70,24 @@ def global_grad_norm(params: Iterable[torch.Tensor], copies_per_stage: int, grou
 
 
 @torch.no_grad()
+def grad_norms_by_bucket(params: Iterable[tuple[int, torch.Tensor]], buckets: int, copies_per_stage: int,
+                         groups: Sequence[dist.ProcessGroup], comm_device: torch.device) -> list[float]:
+    """`global_grad_norm` per bucket (e.g. a decoder block), every element counted once by the same weighting; one
+    vector of `buckets` squares is reduced over `groups`, so every rank calls it alike whatever its stage holds.
+    One norm per tensor: meant for a diagnosis (a loss spike), not for every step."""
+    squares = torch.zeros(buckets, dtype=torch.float64, device=comm_device)
+    for bucket, p in params:
+        if p.grad is None:
+            continue
+        g, pieces = local_grad(p)
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype != torch.float64 else None)
+        squares[bucket] += norm.double().square().to(comm_device) * (pieces / copies_per_stage)
+    for group in groups:
+        dist.all_reduce(squares, group=group)
+    return [float(x) for x in squares.sqrt().cpu()]
+
+
+@torch.no_grad()
 def resolve_partial_grads(params: Iterable[torch.Tensor]) -> None:
     """Sum pending (Partial) DTensor gradients now, e.g. of sequence-parallel norm weights, so that every
     gradient is a plain shard or replica for clipping and the optimizer."""

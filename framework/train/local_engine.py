@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.engine import cross_entropy
+from framework.engine import cross_entropy, params_by_layer, unclipped
 from framework.numerics.precision import LossScaler, autocast, finish_step
 from framework.numerics.transforms import Site, apply_model_transforms, model_transforms
 from framework.parallel.memory import model_state_report
+from framework.parallel.precision import grad_norms_by_bucket
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
 from framework.train.qk_clip import QKClip
@@ -85,6 +86,11 @@ class LocalEngine:
         params = [p for p in self.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
         return float(norm)
+
+    def layer_grad_norms(self, total: float) -> list[float]:
+        n = self.model.cfg.n_layers
+        norms = grad_norms_by_bucket(params_by_layer(self.model_parts, n), n + 1, 1, [], self.device)
+        return unclipped(norms, total)
 
     def grads_overflowed(self) -> bool:
         return self.scaler.enabled and self._unscale()

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.base.errors import ParallelismError
-from framework.engine import cross_entropy
+from framework.engine import cross_entropy, params_by_layer, unclipped
 from framework.numerics.precision import LossScaler, autocast, finish_step
 from framework.numerics.transforms import model_transforms
 from framework.parallel.comm import CommLogger, mesh_axes
@@ -38,7 +38,12 @@ from framework.parallel.offload import io_metrics, offload_optimizers
 from framework.parallel.parallelize import parallelize
 from framework.parallel.pipeline import build_schedule, run_schedule
 from framework.parallel.pipeline_schedules import min_micro_batches, schedule_micro_batch_problem
-from framework.parallel.precision import global_grad_norm, resolve_partial_grads, scale_grads
+from framework.parallel.precision import (
+    global_grad_norm,
+    grad_norms_by_bucket,
+    resolve_partial_grads,
+    scale_grads,
+)
 from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
 from framework.train.config import TrainConfig
 from framework.train.optim import build_optimizer
@@ -239,6 +244,12 @@ class ParallelEngine:
         if max_norm > 0 and not self._found_inf:
             scale_grads(params, min(1.0, max_norm / (norm + 1e-6)))
         return norm
+
+    def layer_grad_norms(self, total: float) -> list[float]:
+        n = self.model_cfg.n_layers
+        counted = ((i, p) for i, p in params_by_layer(self.model_parts, n) if p is not self.tied_copy)
+        copies = self.dims.world_size // self.dims.pp
+        return unclipped(grad_norms_by_bucket(counted, n + 1, copies, self.groups, self.device), total)
 
     def grads_overflowed(self) -> bool:
         """fp16: a gradient overflowed somewhere in the layout (the global norm is not finite); see `Engine`."""

@@ -287,6 +287,7 @@ class Trainer:
             self._memory_due = False
             self.log_record({"type": "memory", "step": self.step + 1, **self.engine.memory_report()})
         verdict = Verdict(False) if overflow else self.ft.guard.check(loss, grad_norm)
+        grads = self.engine.layer_grad_norms(grad_norm) if verdict.skip and self.cfg.checkpoint.guard.triage else []
         applied = self.engine.optimizer_step(lr, apply=not verdict.skip)  # the engine ends every step
         t_end = time.perf_counter()
         self.step += 1
@@ -306,7 +307,7 @@ class Trainer:
                         verdict.reason, loss, grad_norm, self.ft.guard.skipped_total)
             if self.cfg.checkpoint.guard.triage:  # replay: data (quarantined) or hardware
                 self.triaged = triage(self.engine, self.loader, batch, self.loader.consumed_samples
-                                      - self.cfg.train.global_batch_size, self.ft.guard, self.device)
+                                      - self.cfg.train.global_batch_size, self.ft.guard, self.device, grads)
                 self.log_record(self.triaged.record(self.step, len(self.loader.quarantine)))
         record.update(self.engine.extra_metrics() | self.mixer.metrics())
         record.update(self.observer.on_step(record))

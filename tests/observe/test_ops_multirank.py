@@ -5,7 +5,9 @@
 - spike triage: a planted poisoned batch is classified as data, quarantined, skipped after the rollback and after a
   resume in a new Trainer, and the losses equal a run whose data never held it; a NaN injected once on one rank is
   classified as hardware, nothing is quarantined, and every rank holds the same verdicts;
-- sniff: the rank whose GEMM is slowed is named with its figure, the same on every rank;
+- sniff: the rank whose GEMM is slowed is named with its figure, the same on every rank; as a training run's
+  start check (observe.sniff.at_start) with observe.exclude on, it names the node in exclude.json and every rank
+  commits a checkpoint and stops with the requeue code after the first step;
 - hang: one rank late to a collective; the hang watchdog's flight-recorder dumps let `doctor` name the collective,
   the group and the missing rank.
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,14 +25,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from data_pipeline.read.loader import SyntheticSamples
+from data_pipeline.read.loader import BatchLoader, SyntheticSamples
 from framework.base.run_dir import RunDir
 from framework.checkpoint.watchdog import Watchdog
 from framework.cli import cmd_sniff, main
 from framework.observe.doctor import diagnose
+from framework.observe.exclusion import read_exclusions
 from framework.observe.sniff import sniff
 from framework.testing import run_distributed
 from framework.testing.tiny import tiny_config
+from framework.train.local_engine import LocalEngine
 from framework.train.trainer import Trainer
 
 pytestmark = [pytest.mark.distributed]
@@ -101,6 +106,7 @@ def _triage_cases(rank: int, base: Path) -> dict[str, Any]:
     hw.engine.model_parts[0].tok_embeddings.register_forward_hook(nan_once)
     out["hardware"] = hw.train().losses
     out["hardware_quarantine"] = [int(i) for i in hw.loader.quarantine]
+    out["layer_rms"] = {"poison": poisoned.triaged.layer_rms, "hw": hw.triaged.layer_rms}  # type: ignore[union-attr]
     out["triage"] = {name: RunDir(base / name).read_metrics("triage") for name in ("poison", "hw")} if rank == 0 else {}
     return out
 
@@ -122,10 +128,35 @@ def _hang_case(rank: int, base: Path) -> None:
     watchdog.stop()
 
 
+def _sniff_exclude(rank: int, base: Path) -> dict[str, Any]:
+    cfg = tiny_config(base / "sniffex", *DP4, "train.steps=4", "checkpoint.interval=0",
+                      "observe.straggler.enabled=false", "observe.sniff.at_start=true",
+                      "observe.sniff.inject=1:gemm:0.03", "observe.exclude.enabled=true")
+    result = Trainer(cfg).train()
+    records = RunDir(base / "sniffex").read_metrics("train") if rank == 0 else []
+    return {"exit_code": result.exit_code, "final_step": result.final_step, "records": records}
+
+
+def _layer_grads(rank: int, base: Path) -> dict[str, Any]:
+    """Per-layer gradient norms of the FSDP engine (4 shards: each element on one rank) and of the 1-process engine
+    on the same global batch."""
+    t = Trainer(tiny_config(base / "grads", *DP4, "parallel.dp_replicate=1", "parallel.zero_stage=3", "train.steps=4",
+                            "observe.straggler.enabled=false"))
+    t.engine.forward_backward(t.loader.next_batch())
+    parallel = t.engine.layer_grad_norms(t.engine.clip_grad_norm(0.0))
+    t.engine.optimizer_step(1e-3, apply=False)
+    local = LocalEngine(t.cfg.model, t.cfg.train, torch.device("cpu"))
+    local.forward_backward(BatchLoader(t.data.train, global_batch_size=8, micro_batch_size=2, dp_rank=0,
+                                       dp_size=1).next_batch())
+    return {"parallel": parallel, "local": local.layer_grad_norms(local.clip_grad_norm(1e-3))}  # clipped hard
+
+
 def _body(rank: int, world: int, base: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     _hang_case(rank, base)
     out: dict[str, Any] = _triage_cases(rank, base)
+    out["sniff_exclude"] = _sniff_exclude(rank, base)
+    out["layer_grads"] = _layer_grads(rank, base)
     out["sniff_cli"] = cmd_sniff(argparse.Namespace(gemm_n=64, numel=1024, stride=2))  # `tessera sniff`, launched
     out["sniff"] = sniff(torch.device("cpu"), gemm_n=128, comm_numel=4096, repeats=3,
                          slow_gemm_s=0.03 if rank == 1 else 0.0).slow
@@ -187,6 +218,29 @@ def test_a_one_rank_nan_that_does_not_come_back_is_hardware_and_quarantines_noth
     assert all(repr(r["hardware"]) == repr(ranks[0]["hardware"]) for r in ranks)  # the same losses, NaN at step 3
 
 
+def test_the_spike_replay_saves_every_layers_activation_rms_for_doctor(ops_results: dict[str, Any]) -> None:
+    ranks, n_layers = ops_results["ranks"], tiny_config(ops_results["base"] / "x").model.n_layers
+    hw = ranks[0]["layer_rms"]["hw"]  # a clean replay: every block's output is finite, every rank holds the same
+    assert len(hw) == n_layers and all(0 < v < 100 for v in hw) and len(set(hw)) == n_layers, hw
+    assert all(r["layer_rms"] == ranks[0]["layer_rms"] for r in ranks)
+    (tri,) = ranks[0]["triage"]["poison"]  # the poisoned rows' NaN embedding runs through every block
+    assert ranks[0]["layer_rms"]["poison"] == [float("inf")] * n_layers
+    assert tri["layer_act_rms"] == [None] * n_layers  # metrics.jsonl writes a non-finite value as null
+    (poison,) = [f for f in diagnose(ops_results["base"] / "poison") if "largest activations" in f.summary]
+    assert poison.summary.startswith("spike at step 6 (data): largest activations in layer(s) 0, 1, 2;"), poison
+    (found,) = [f for f in diagnose(ops_results["base"] / "hw") if "largest activations" in f.summary]
+    top = ", ".join(map(str, sorted(range(n_layers), key=lambda i: -hw[i])[:3]))
+    assert found.summary.startswith(f"spike at step 3 (hardware): largest activations in layer(s) {top}; "), found
+    assert len(tri["layer_grad_norm"]) == n_layers + 1  # the blocks, then the rest
+
+
+def test_per_layer_gradient_norms_match_the_one_process_engine_before_clipping(ops_results: dict[str, Any]) -> None:
+    for r in ops_results["ranks"]:
+        parallel, local = r["layer_grads"]["parallel"], r["layer_grads"]["local"]
+        assert len(parallel) == len(local) and min(parallel) > 0, (parallel, local)
+        torch.testing.assert_close(torch.tensor(parallel), torch.tensor(local), rtol=1e-4, atol=0)
+
+
 def test_doctor_names_the_hung_collective_its_group_and_the_missing_rank(ops_results: dict[str, Any]) -> None:
     (hang,) = [f for f in diagnose(ops_results["base"] / "hang") if f.topic == "hang"]
     assert hang.summary.endswith("flight record: in all_reduce on group dp: rank(s) 3 never issued it"), hang
@@ -200,6 +254,18 @@ def test_sniff_names_the_rank_with_the_slow_gemm_on_every_rank(ops_results: dict
     assert (worst["rank"], worst["test"]) == (1, "gemm") and worst["seconds"] >= 0.03 and worst["slowdown"] > 3
     assert all(r["sniff"] == ranks[0]["sniff"] for r in ranks)
     assert len({r["sniff_cli"] for r in ranks}) == 1 and ranks[0]["sniff_cli"] in (0, 1)  # one verdict, every rank
+
+
+def test_a_sniff_failure_at_start_excludes_its_node_and_stops_for_a_requeue(ops_results: dict[str, Any]) -> None:
+    ranks = ops_results["ranks"]
+    assert all((r["sniff_exclude"]["exit_code"], r["sniff_exclude"]["final_step"]) == (42, 1) for r in ranks)
+    (record,) = ranks[0]["sniff_exclude"]["records"]
+    assert (record["sniff/rank"], record["sniff/test"]) == (1, "gemm") and record["exclude/reason"] == "sniff"
+    run = ops_results["base"] / "sniffex"
+    entry = read_exclusions(run)["nodes"][socket.gethostname()]
+    assert (entry["reason"], entry["by"], entry["step"]) == ("sniff", "policy", 1)
+    assert (entry["evidence"]["rank"], entry["evidence"]["test"]) == (1, "gemm") and entry["evidence"]["slowdown"] > 3
+    assert (run / "checkpoints" / "step_1").is_dir()  # committed before the stop: the requeued job resumes there
 
 
 def test_sniff_on_one_process_says_how_to_launch_it(capsys: pytest.CaptureFixture[str]) -> None:
