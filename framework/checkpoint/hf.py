@@ -275,7 +275,7 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor], arch: str = "ll
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tied_embeddings else {}
     sd = {ours: hf[tied.get(name, name)] for ours, name in TOP_NAMES}
     for t, h, i in _blocks(cfg, arch):
-        names = [*_attention_names(cfg), *LAYER_NAMES[:2]]
+        names = [*_attention_names(cfg), *((ours, name, None) for ours, name, _ in LAYER_NAMES[:2])]
         missing = [h + name for _, name, _ in names if h + name not in hf]
         if missing:
             raise CheckpointError(f"HF weights lack {missing[0]} (and {len(missing) - 1} more of layer {i})")
