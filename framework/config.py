@@ -77,15 +77,9 @@ class Config:
         problem = context_problem(self.data.seq_len, self.parallel.cp, tp, self.parallel.sequence_parallel)
         if problem:
             raise ParallelismError(problem)
-        if mtp_why := mtp_problem(self.model.mtp_depth, self.parallel.pp, self.parallel.cp):
+        if mtp_why := mtp_problem(self.model.mtp_depth, self.parallel.pp, self.parallel.cp, self.parallel.pp_schedule,
+                                  self.model.tied_embeddings):
             raise ParallelismError(mtp_why)
-        if self.model.attention == "mla" and (self.parallel.cp > 1 or self.data.document_mask):
-            # Context parallelism and document masks now run through the attention kernels of models/attention.py,
-            # which MLA (models/mla.py) does not call yet: refused rather than attending within the local chunk.
-            raise ParallelismError(
-                f"model.attention=mla with parallel.cp={self.parallel.cp}, data.document_mask="
-                f"{self.data.document_mask}: MLA runs with cp=1 and without document masks; set parallel.cp=1 and "
-                f"data.document_mask=false, or model.attention=gqa")
         if tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % tp:
             fits = [n for n in range(self.data.seq_len - tp, self.data.seq_len + tp + 1) if n > 0 and n % tp == 0]
             raise ParallelismError(

@@ -338,6 +338,9 @@ PRESETS: dict[str, dict[str, object]] = {
                          qk_norm=True, ffn_hidden=128, max_seq_len=256, rope_theta=1e6, norm_eps=1e-6,
                          moe=dict(n_experts=8, top_k=2, expert_hidden=32, topk_renormalize=True, aux_loss_coef=0.001)),
     "test-deepseek-v3": _p(vocab_size=512, hidden=64, n_layers=3, n_heads=4, ffn_hidden=128, max_seq_len=256,
+                           norm_eps=1e-6, attention="mla", mla=dict(q_lora_rank=32, kv_lora_rank=24,
+                                                                    qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                                                    v_head_dim=12),
                            moe=dict(n_experts=8, top_k=2, expert_hidden=32, n_shared_experts=1, first_dense_layers=1,
                                     router="sigmoid", n_groups=4, topk_groups=2, routed_scale=2.5,
                                     aux_loss_coef=0.0001, bias_update_rate=0.001)),
@@ -385,12 +388,15 @@ PRESETS: dict[str, dict[str, object]] = {
                           qk_norm=True, ffn_hidden=12288, rope_theta=1e6, max_seq_len=40960, norm_eps=1e-6,
                           moe=dict(n_experts=128, top_k=8, expert_hidden=1536, topk_renormalize=True,
                                    aux_loss_coef=0.001)),
-    # DeepSeek-V3-like (DeepSeek-AI 2024): 3 dense layers, then 256 fine-grained experts + 1 shared, top-8 sigmoid
-    # routing limited to 4 of 8 expert groups (node-limited with ep = 8 groups), weights x 2.5, aux-loss-free bias
-    # balancing and a tiny sequence aux loss. Multi-head attention of the same width stands in for MLA (similar
-    # parameter count), so the total lands at ~671B as the paper's model.
+    # DeepSeek-V3 (DeepSeek-AI 2024): multi-head latent attention (q/kv LoRA ranks 1536/512, 128 + 64 rotary
+    # query-key channels, 128 value channels per head), 3 dense layers, then 256 fine-grained experts + 1 shared,
+    # top-8 sigmoid routing limited to 4 of 8 expert groups (node-limited with ep = 8 groups), weights x 2.5,
+    # aux-loss-free bias balancing and a tiny sequence aux loss: 671.0B parameters as the paper's model (685B with
+    # its one MTP module, model.mtp_depth=1). Pretraining at 4K context, before YaRN's extension.
     "deepseek-v3-671b": _p(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128, ffn_hidden=18432,
-                           max_seq_len=4096,
+                           max_seq_len=4096, norm_eps=1e-6, attention="mla",
+                           mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                    v_head_dim=128),
                            moe=dict(n_experts=256, top_k=8, expert_hidden=2048, n_shared_experts=1,
                                     first_dense_layers=3, router="sigmoid", n_groups=8, topk_groups=4,
                                     routed_scale=2.5, aux_loss_coef=0.0001, bias_update_rate=0.001)),

@@ -60,6 +60,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.embeds_input = True
+        """False on a pipeline stage after the first: its input is hidden states (an embedding it holds is the
+        last stage's copy for multi-token prediction)."""
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = build_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
@@ -92,7 +95,7 @@ class Decoder(nn.Module):
         if doc_ids is not None:
             attn_mask = self.mask_builder(doc_ids)
         rope = self.rope if positions is None else self.rope[positions]  # (T, E/2, 2) or (B, T, E/2, 2)
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None and self.embeds_input else x
         for key, layer in self.layers.items():
             if kv_cache is None:
                 h = layer(h, rope, attn_mask)
@@ -104,7 +107,7 @@ class Decoder(nn.Module):
             return h
         logits = self.output(h)
         if self.mtp is not None and mtp_labels is not None:
-            assert self.tok_embeddings is not None, "MTP needs the embedding on the last stage (refused at pp > 1)"
+            assert self.tok_embeddings is not None, "MTP needs the embedding (under pp the last stage's copy)"
             logits = self.mtp(logits, h, mtp_labels, self.tok_embeddings, self.output, rope, attn_mask)
         return logits
 

@@ -16,39 +16,48 @@ leaves every score unchanged. The latent norms use eps 1e-6 as DeepSeek's refere
 Under tensor parallelism (framework/parallel/tensor.py) the down-projections and latent norms are replicated
 and the up-projections split by heads; `shared_key_grad` then sums the shared rotary key's gradient over the tp
 ranks. Generation caches the latent and the rotary key (kv_lora_rank + qk_rope_head_dim per token) instead of
-per-head keys and values. Shape legend: B batch, T new positions, S attended positions, D hidden, H heads
-(local under TP), C latent, R rotary channels, N no-position channels, V value channels.
+per-head keys and values.
+
+The attention itself is dense attention's (models/attention.py `attend`, or the `context_attention` hook context
+parallelism installs): per-head q and k of N + R channels, values zero-padded to N + R (one head dim keeps the
+flash kernels eligible; the extra output channels are zero and cut), and YaRN's extra softmax factor folded into
+q, so the kernels' default scale 1/sqrt(N + R) applies. Document masks and every cp exchange (ring, all_to_all,
+allgather) therefore hold for MLA as they do for GQA; under cp the exchanged K/V are per head (H x (N + R) x 2
+numbers per token), not the compressed latent. Shape legend: B batch, T new positions, S attended positions, D
+hidden, H heads (local under TP), C latent, R rotary channels, N no-position channels, V value channels.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention import DocumentMask, attend
 from models.config import ModelConfig
 from models.kv_cache import LayerKVCache
-from models.layers import RMSNorm, apply_rope
+from models.layers import RMSNorm, apply_rope, masked_attention
 
 LATENT_NORM_EPS = 1e-6
 
 
-def softmax_scale(cfg: ModelConfig) -> float:
-    """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 when set: DeepSeek scales the scores of
-    the position-free channels too, not only the rotary ones (transformers' `yarn_apply_mscale`)."""
-    scale = cfg.mla.qk_head_dim ** -0.5
+def score_gain(cfg: ModelConfig) -> float:
+    """The softmax scale's factor on top of 1/sqrt(qk_head_dim): YaRN's mscale(factor, mscale_all_dim)^2 when set
+    (DeepSeek scales the scores of the position-free channels too, not only the rotary ones: transformers'
+    `yarn_apply_mscale`), else exactly 1."""
     rs = cfg.rope_scaling
     if rs.type != "none" and rs.mscale_all_dim and rs.factor > 1:
         m = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0
-        scale *= m * m
-    return scale
+        return m * m
+    return 1.0
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """Causal MLA through `scaled_dot_product_attention`; the call is the dense `Attention`'s."""
+    """Causal MLA through models/attention.py's kernels; the call is the dense `Attention`'s."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -56,7 +65,8 @@ class MultiHeadLatentAttention(nn.Module):
         h, d = cfg.n_heads, cfg.hidden
         self.nope, self.rope_dim, self.v_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, \
             m.kv_lora_rank
-        self.scale = softmax_scale(cfg)
+        # The kernels scale scores by 1/sqrt(N + R); YaRN's mscale^2 on top of that multiplies the queries.
+        self.q_gain = score_gain(cfg)
         self.q_proj: nn.Linear | None = None
         self.q_a_proj: nn.Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
@@ -71,16 +81,14 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * m.v_head_dim, d, bias=False)
-        # Context parallelism's hook: the (B, L, 1, C) latent and (B, L, 1, R) rotary key -> the whole sequence's
-        # (gathering the latent, not per-head K/V, moves C + R numbers per token instead of H x (N + R + V)).
-        # framework/parallel/context.py installs `context_attention` hooks now, not this one, so MLA with cp is
-        # refused at config load (framework/config.py) until it is wired there.
-        self.kv_exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set by context parallelism (framework/parallel/context.py), as on dense attention: local (B, L, H, E)
+        # q, k, v -> (B, L, H, E) attended across the cp ranks. None: single-device attention.
+        self.context_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor] | None = None
         # Set by tensor parallelism: identity forward, gradient summed over tp in backward (Megatron's "f"): the
         # rotary key is replicated, and each tp rank's heads contribute only their share of its gradient.
         self.shared_key_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None,
+    def forward(self, x_BTD: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | DocumentMask | None = None,
                 kv_cache: LayerKVCache | None = None) -> torch.Tensor:
         """`kv_cache` (generation) holds the latent (as keys) and the rotary key (as values) of earlier
         positions; the caller then passes the (B, 1, T, S) mask, as for dense attention."""
@@ -96,23 +104,23 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope_BT1R = apply_rope(k_rope.unsqueeze(2), rope)
         if self.shared_key_grad is not None:
             k_rope_BT1R = self.shared_key_grad(k_rope_BT1R)
-        if self.kv_exchange is not None:
-            latent_BT1C, k_rope_BT1R = self.kv_exchange(latent_BT1C, k_rope_BT1R)
         if kv_cache is not None:
             latent_BT1C, k_rope_BT1R = kv_cache.update(latent_BT1C, k_rope_BT1R)
         s = latent_BT1C.shape[1]
         kv = self.kv_b_proj(latent_BT1C.squeeze(2)).view(b, s, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        heads = k_nope.shape[2]
-        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1).transpose(1, 2)  # (B, H, T, N + R)
-        k = torch.cat([k_nope, k_rope_BT1R.expand(-1, -1, heads, -1)], dim=-1).transpose(1, 2)
-        # The flash kernels (CPU's, and FlashAttention on CUDA) take one head dim for q, k and v: values padded
-        # with zeros to the query/key dim keep the call eligible (the output's extra channels are zero and cut),
-        # where unequal dims would fall back to the math kernel and its (B, H, T, S) score matrix.
-        pad = q.shape[-1] - self.v_dim
-        v = F.pad(v, (0, pad)).transpose(1, 2) if pad > 0 else v.transpose(1, 2)
-        if attn_mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        q_BTHE = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
+        if self.q_gain != 1.0:
+            q_BTHE = q_BTHE * self.q_gain
+        k_BSHE = torch.cat([k_nope, k_rope_BT1R.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        v_BSHE = F.pad(v, (0, q_BTHE.shape[-1] - self.v_dim))
+        if self.context_attention is not None:
+            o_BTHE = self.context_attention(q_BTHE, k_BSHE, v_BSHE, attn_mask)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
-        return self.o_proj(o[..., :self.v_dim].transpose(1, 2).reshape(b, t, -1))
+            q, k, v = (z.transpose(1, 2) for z in (q_BTHE, k_BSHE, v_BSHE))  # (B, H, T or S, E)
+            if isinstance(attn_mask, torch.Tensor):
+                o = masked_attention(q, k, v, attn_mask, expand_kv=False)
+            else:
+                o = attend(q, k, v, attn_mask)
+            o_BTHE = o.transpose(1, 2)
+        return self.o_proj(o_BTHE[..., :self.v_dim].reshape(b, t, -1))

@@ -36,14 +36,17 @@ def register(subparsers: Any) -> None:
     q.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast model weights (not optimizer)")
     q.add_argument("--model-only", action="store_true", help="drop the optimizer state")
     q.set_defaults(func=cmd_convert)
-    q = sub.add_parser("export-hf", help="write a Hugging Face Llama/Mixtral model directory")
+    q = sub.add_parser("export-hf",
+                       help="write a Hugging Face Llama, Mixtral, Qwen2/3-MoE or DeepSeek-V3 model directory")
     q.add_argument("run", type=Path)
     q.add_argument("out", type=Path)
     q.add_argument("--step", type=int, default=None, help="default: latest")
     q.add_argument("--tokenizer", type=Path, default=None,
                    help="sentencepiece .model (default: the run's data build, when it has one)")
     q.set_defaults(func=cmd_export_hf)
-    q = sub.add_parser("import-hf", help="a Hugging Face Llama, Mixtral, Qwen2/3-MoE directory as a Tessera checkpoint")
+    q = sub.add_parser("import-hf",
+                       help="a Hugging Face Llama, Mixtral, Qwen2/3-MoE or DeepSeek-V3 directory as a Tessera "
+                            "checkpoint")
     q.add_argument("src", type=Path)
     q.add_argument("run_dir", type=Path)
     q.set_defaults(func=cmd_import_hf)

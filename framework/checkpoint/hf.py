@@ -17,7 +17,6 @@ tensors are read and written (safetensors); nothing unpickles.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,12 @@ import torch
 from torch import nn
 
 from framework.base.errors import CheckpointError
+from framework.base.logs import get_logger
 from framework.base.yaml_config import from_dict, to_dict
 from framework.checkpoint import dcp as ckpt
+from framework.checkpoint import hf_deepseek
 from framework.checkpoint.hf_moe import ATTENTION_EXTRAS, FAMILIES, MLP_LEAVES, family_for, from_hf_block, to_hf_block
-from framework.checkpoint.run_tokenizer import checkpoint_tokenizer
+from framework.checkpoint.run_tokenizer import checkpoint_tokenizer, export_tokenizer
 from models.config import ModelConfig
 from models.decoder import build_model
 
@@ -57,7 +58,7 @@ def check_exportable(cfg: ModelConfig) -> str:
         raise refuse("model.mlp", cfg.mlp, "Llama/Mixtral blocks are SwiGLU without biases")
     if cfg.norm != "rmsnorm":
         raise refuse("model.norm", cfg.norm, "Llama/Mixtral use RMSNorm")
-    if cfg.moe.enabled:
+    if cfg.moe.enabled or cfg.attention == "mla":
         return family_for(cfg).model_type
     for field in ("qkv_bias", "qk_norm"):
         if getattr(cfg, field):
@@ -218,7 +219,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     for field, key, _, default in CONFIG_KEYS:
         value = hf[key] if default is _REQUIRED else hf.get(key, default)
         data[field] = type(default)(value) if default is not None and default is not _REQUIRED else value
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+    if data.get("attention") == "mla":  # every head has its own K/V from the latent; head_dim is the rotary one
+        data["n_kv_heads"] = None
+    elif hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
         data["kv_channels"] = hf["head_dim"]
     cfg = from_dict(ModelConfig, data, "model")
     cfg.moe.validate()
@@ -229,7 +232,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def _attention_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """(Tessera leaf, HF leaf, heads whose RoPE halves to permute or None) of a layer's attention tensors."""
-    out = [(ours, hf, getattr(cfg, heads) if heads else None) for ours, hf, heads in LAYER_NAMES]
+    if cfg.attention == "mla":
+        return [(f"attention.{leaf}", f"self_attn.{leaf}", None) for leaf in hf_deepseek.attention_names(cfg)]
+    out = [(ours, hf, getattr(cfg, heads) if heads else None) for ours, hf, heads in LAYER_NAMES[2:]]
     return out + [(ours, hf, 1 if heads == "one" else getattr(cfg, heads) if heads else None)
                   for ours, hf, flag, heads in ATTENTION_EXTRAS if getattr(cfg, flag)]
 
@@ -241,17 +246,27 @@ def _permute(w: torch.Tensor, heads: int | None, inverse: bool = False) -> torch
     return fn(w, heads) if w.dim() == 2 else fn(w.unsqueeze(-1), heads).squeeze(-1)
 
 
+def _blocks(cfg: ModelConfig, arch: str) -> list[tuple[str, str, int]]:
+    """(Tessera prefix, HF prefix, layer id) of every transformer block HF holds: the layers, and for DeepSeek-V3
+    the MTP depths' blocks after them (framework/checkpoint/hf_deepseek.py)."""
+    mtp = hf_deepseek.mtp_blocks(cfg) if arch == "deepseek_v3" else []
+    return [(f"layers.{i}.", f"model.layers.{i}.", i) for i in range(cfg.n_layers)] + mtp
+
+
 def to_hf_state(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tessera model state (FQN -> tensor) -> HF tensors, by the name tables above and the family's."""
-    family = FAMILIES[check_exportable(cfg)] if cfg.moe.enabled else None
+    arch = check_exportable(cfg)
+    family = FAMILIES.get(arch)
     out = {hf: sd[ours] for ours, hf in TOP_NAMES if not (cfg.tied_embeddings and ours == "output.weight")}
-    for i in range(cfg.n_layers):
-        t, h = f"layers.{i}.", f"model.layers.{i}."
+    for t, h, i in _blocks(cfg, arch):
         out.update({h + hf: _permute(sd[t + ours], heads) for ours, hf, heads in _attention_names(cfg)})
+        out.update({h + hf: sd[t + ours] for ours, hf, _ in LAYER_NAMES[:2]})
         if family is not None and cfg.is_moe_layer(i):
             out.update(to_hf_block(family, cfg, sd, t, h))
         else:
             out.update({f"{h}mlp.{leaf}.weight": sd[f"{t}feed_forward.{k}.weight"] for k, leaf in MLP_LEAVES})
+    if arch == "deepseek_v3":
+        out.update(hf_deepseek.mtp_to_hf(cfg, sd))
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
 
 
@@ -259,17 +274,18 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor], arch: str = "ll
     """HF tensors of model_type `arch` -> Tessera model state (the inverse of `to_hf_state`)."""
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tied_embeddings else {}
     sd = {ours: hf[tied.get(name, name)] for ours, name in TOP_NAMES}
-    for i in range(cfg.n_layers):
-        t, h = f"layers.{i}.", f"model.layers.{i}."
-        missing = [h + name for _, name, _ in _attention_names(cfg) if h + name not in hf]
+    for t, h, i in _blocks(cfg, arch):
+        names = [*_attention_names(cfg), *((ours, name, None) for ours, name, _ in LAYER_NAMES[:2])]
+        missing = [h + name for _, name, _ in names if h + name not in hf]
         if missing:
             raise CheckpointError(f"HF weights lack {missing[0]} (and {len(missing) - 1} more of layer {i})")
-        sd.update({t + ours: _permute(hf[h + name], heads, inverse=True)
-                   for ours, name, heads in _attention_names(cfg)})
+        sd.update({t + ours: _permute(hf[h + name], heads, inverse=True) for ours, name, heads in names})
         if cfg.is_moe_layer(i):
             sd.update(from_hf_block(FAMILIES[arch], cfg, hf, t, h))
         else:
             sd.update({f"{t}feed_forward.{k}.weight": hf[f"{h}mlp.{leaf}.weight"] for k, leaf in MLP_LEAVES})
+    if arch == "deepseek_v3":
+        sd.update(hf_deepseek.mtp_from_hf(cfg, hf, sd))
     return {k: v.contiguous() for k, v in sd.items()}
 
 
@@ -315,46 +331,6 @@ def load_model(path: Path) -> tuple[nn.Module, dict[str, Any]]:
     return model, meta
 
 
-def export_tokenizer(model_file: Path, out: Path) -> None:
-    """Write a transformers tokenizer equivalent to the build's tokenizer into `out`.
-
-    A `tokenizer.json` (given, trained with HF tokenizers, or converted from a tiktoken file) is written as it is,
-    with the special tokens its `tokenizer_config.json` names. A sentencepiece model is converted:
-
-    transformers' Llama converter reads the BPE vocabulary and merges; the normalizer is then set to what
-    sentencepiece does with Tessera's settings (dummy prefix "▁" before the text, every space -> "▁", no
-    pre-tokenizer), and the user-defined pieces (newline, tab) stay ordinary vocabulary entries, never merged,
-    so token ids match sentencepiece's exactly (tests check it on real text). `AutoTokenizer.from_pretrained(out)`
-    loads it; the original `tokenizer.model` is copied alongside.
-    """
-    import tempfile
-
-    from tokenizers import Tokenizer
-    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
-
-    if model_file.name.endswith(".json"):  # a build's HF tokenizer (given, trained or converted from tiktoken)
-        side = model_file.with_name("tokenizer_config.json")
-        conf = json.loads(side.read_text()) if side.is_file() else {}
-        # a special token is a string or an AddedToken dict ({"content": ...}, older files); both name the token
-        names = {k: v.get("content") if isinstance(v, dict) else v
-                 for k in ("eos_token", "bos_token", "pad_token", "unk_token") if (v := conf.get(k))}
-        PreTrainedTokenizerFast(tokenizer_file=str(model_file), **names).save_pretrained(str(out))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(model_file, Path(tmp) / "tokenizer.model")
-        converted = LlamaTokenizer.from_pretrained(tmp)
-        spec = json.loads(converted.backend_tokenizer.to_str())
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["special"]]
-    spec["normalizer"] = {"type": "Sequence", "normalizers": [
-        {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
-    spec["pre_tokenizer"] = None
-    spec["post_processor"] = None  # Tessera adds no BOS; documents end with EOS
-    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(str(out))
-    shutil.copy(model_file, out / "tokenizer.model")
-
-
 def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | None = None) -> Path:
     """Write checkpoint `src` (run dir or step dir; `step` picks one) as an HF model directory `out`."""
     from safetensors.torch import save_file
@@ -363,6 +339,10 @@ def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | N
     model, meta = load_model(path)
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     arch = check_exportable(cfg)
+    if cfg.mtp_depth and arch != "deepseek_v3":  # a training aid: the main model's logits do not read them
+        get_logger("checkpoint").warning(
+            f"export-hf: model.mtp_depth={cfg.mtp_depth}: {arch} has no place for multi-token prediction modules; "
+            f"the {cfg.mtp_depth} MTP module(s) are not exported (DeepSeek-V3 keeps them as extra layers)")
     tensors = to_hf_state(cfg, {k: v for k, v in model.state_dict().items()})
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SAFETENSORS), metadata={"format": "pt", "tessera_checkpoint": str(path),
@@ -387,14 +367,16 @@ def import_hf(src: Path, run_dir: Path) -> Path:
     """
     from safetensors.torch import load_file
 
-    hf_cfg = json.loads((src / "config.json").read_text())
-    cfg = config_from_hf(hf_cfg)
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{src} holds no *.safetensors file; export it with safe_serialization=True")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
+    hf_cfg = hf_deepseek.without_absent_mtp(json.loads((src / "config.json").read_text()), set(tensors))
+    cfg = config_from_hf(hf_cfg)
+    if hf_cfg.get("rope_interleave") is False:
+        tensors = hf_deepseek.interleave_rope_rows(cfg, tensors)
     model = build_model(cfg, seed=0, device="cpu")
     reads = _ReadLog(tensors)
     model.load_state_dict(from_hf_state(cfg, reads, hf_cfg["model_type"]))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from framework.base.errors import CheckpointError
+from framework.checkpoint import hf_deepseek
 from models.config import ModelConfig
 
 Blocker = tuple[str, Any, str]
@@ -51,6 +52,16 @@ def _common_blockers(cfg: ModelConfig) -> list[Blocker]:
     out: list[Blocker] = []
     if moe.capacity_factor:
         out.append(("model.moe.capacity_factor", moe.capacity_factor, "HF MoE blocks are dropless"))
+    return out
+
+
+def _gqa_moe_blockers(cfg: ModelConfig, name: str) -> list[Blocker]:
+    """What a family of Llama attention and MoE on some layers cannot hold."""
+    out = _common_blockers(cfg)
+    if cfg.attention == "mla":
+        out.append(("model.attention", "mla", f"{name}'s attention is grouped-query, not multi-head latent"))
+    if not cfg.moe.enabled:
+        out.append(("model.moe.n_experts", 0, f"{name} is a mixture-of-experts model"))
     return out
 
 
@@ -90,7 +101,8 @@ def _shared_blockers(cfg: ModelConfig, name: str, shared: bool, gated: bool) -> 
 
 def _mixtral_blockers(cfg: ModelConfig) -> list[Blocker]:
     moe = cfg.moe
-    out = _common_blockers(cfg) + _softmax_blockers(cfg, "Mixtral") + _shared_blockers(cfg, "Mixtral", False, False)
+    out = _gqa_moe_blockers(cfg, "Mixtral") + _softmax_blockers(cfg, "Mixtral")
+    out += _shared_blockers(cfg, "Mixtral", False, False)
     out += _layout_blockers(cfg, "Mixtral", qk_norm=False, qkv_bias=False)
     if not moe.renormalize:
         out.append(("model.moe.topk_renormalize", moe.topk_renormalize,
@@ -102,7 +114,7 @@ def _mixtral_blockers(cfg: ModelConfig) -> list[Blocker]:
 
 
 def _qwen_blockers(cfg: ModelConfig, name: str, qwen3: bool) -> list[Blocker]:
-    out = _common_blockers(cfg) + _softmax_blockers(cfg, name)
+    out = _gqa_moe_blockers(cfg, name) + _softmax_blockers(cfg, name)
     out += _shared_blockers(cfg, name, shared=not qwen3, gated=True)
     return out + _layout_blockers(cfg, name, qk_norm=qwen3, qkv_bias=not qwen3)
 
@@ -110,16 +122,20 @@ def _qwen_blockers(cfg: ModelConfig, name: str, qwen3: bool) -> list[Blocker]:
 def _deepseek_blockers(cfg: ModelConfig) -> list[Blocker]:
     moe = cfg.moe
     out = _common_blockers(cfg) + _layout_blockers(cfg, "DeepSeek-V3", qk_norm=False, qkv_bias=False)
+    # transformers' DeepSeek-V3 attention is MLA (DeepseekV3Attention: q/kv LoRA, decoupled RoPE key) only
+    if cfg.attention != "mla":
+        out.append(("model.attention", cfg.attention, "DeepSeek-V3 has multi-head latent attention only"))
+    if not moe.enabled:  # a dense MLA model: every layer is one of DeepSeek-V3's first dense layers
+        return out
     if moe.router != "sigmoid":
         out.append(("model.moe.router", moe.router, "DeepSeek-V3 routes with sigmoid scores"))
+    if not moe.n_shared_experts:
+        out.append(("model.moe.n_shared_experts", 0, "DeepSeek-V3's MoE blocks always have shared experts"))
     if moe.shared_expert_gate:
         out.append(("model.moe.shared_expert_gate", True, "DeepSeek-V3 does not gate its shared experts"))
     if moe.every_k_layers != 1:
         out.append(("model.moe.every_k_layers", moe.every_k_layers, "DeepSeek-V3's layers after the first dense "
                     "ones are all MoE"))
-    # transformers' DeepSeek-V3 attention is MLA (DeepseekV3Attention: q/kv LoRA, decoupled RoPE key); a model
-    # with Llama attention has no place there
-    out.append(("model.attention", "gqa", "DeepSeek-V3 in transformers has multi-head latent attention only"))
     return out
 
 
@@ -192,18 +208,6 @@ def _mixtral_from_config(hf: dict[str, Any]) -> dict[str, Any]:
         "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.01))}}
 
 
-def _deepseek_to_config(cfg: ModelConfig) -> dict[str, Any]:
-    raise CheckpointError("cannot export to Hugging Face DeepSeek-V3: it needs multi-head latent attention")
-
-
-def _deepseek_from_config(hf: dict[str, Any]) -> dict[str, Any]:
-    raise CheckpointError(
-        f"config.json model_type='deepseek_v3' cannot be imported: its attention is multi-head latent attention "
-        f"(q_lora_rank={hf.get('q_lora_rank')}, kv_lora_rank={hf.get('kv_lora_rank')}), which Tessera's model has "
-        f"no mapping for yet; the MoE part (sigmoid router, e_score_correction_bias, shared experts, "
-        f"first_k_dense_replace, n_group/topk_group) is mapped in framework/checkpoint/hf_moe.py")
-
-
 _QWEN_KEYS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
                         "moe_intermediate_size", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers",
                         "max_window_layers", "use_sliding_window", "sliding_window", "layer_types"})
@@ -219,11 +223,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            lambda c: _qwen_blockers(c, "Qwen3-MoE", qwen3=True), lambda c: _qwen_to_config(c, qwen3=True),
            lambda h: _qwen_from_config(h, qwen3=True), _QWEN_KEYS),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "down_proj", "up_proj"), "shared_experts",
-           _deepseek_blockers, _deepseek_to_config, _deepseek_from_config, frozenset({
-               "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
-               "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
-               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim", "v_head_dim",
-               "rope_interleave", "num_nextn_predict_layers", "attention_bias"})),
+           _deepseek_blockers, hf_deepseek.to_config, hf_deepseek.from_config, hf_deepseek.KEYS),
 )}
 
 

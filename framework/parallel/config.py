@@ -171,10 +171,19 @@ def context_problem(seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> 
             f"2 x cp load-balanced chunks; use data.seq_len={' or '.join(map(str, fits))}")
 
 
-def mtp_problem(mtp_depth: int, pp: int, cp: int) -> str | None:
-    """Why multi-token prediction cannot run this layout, or None."""
-    if mtp_depth and (pp > 1 or cp > 1):
-        return (f"model.mtp_depth={mtp_depth} with parallel.pp={pp}, parallel.cp={cp}: the MTP modules read the "
-                f"shared embedding on the last stage and labels shifted across the whole sequence; Tessera runs "
-                f"them with pp=1 and cp=1 only; set model.mtp_depth=0 or pp=1 and cp=1")
+def mtp_problem(mtp_depth: int, pp: int, cp: int, schedule: str = "1F1B", tied: bool = False) -> str | None:
+    """Why multi-token prediction cannot run this layout, or None (under pp the last stage holds the MTP modules
+    and a copy of the embedding: framework/parallel/pipeline.py)."""
+    if mtp_depth and cp > 1:
+        return (f"model.mtp_depth={mtp_depth} with parallel.cp={cp}: the MTP modules read labels shifted across "
+                f"the whole sequence, which a cp rank's chunks do not hold; set model.mtp_depth=0 or cp=1")
+    if mtp_depth and tied and pp > 1:
+        # The last stage's tied head doubles as the MTP modules' embedding copy. Under a split-backward schedule
+        # torch (pipelining/_backward.py) frees each weight group's graph and the tied weight's group reaches the
+        # embedding through the already-freed MTP block ("backward through the graph a second time", reproduced
+        # on one process with stage_backward_input/weight); under 1F1B x tp2 its gradient swap mismatched sizes
+        # (gloo 131072 vs 65536 bytes on the last stage). Untied models keep a separate copy.
+        return (f"model.mtp_depth={mtp_depth} with model.tied_embeddings=true and parallel.pp={pp} "
+                f"(pp_schedule {schedule}): the tied head cannot double as the last stage's MTP embedding copy; "
+                f"use model.tied_embeddings=false, or pp=1")
     return None

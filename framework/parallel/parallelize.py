@@ -133,7 +133,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
             send_in_compute_dtype(part, stage, n_stages, DTYPES[precision])
 
     tied = None  # 10
-    if model_cfg.tied_embeddings and dims.pp > 1:
+    if (model_cfg.tied_embeddings or model_cfg.mtp_depth) and dims.pp > 1:
         tied = TiedEmbeddings.between_stages(parts, stage_ids, n_stages, pcfg.pp_schedule, mesh["pp"], coord["pp"])
     replica_sync = None  # 11
     if dims.fsdp_size == 1 and dims.dp_replicate > 1:

@@ -28,13 +28,18 @@ from models.decoder import Decoder
 
 
 def cut_stage(whole: Decoder, stage: int, layers: Sequence[int], n_stages: int) -> Decoder:
-    """A copy of `whole` (normally on the meta device) holding only stage `stage`'s parts."""
+    """A copy of `whole` (normally on the meta device) holding only stage `stage`'s parts.
+
+    With multi-token prediction the last stage keeps a copy of the embedding (same FQN) for the MTP modules,
+    which embed the shifted labels; it does not embed its input. `TiedEmbeddings` adds the two copies' gradients.
+    """
     part = copy.deepcopy(whole)
     keep = {str(i) for i in layers}
     for key in list(part.layers.keys()):
         if key not in keep:
             del part.layers[key]
-    if stage != 0:
+    part.embeds_input = stage == 0
+    if stage != 0 and not (stage == n_stages - 1 and part.mtp is not None):
         part.tok_embeddings = None
     if stage != n_stages - 1:
         part.norm = None
@@ -121,7 +126,9 @@ def outputs_not_kept(schedule: _PipelineSchedule) -> dict[str, Any]:
 
 class TiedEmbeddings:
     """A tied embedding and head on different pipeline stages: each holds its own copy, and after backward the
-    two gradient pieces are added so both copies take the same step (as the 1-process model's one tensor).
+    two gradient pieces are added so both copies take the same step (as the 1-process model's one tensor). The
+    last stage's embedding copy for multi-token prediction is synced the same way (`head` is then that copy, or
+    the tied head, which is the same tensor there).
 
     A V schedule puts stage 0 and the last stage on pp rank 0 (added in place); otherwise they sit on pp ranks 0
     and pp-1 (looped schedules too), which swap their pieces point-to-point. Middle ranks take no part.
@@ -141,8 +148,9 @@ class TiedEmbeddings:
             assert isinstance(tok, nn.Embedding)
             embedding = tok.weight
         if n_stages - 1 in stage_ids:
-            out = parts[stage_ids.index(n_stages - 1)].output
-            assert isinstance(out, nn.Linear)
+            last = parts[stage_ids.index(n_stages - 1)]
+            out = last.output if last.tok_embeddings is None else last.tok_embeddings  # MTP: the embedding copy
+            assert isinstance(out, (nn.Linear, nn.Embedding))
             head = out.weight
         pp_ranks = pp_mesh.mesh.flatten().tolist()
         peer = pp_ranks[-1] if pp_rank == 0 else pp_ranks[0]

@@ -86,7 +86,9 @@ def tessera_layer_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int
     kv_t = max(cfg.kv_heads // t, 1) * cfg.head_dim
     terms = _norm_terms("attention_norm", cfg, norm_rows, h, p)
     terms.append(SavedTerm("attention.input", p * rows * h))  # shared by wq, wk, wv
-    if kernel == "flash":
+    if cfg.attention == "mla":
+        terms += mla_terms(cfg, seq, micro_batch, tp, p, kernel)
+    elif kernel == "flash":
         terms += [SavedTerm("attention.q", p * rows * h_t), SavedTerm("attention.k", p * rows * kv_t),
                   SavedTerm("attention.v", p * rows * kv_t),
                   SavedTerm("attention.out", p * rows * h_t, selective=True),  # also wo's input (same storage)
@@ -102,6 +104,56 @@ def tessera_layer_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int
     terms.append(SavedTerm("feed_forward.input", p * rows * h))  # shared by w1 (and w3)
     terms += mlp_terms(cfg, rows, cfg.ffn // t, p)
     return terms
+
+
+def mla_terms(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, p: int, kernel: AttnKernel
+              ) -> list[SavedTerm]:
+    """What multi-head latent attention (models/mla.py) saves beyond its input, no recompute, on one rank.
+
+    The latent norms (RMSNorm, replicated under TP, on every token: the attention input arrives whole) keep
+    their fp32 input, rstd and normalized tensor, and the up-projection keeps the norm's output. The kv norm's
+    input is a view of kv_a_proj_with_mqa's output, so in fp32 runs that whole (C + R)-wide output stays; a
+    16-bit run keeps the C-wide fp32 upcast instead. The kernels see q and k of N + R channels per head and
+    values zero-padded to that width (flash: q, k, v, out, logsumexp; math: scaled copies and fp32
+    probabilities); o_proj keeps the V-wide slice of the output, copied contiguous.
+    Measured on CPU byte for byte (tests/plan/test_plan_activations.py).
+    """
+    m, rows = cfg.mla, seq * micro_batch
+    heads = cfg.n_heads // tp
+    e = heads * m.qk_head_dim
+    out: list[SavedTerm] = []
+    if m.q_lora_rank:
+        out += _latent_norm("attention.q_a_layernorm", rows, m.q_lora_rank, m.q_lora_rank, p)
+    kv_in = m.kv_lora_rank + (m.qk_rope_head_dim if p == FP32 else 0)
+    out += _latent_norm("attention.kv_a_layernorm", rows, m.kv_lora_rank, kv_in, p)
+    if kernel == "flash":
+        out += [SavedTerm("attention.q", p * rows * e), SavedTerm("attention.k", p * rows * e),
+                SavedTerm("attention.v_padded", p * rows * e),
+                SavedTerm("attention.out", p * rows * e, selective=True),
+                SavedTerm("attention.logsumexp", FP32 * heads * rows, selective=True)]
+    else:
+        f = max(p, FP32)
+        out += [SavedTerm("attention.q_scaled", f * rows * e), SavedTerm("attention.k_scaled", f * rows * e),
+                SavedTerm("attention.v_padded", f * rows * e),
+                SavedTerm("attention.probs", f * heads * seq * seq * micro_batch)]
+    return [*out, SavedTerm("attention.o_proj_input", p * rows * heads * m.v_head_dim)]
+
+
+def _latent_norm(name: str, rows: int, width: int, input_width: int, p: int) -> list[SavedTerm]:
+    return [SavedTerm(f"{name}.input_fp32", FP32 * rows * input_width), SavedTerm(f"{name}.rstd", FP32 * rows),
+            SavedTerm(f"{name}.normalized", p * rows * width), SavedTerm(f"{name}.output", p * rows * width)]
+
+
+def mla_projection_outputs(cfg: ModelConfig, rows: int, tp: int, p: int) -> list[SavedTerm]:
+    """The MLA projections' outputs the selective policy keeps (every mm output): the replicated down-
+    projections on every token, the head-split up-projections (o_proj's is the block's `attention.wo_out`)."""
+    m, heads = cfg.mla, cfg.n_heads // tp
+    q = ([SavedTerm("attention.q_a_proj_out", p * rows * m.q_lora_rank, True),
+          SavedTerm("attention.q_b_proj_out", p * rows * heads * m.qk_head_dim, True)] if m.q_lora_rank
+         else [SavedTerm("attention.q_proj_out", p * rows * heads * m.qk_head_dim, True)])
+    kv_b = heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return [*q, SavedTerm("attention.kv_a_proj_out", p * rows * (m.kv_lora_rank + m.qk_rope_head_dim), True),
+            SavedTerm("attention.kv_b_proj_out", p * rows * kv_b, True)]
 
 
 def mlp_terms(cfg: ModelConfig, rows: int, ffn_t: int, p: int) -> list[SavedTerm]:
@@ -125,10 +177,14 @@ def selective_terms(cfg: ModelConfig, seq: int, micro_batch: int, *, tp: int = 1
     p, rows, h, t = act_bytes, seq * micro_batch, cfg.hidden, tp
     kv_t = cfg.kv_heads // t * cfg.head_dim
     q_t = cfg.n_heads // t * cfg.head_dim
-    terms = [SavedTerm("block.input", p * (rows // t if sp else rows) * h, True),
-             SavedTerm("attention.wq_out", p * rows * q_t, True),
-             SavedTerm("attention.wk_out", p * rows * kv_t, True),
-             SavedTerm("attention.wv_out", p * rows * kv_t, True)]
+    terms = [SavedTerm("block.input", p * (rows // t if sp else rows) * h, True)]
+    if cfg.attention == "mla":
+        terms += mla_projection_outputs(cfg, rows, t, p)
+        q_t = cfg.n_heads // t * cfg.mla.qk_head_dim  # the kernels' head dim (values padded to it)
+    else:
+        terms += [SavedTerm("attention.wq_out", p * rows * q_t, True),
+                  SavedTerm("attention.wk_out", p * rows * kv_t, True),
+                  SavedTerm("attention.wv_out", p * rows * kv_t, True)]
     full = tessera_layer_terms(cfg, seq, micro_batch, tp=tp, sp=sp, act_bytes=act_bytes, kernel=kernel)
     terms += [term for term in full if term.selective and term.name.startswith("attention.")]
     if kernel == "math":
@@ -208,5 +264,5 @@ def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int,
 
 
 __all__ = ["RECOMPUTE_MODES", "AttnKernel", "Recompute", "SavedTerm", "embedding_bytes", "head_bytes",
-           "korthikanti_layer_bytes", "mlp_terms", "selective_terms", "tessera_layer_bytes",
-           "tessera_layer_terms"]
+           "korthikanti_layer_bytes", "mla_projection_outputs", "mla_terms", "mlp_terms", "selective_terms",
+           "tessera_layer_bytes", "tessera_layer_terms"]

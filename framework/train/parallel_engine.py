@@ -190,6 +190,8 @@ class ParallelEngine:
             # sequences, so the mean of the chunk means is the batch mean).
             batch = flat.reshape(need, -1, flat.shape[-1])
         inputs, labels, kwargs = self._split(flat)
+        if self.model_cfg.mtp_depth and train:  # the last stage's MTP modules (models/mtp.py) read the labels
+            kwargs["mtp_labels"] = labels
         with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
             losses = run_schedule(self._schedule(batch.shape[0]), self.stage_ids, self.n_stages, inputs, labels,
                                   train=train, model_kwargs=kwargs)
@@ -206,12 +208,13 @@ class ParallelEngine:
         self._found_inf = False
         # MoE (docs/MOE.md): the aux losses' gradient per forward; the pipeline schedule divides by n_micro itself
         self.moe.before_step(self.model_parts, self.scaler.scale / (1 if self.dims.pp > 1 else batch.shape[0]))
+        # MTP (models/mtp.py), where configured: the same gradient as the main loss's per forward
+        set_mtp_loss_scale(self.model_parts, self.scaler.scale / (1 if self.dims.pp > 1 else batch.shape[0]))
         if self.dims.pp > 1:
             local = self._pipeline(batch, train=True)
         else:
             n = batch.shape[0]
             local = torch.zeros((), device=self.device)
-            set_mtp_loss_scale(self.model_parts, self.scaler.scale / n)  # MTP (models/mtp.py), where configured
             for i, mb in enumerate(batch):
                 for part in self.model_parts:
                     set_micro_batch_sync(part, self.pcfg.zero_stage, i == n - 1)

@@ -90,6 +90,22 @@ def test_config_refuses_what_mla_cannot_build(overrides: dict[str, object], matc
         model_config("test-mla", **overrides)
 
 
+def test_document_mask_equals_each_document_alone() -> None:
+    """Two documents packed in one row under a document mask: every token's logits equal those of its document
+    run alone (RoPE sees only relative positions, so the second document's offset does not matter)."""
+    cfg = model_config("test-mla", rope_scaling=dict(type="yarn", factor=4.0, original_max_seq_len=16,
+                                                     mscale=1.0, mscale_all_dim=1.0))
+    model = build_model(cfg, seed=3).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    doc = torch.zeros_like(x)
+    doc[0, 10:], doc[1, 17:] = 1, 1
+    with torch.no_grad():
+        packed = model(x, doc_ids=doc)
+        for row, cut in ((0, 10), (1, 17)):
+            torch.testing.assert_close(packed[row, :cut], model(x[row:row + 1, :cut])[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(packed[row, cut:], model(x[row:row + 1, cut:])[0], atol=1e-5, rtol=0)
+
+
 def test_attention_is_eligible_for_the_flash_kernel() -> None:
     """Values are padded to the query/key head dim, so the flash kernel (which takes one head dim) runs MLA; with
     unequal dims SDPA has no flash kernel and only the math one, which holds the whole score matrix."""
@@ -103,3 +119,29 @@ def test_attention_is_eligible_for_the_flash_kernel() -> None:
         want = model(x)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_flops_terms_equal_counted_kernels() -> None:
+    """The planner's MLA FLOPs (models/flops.py) against torch's FlopCounterMode over a forward and backward:
+    every projection's matmuls are 6 x (parameters without the norms) per token exactly; the attention core
+    counts as the planner's term times 2 qk / (qk + v), the work the zero-padded values cost the kernels (the
+    planner counts the model's FLOPs, the MFU convention)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.flops import flops_per_token
+
+    cfg = model_config("test-mla")
+    model = build_model(cfg)
+    b, s = 2, 64
+    x = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(x[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    pc = param_counts(cfg)
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    assert counts["aten.mm"] == 6 * (pc.active_non_embedding - norms) * b * s
+    m = cfg.mla
+    core = (flops_per_token(cfg, s) - 6 * pc.active_non_embedding) * b * s
+    assert counts["aten.bmm"] == core * 2 * m.qk_head_dim / (m.qk_head_dim + m.v_head_dim)

@@ -4,10 +4,12 @@ checksums within 1e-5 relative (tests/parallel/parallel_parity.py). All layouts 
 
 What each layout proves: TP splits MLA's up-projections by heads while the replicated down-projections, latent
 norms and shared rotary key receive their whole gradient (with and without sequence parallelism); PP cuts MLA
-blocks; ZeRO-3 shards the latent weights; recompute and compile (aot_eager,
+blocks; ZeRO-3 shards the latent weights; cp (ring, with and without document masks) attends across ranks;
+recompute and compile (aot_eager,
 sub-layer regions under TP) wrap MLA blocks; query compression off (q_proj) under TP. Multi-token prediction:
-its projection, norms and blocks under TP (with and without sequence parallelism and vocab-parallel loss) and
-ZeRO-3 train as one process (its loss rides on the logits' gradient, so the main loss and grad norm carry it).
+its projection, norms and blocks under TP (with and without sequence parallelism and vocab-parallel loss), ZeRO-3
+and on the last pipeline stage (1F1B x TP2, ZBV) train as one process (its loss rides on the
+logits' gradient, so the main loss and grad norm carry it).
 """
 
 from __future__ import annotations
@@ -29,10 +31,18 @@ def _layouts() -> list[dict[str, Any]]:
          "train.compile": True, "train.compile_backend": "aot_eager", **MLA},
         {"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "recompute": "full", **MLA},
         {"tp": 2, "dp_shard": 1, "model.mla.q_lora_rank": 0, **MLA},
+        # cp through models/attention.py's exchanges (ring, per-head K/V), plain causal and with document masks.
+        {"cp": 2, "dp_shard": 1, **MLA},
+        {"cp": 2, "dp_shard": 1, "data.document_mask": True, **MLA},
         # Multi-token prediction (two depths) on MLA: TP with SP and vocab-parallel loss, TP without SP, ZeRO-3.
         {"tp": 2, "dp_shard": 2, "model.mtp_depth": 2, **MLA},
         {"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1, "model.mtp_depth": 2, **MLA},
         {"dp_shard": 2, "zero_stage": 3, "model.mtp_depth": 2, **MLA},
+        # MTP on the last pipeline stage, with its copy of the embedding: 1F1B x TP2 (the copies' gradients
+        # swapped point to point; TP on the copy, vocab-parallel MTP loss), and ZBV (stage 0 and the last stage on
+        # one rank: the copies' gradients added in place; split backward).
+        {"pp": 2, "tp": 2, "dp_shard": 1, "model.mtp_depth": 2, **MLA},
+        {"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "model.mtp_depth": 1, **MLA},
     ]
 
 

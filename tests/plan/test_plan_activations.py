@@ -88,10 +88,15 @@ def test_in_flight_factor() -> None:
     assert in_flight_factor("DualPipeV", 4, 8) == 5 / 4
 
 
-@pytest.mark.parametrize("shape", [{}, {"n_kv_heads": 4}, {"mlp": "gelu", "norm": "layernorm"}])
+MLA = {"preset": "test-mla"}  # multi-head latent attention (models/mla.py), with query compression and without
+
+
+@pytest.mark.parametrize("shape", [{}, {"n_kv_heads": 4}, {"mlp": "gelu", "norm": "layernorm"}, MLA,
+                                   {**MLA, "mla": {"q_lora_rank": 0}}])
 def test_formula_matches_saved_tensors_exactly(shape: dict[str, object]) -> None:
     torch.set_num_threads(1)
-    cfg = model_config("test-tiny", **shape)
+    shape = dict(shape)
+    cfg = model_config(str(shape.pop("preset", "test-tiny")), **shape)
     model = build_model(cfg)
     b, s = 2, 32
     for recompute in ("none", "selective", "full"):
@@ -134,10 +139,11 @@ def test_whole_model_forward_matches_exactly(preset: str) -> None:
     assert measured == predicted, by_op
 
 
-def test_bf16_block_matches_saved_tensors() -> None:
+@pytest.mark.parametrize("preset", ["test-tiny", "test-mla"])
+def test_bf16_block_matches_saved_tensors(preset: str) -> None:
     # 16-bit activations: the RMSNorm keeps an fp32 upcast of its input and fp32 rstd; the math kernel is fp32.
     torch.set_num_threads(1)
-    cfg = model_config("test-tiny")
+    cfg = model_config(preset)
     model = build_model(cfg).to(torch.bfloat16)
     for recompute in ("none", "selective"):
         for kernel in ("flash", "math"):
