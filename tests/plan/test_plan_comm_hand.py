@@ -72,6 +72,9 @@ def test_expert_all_to_all_bytes_by_hand() -> None:
     assert got.messages == 12
     full = ep_comm_per_micro(work, Layout(tp=2, dp=8, ep=8, micro_batch=1, recompute="full"), HW, 3)
     assert full.messages == 18 and full.wire_bytes == pytest.approx(6 * 3 * (8 - 1) / 8 * buf, rel=1e-12)
+    # context parallel: each cp rank routes the tokens of its share of the sequence only
+    cp2 = ep_comm_per_micro(work, Layout(tp=2, cp=2, dp=8, ep=8, micro_batch=1), HW, 3)
+    assert cp2.wire_bytes == pytest.approx(got.wire_bytes / 2, rel=1e-12)
     # no experts parallel, or no MoE layer: nothing moves
     assert ep_comm_per_micro(work, Layout(tp=2, dp=8, ep=1), HW, 3).wire_bytes == 0.0
     assert ep_comm_per_micro(work, lay, HW, 0).messages == 0
