@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.curves import plot_loss_curves
 from bench.sections import replace_section
 from bench.zeropp import markov_batches
 
@@ -86,23 +87,6 @@ def report(curves: dict[str, list[float]], seconds: dict[str, float], args: Any)
     return "\n".join(lines), ok
 
 
-def plot(curves: dict[str, list[float]], png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, losses in curves.items():
-        ax.plot(losses, label=name, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("Markov-chain stream: bf16 vs FP8 (emulated)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
@@ -119,7 +103,7 @@ def main() -> None:
         seconds[name] = time.time() - start
         print(f"{name}: {seconds[name]:.0f} s, last-{TAIL} mean {statistics.mean(curves[name][-TAIL:]):.4f}",
               flush=True)
-    plot(curves, args.png)
+    plot_loss_curves(curves, args.png, 'Markov-chain stream: bf16 vs FP8 (emulated)')
     text, _ = report(curves, seconds, args)
     print(text)
     if args.write:

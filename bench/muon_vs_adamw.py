@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.curves import plot_loss_curves
 from bench.robust_timing import interleaved, loadavg, paired_ratio
 from bench.sections import replace_section
 from bench.zeropp import markov_batches
@@ -142,23 +143,6 @@ def _native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def plot(curves: dict[str, list[float]], png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, losses in curves.items():
-        ax.plot(losses, label=name, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("smoke-3m on a Markov-chain stream: AdamW vs Muon (same lr, weight decay)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-
-
 def main() -> None:
     from framework.testing import run_distributed
 
@@ -175,7 +159,7 @@ def main() -> None:
     local = local_times(args.rounds)
     par = run_distributed(_parallel_worker, args.ranks, timeout_s=3600, rounds=args.rounds)[0]
     curves = loss_curves(args.steps)
-    plot(curves, args.png)
+    plot_loss_curves(curves, args.png, 'smoke-3m on a Markov-chain stream: AdamW vs Muon (same lr, weight decay)')
     text = report(curves, local, par, args, f"{load}-{loadavg()}")
     print(text)
     print(f"wall {time.time() - start:.0f} s")
