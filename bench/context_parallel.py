@@ -79,7 +79,8 @@ def _measure(rank: int, world: int, seq: int, batch: int) -> dict[str, dict[str,
                 row["kv_wire"] = sum(v for k2, v in summary.items() if k2.endswith("/wire_bytes"))
             times = []
             for _ in range(REPEATS):
-                dist.barrier()
+                if cp > 1:  # the cp group's ranks start each repeat together; the others wait at the world barrier
+                    dist.barrier(group=groups[cp][0])
                 start = time.perf_counter()
                 block(x_leaf * 1.0, rope, mask).square().mean().backward()
                 times.append(time.perf_counter() - start)
