@@ -55,6 +55,11 @@ def layout_of(cfg: Config, world_size: int) -> tuple[Workload, Layout]:
     return work, lay
 
 
+def act_vocab(work: Workload, lay: Layout) -> int:
+    """Logit elements of one micro-batch on a last-stage rank (its tokens x its vocabulary shard)."""
+    return (work.seq_len // lay.cp) * lay.micro_batch * (work.model.vocab_size // lay.tp)
+
+
 def compare(cfg: Config, world_size: int, verdicts: list[Verdict]) -> list[TermRow]:
     """Planner vs dry run, per rank class, for states, activations, logits and the total peak."""
     work, lay = layout_of(cfg, world_size)
@@ -70,17 +75,17 @@ def compare(cfg: Config, world_size: int, verdicts: list[Verdict]) -> list[TermR
         dry_states = sum(measured.get(k, 0) for k in ("params", "grads", "optimizer"))
         at_peak = v.measure.peak_by_label
         # The logits and the loss's tensors live for one micro-batch's loss, seldom at the total's peak: they are
-        # compared with their own largest size in the step (`label_max`), the loss's fp32 log-probabilities (in
-        # the planner's last-stage activations, `head_bytes`) moved to this row as the dry run labels them.
+        # compared with their own largest size in the step (`label_max`): the logits (compute dtype), their fp32
+        # copy in the loss and its fp32 log-probabilities at once. The planner's activations and peak are those
+        # of its peak moment (framework/plan/phases.py), as the dry run's are at its peak.
         own_max = v.measure.label_max or at_peak
-        log_probs = (FP32 * (work.seq_len // lay.cp) * lay.micro_batch * (work.model.vocab_size // lay.tp)
-                     if "logits" in plan else 0)
+        logits = (act_vocab(work, lay) * (work.precision.act + 2 * FP32) if "logits" in plan else 0)
         name = v.rank_class.name
         rows += [
             TermRow(name, "model states", states, dry_states),
-            TermRow(name, "activations", plan.get("activations", 0.0) + plan.get("pipeline_recv", 0.0) - log_probs,
+            TermRow(name, "activations", plan.get("activations", 0.0) + plan.get("pipeline_recv", 0.0),
                     at_peak.get("forward", 0) + at_peak.get("pipeline_recv", 0)),
-            TermRow(name, "logits and loss", plan.get("logits", 0.0) + log_probs, own_max.get("logits_loss", 0)),
+            TermRow(name, "logits and loss", logits, own_max.get("logits_loss", 0)),
             TermRow(name, "peak", sum(plan.values()), v.measure.peak),
         ]
         if muon:  # the owner exchange's payload per step on its primary axes, and the update's transient

@@ -123,7 +123,9 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
             materialize(part, model_cfg, device, seed)
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 6
         apply_model_transforms(part, [t for t in transforms if not t.before_sharding], site)  # 7
-        moe.shard(part, mp_policy=mp_policy)  # 8: experts over edp (before FSDP wraps their blocks), or hand-synced
+        # 8: experts over edp (before FSDP wraps their blocks), or hand-synced; resharded after forward only under
+        # ZeRO-3, as the blocks (else each micro-batch's forward gathers them again under ZeRO-1/2)
+        moe.shard(part, mp_policy=mp_policy, reshard_after_forward=pcfg.zero_stage >= 3)
         if shard_mesh is not None:
             apply_fsdp(part, shard_mesh, pcfg, mp_policy=mp_policy, pipelined=dims.pp > 1)
         if not early:

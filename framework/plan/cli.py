@@ -146,7 +146,7 @@ def format_row(i: int, est: Estimate) -> str:
     m = est.memory
     states = sum(m.get(k, 0.0) for k in ("params", "master", "grads", "optimizer"))
     act = m.get("activations", 0.0) + m.get("logits", 0.0)
-    buf = m.get("recompute_buffer", 0.0) + m.get("comm_buffers", 0.0)
+    buf = m.get("recompute_buffer", 0.0) + m.get("comm_buffers", 0.0) + m.get("layer_grads", 0.0)
     return (f"{i:>2}  {est.layout.describe():<64} {est.memory_bytes / GIB:6.1f} = {states / GIB:5.1f} + "
             f"{act / GIB:5.1f} + {buf / GIB:4.1f}  {est.step_s:8.2f}  {est.tokens_per_s:>10,.0f}  "
             f"{est.mfu * 100:5.1f}  {est.hfu * 100:5.1f}")

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from framework.plan.hardware import Hardware
 from framework.plan.layout import Layout, Workload
-from framework.plan.memory import RankParams, fp8_linear_params
+from framework.plan.memory import RankParams, chunk_params, fp8_linear_params, layer_params, rank_chunks
 from framework.plan.muon import MuonBytes
+from framework.plan.phases import fsdp_gathers, rank_ops
 
 QUANT_BLOCK = 256
 """Elements per ZeRO++ quantization block (parallel.zero_quant_block_size's default)."""
@@ -99,21 +100,57 @@ def pp_comm_per_step(work: Workload, lay: Layout, hw: Hardware) -> AxisComm:
     return _axis(hw, lay.world <= hw.gpus_per_node, messages * buf, messages, 2)
 
 
-def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankParams) -> dict[str, AxisComm]:
-    """Data-parallel traffic of one rank per step, split into the gradient reduction and the parameter gather."""
+def zero3_gathers(work: Workload, lay: Layout, rank: int = 0) -> tuple[float, float, dict[int, int]]:
+    """All-gathers of ZeRO-3 parameters on pipeline rank `rank` per step, in the order its schedule runs
+    (framework/plan/phases.py `fsdp_gathers`): (dense elements gathered over the rank's dense elements, the same for
+    the experts, gathers per layer). The units: each block (the chunk's last one, and the chunk's own parameters
+    — embedding, final norm, head — are never resharded after forward), and each block's experts (resharded
+    after every forward). Without pp every micro-batch gathers a block for forward and again for backward."""
+    cfg, m = work.model, lay.n_micro(work.global_batch)
+    chunks = rank_chunks(lay, rank)
+    ops = rank_ops(lay.schedule, lay.pp, m, lay.virtual, rank)
+    if ops is None:  # a schedule the walk does not model: each chunk as 1F1B's last stage runs it
+        ops = tuple(op for c in range(len(chunks)) for op in ((True, c), (False, c)) * m)
+    dense = [0.0, 0.0]  # gathered, held
+    experts = [0.0, 0.0]
+    per_layer: dict[int, int] = {}
+    for (resharding, kept), c in zip(fsdp_gathers(ops, len(chunks), lay.pp > 1), chunks):
+        part = chunk_params(cfg, lay, c)
+        root = part.dense
+        for i in part.layers:
+            d, e = layer_params(cfg, i, lay.tp, lay.ep)
+            root -= d
+            per_layer[i] = kept if i == part.layers[-1] else resharding
+            dense[0] += per_layer[i] * d
+            dense[1] += d
+            experts[0] += resharding * e
+            experts[1] += e
+        dense[0] += kept * root
+        dense[1] += root
+    return (dense[0] / dense[1] if dense[1] else 0.0, experts[0] / experts[1] if experts[1] else 0.0, per_layer)
+
+
+def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankParams,
+                     rank: int = 0) -> dict[str, AxisComm]:
+    """Data-parallel traffic of pipeline rank `rank` per step, split into the gradient reduction and the parameter
+    gather; `params` its parameters (`rank_params`)."""
     prec, z, m = work.precision, lay.zero_stage, lay.n_micro(work.global_batch)
     intra = lay.tp * lay.shard_group <= hw.gpus_per_node
     reduce = gather = node_reduce = node_gather = cross_reduce = 0.0
     n_reduce = n_gather = 0
     layers = max(1, len(params.layers))
+    z3 = zero3_gathers(work, lay, rank) if z == 3 and lay.hpz == 1 else None  # in the schedule's order
     q = 1 + 4 / QUANT_BLOCK
     s = lay.hpz if z == 3 or lay.qgz else 1
     for psi, n, dense in ((params.dense, lay.shard_group, True), (params.experts, lay.dp * lay.tp // lay.ep, False)):
         if z == 0:
             reduce += ring_factor("all_reduce", n) * psi * prec.grad
             continue
-        rs_times = m if z >= 2 else 1
-        ag_times = 2 * m if z == 3 else 1
+        # torch's pipeline stages reduce once per step, after each stage's last backward, whatever the stage
+        rs_times = m if z >= 2 and lay.pp == 1 else 1
+        ag_times: float = 2 * m if z == 3 else 1
+        if z3 is not None:
+            ag_times = z3[0] if dense else z3[1]
         if dense and lay.qgz and s > 1:  # two hops: inside the node, then across nodes on 1/s of the volume
             node_reduce += rs_times * ring_factor("all_to_all", s) * psi * q
             cross_reduce += rs_times * ring_factor("all_to_all", n // s) * psi / s * q
@@ -125,11 +162,11 @@ def dp_comm_per_step(work: Workload, lay: Layout, hw: Hardware, params: RankPara
         else:
             gather += ag_times * ring_factor("all_gather", n) * psi * (q if dense and lay.qwz else prec.param)
             if dense and work.fp8_all_gather:  # FP8 all-gathers: 1 byte per converted weight element
-                f8 = [fp8_linear_params(work.model, i, lay.tp) for i in params.layers] or [0]
-                # ZeRO-3 keeps the last block gathered from its forward to its backward (zero.py): m gathers, not 2m
-                times = ag_times * sum(f8) - (m * f8[-1] if z == 3 else 0)
-                gather -= ring_factor("all_gather", n) * times * (prec.param - 1)
-        n_reduce, n_gather = rs_times * layers, ag_times * layers
+                times = z3[2] if z3 is not None else {i: ag_times for i in params.layers}
+                f8 = sum(times.get(i, 0) * fp8_linear_params(work.model, i, lay.tp) for i in params.layers)
+                gather -= ring_factor("all_gather", n) * f8 * (prec.param - 1)
+        n_reduce = rs_times * layers
+        n_gather = round(ag_times * layers) if z3 is None else sum(z3[2].values())
     n_node_gather = m * layers if node_gather else 0
     n_gather -= n_node_gather
     if lay.shard_group == 1 and lay.dp * lay.tp // lay.ep == 1:
@@ -165,4 +202,4 @@ def _plus(a: AxisComm, b: AxisComm) -> AxisComm:
 
 
 __all__ = ["AxisComm", "cp_comm_per_micro", "dp_comm_per_step", "ep_comm_per_micro", "muon_comm_per_step",
-           "pp_comm_per_step", "ring_factor", "tp_comm_per_micro"]
+           "pp_comm_per_step", "ring_factor", "tp_comm_per_micro", "zero3_gathers"]

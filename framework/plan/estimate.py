@@ -147,7 +147,7 @@ def _dp_exposed(dp: dict[str, AxisComm], lay: Layout, m: int, fwd: float, bwd: f
         if gather == reduce == 0.0:
             return 0.0
         return _zero3_exposed(gather, reduce, m, units, fwd, bwd, lay.prefetch)
-    if lay.zero_stage == 2:
+    if lay.zero_stage == 2 and lay.pp == 1:  # under pp the stages reduce once, after the last backward
         return m * max(0.0, reduce / m - bwd) + max(0.0, gather - fwd - bubble_s / 2)
     return max(0.0, reduce - bwd - bubble_s / 2) + max(0.0, gather - fwd - bubble_s / 2)
 
@@ -161,7 +161,7 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
     layer_f, head_f = _layer_and_head_flops(cfg, s, full_rc)
     tokens_micro = s * lay.micro_batch // lay.cp  # load-balanced chunks: equal causal work per cp rank
     rate = hw.peak_flops * hw.mm_efficiency
-    worst: tuple[float, float, AxisComm, AxisComm, AxisComm, RankParams] | None = None
+    worst: tuple[float, float, AxisComm, AxisComm, AxisComm, RankParams, int] | None = None
     for rank in sorted({0, lay.pp - 1}):
         params = rank_params(cfg, lay, rank)
         n_layers = len(params.layers)
@@ -179,14 +179,14 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
         cp = cp_comm_per_micro(work, lay, hw, n_layers)  # K/V all-gathers: on the critical path
         t = tp.seconds + cp.seconds + compute + ep.seconds
         if worst is None or t > worst[0]:
-            worst = (t, compute, tp, ep, cp, params)
+            worst = (t, compute, tp, ep, cp, params, rank)
     assert worst is not None
-    t_micro, compute, tp_c, ep_c, cp_c, params = worst
+    t_micro, compute, tp_c, ep_c, cp_c, params, worst_rank = worst
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual)
     pipeline = m * t_micro / (1 - bubble)
     bubble_s = pipeline - m * t_micro
     pp = pp_comm_per_step(work, lay, hw)
-    dp = dp_comm_per_step(work, lay, hw, params)
+    dp = dp_comm_per_step(work, lay, hw, params, worst_rank)
     fwd = compute * (0.25 if full_rc else 1 / 3)
     dp_exposed = _dp_exposed(dp, lay, m, fwd, compute - fwd, bubble_s, max(1, len(params.layers)))
     state_bytes = sum(parts[k] for k in ("params", "master", "grads", "optimizer"))

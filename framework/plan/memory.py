@@ -30,6 +30,7 @@ from framework.plan.activations import (
 )
 from framework.plan.layout import Layout, Precision, Workload
 from framework.plan.muon import muon_bytes
+from framework.plan.phases import ChunkBytes, live_at_peak, rank_ops
 from models.config import ModelConfig
 from models.flops import mla_params
 
@@ -93,6 +94,11 @@ def rank_params(cfg: ModelConfig, lay: Layout, rank: int) -> RankParams:
     return _rank_params(cfg, lay.tp, lay.pp, lay.ep, lay.virtual, tuple(rank_chunks(lay, rank)), lay.layer_split)
 
 
+def chunk_params(cfg: ModelConfig, lay: Layout, chunk: int) -> RankParams:
+    """Parameters of pipeline chunk `chunk` (0 .. p·v-1) on one rank."""
+    return _rank_params(cfg, lay.tp, lay.pp, lay.ep, lay.virtual, (chunk,), lay.layer_split)
+
+
 @functools.lru_cache(maxsize=4096)
 def _rank_params(cfg: ModelConfig, tp: int, pp: int, ep: int, virtual: int, chunks: tuple[int, ...],
                  split: tuple[int, ...] | None = None) -> RankParams:
@@ -113,7 +119,7 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, ep: int, virtual: int, chun
         if not (cfg.tied_embeddings and first):  # tied weights on one rank are one tensor
             dense += vocab_shard
     n_moe = sum(cfg.is_moe_layer(i) for i in layers)
-    return RankParams(dense, experts, max(largest, vocab_shard), layers, n_moe)
+    return RankParams(dense, experts, max(largest, vocab_shard) if first or last else largest, layers, n_moe)
 
 
 def model_state_bytes(params: RankParams, lay: Layout, prec: Precision) -> dict[str, float]:
@@ -182,6 +188,21 @@ def layer_bytes(work: Workload, lay: Layout, recompute: Recompute) -> float:
     return _layer_bytes(work, lay.tp, lay.micro_batch, recompute, lay.cp)
 
 
+def rope_input_bytes(work: Workload, lay: Layout) -> int:
+    """The RoPE table rows one layer keeps per micro-batch under FSDP mixed precision.
+
+    The table is an fp32 buffer passed to every block (models/decoder.py: the s rows a step uses); FSDP casts each
+    unit's floating inputs to the compute dtype, so every block gets its own 16-bit copy: a checkpointed block
+    (full or selective recompute) keeps it as an input, and without recompute `apply_rope` upcasts it and its
+    multiply keeps that fp32 copy. Without FSDP (ZeRO-0) or in fp32 runs the buffer itself is used: nothing added.
+    """
+    act = work.precision.act
+    if lay.zero_stage == 0 or act >= FP32 or work.activations == "korthikanti":
+        return 0
+    rows = work.seq_len // lay.cp * work.model.rope_dim  # (s, E/2, 2)
+    return rows * (act if lay.recompute != "none" else FP32)
+
+
 def cp_kv_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, cp: int, act: int,
                 comm: str = "allgather") -> int:
     """Bytes of K/V one layer keeps for backward on a cp rank beyond a local block of s/cp tokens.
@@ -226,7 +247,7 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     s, b, act = work.seq_len // lay.cp, lay.micro_batch, prec.act  # this rank's tokens
     params = rank_params(cfg, lay, rank)
     out = model_state_bytes(params, lay, prec)
-    per_layer = layer_bytes(work, lay, lay.recompute)
+    per_layer = layer_bytes(work, lay, lay.recompute) + rope_input_bytes(work, lay)
     full_layer = layer_bytes(work, lay, "none")
     moe_extra = moe_layer_extra_bytes(cfg, s, b, lay.tp, act) if cfg.moe.enabled else 0
     stage_layers = len(params.layers) * per_layer + (params.n_moe * moe_extra if lay.recompute == "none" else 0)
@@ -250,19 +271,65 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
         recv = sum(m * ((c > 0) + (c < lay.pp * lay.virtual - 1)) for c in chunks)
         out["pipeline_recv"] = float(recv * s * b * cfg.hidden // (lay.tp if lay.sp else 1) * (act if lay.zero_stage
                                                                                                 else FP32))
-    if last:
-        out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act)
-        out["logits"] = s * b * (cfg.vocab_size // lay.tp) * (act + FP32)
-    # Transients: the rematerialized layer during its backward; ZeRO gather/reduce buffers of one layer.
-    out["recompute_buffer"] = float(full_layer - per_layer if lay.recompute != "none" else 0)
+    if last:  # the loss's fp32 log-probabilities are counted with the logits, as the dry run labels them
+        vocab = s * b * (cfg.vocab_size // lay.tp)
+        out["activations"] += head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act) - FP32 * vocab
+        out["logits"] = vocab * (act + 2 * FP32)
+    # Transients: the rematerialized layer during its backward; ZeRO-3's gathered units; one layer's gradients.
+    # (an MoE layer's, routed experts included, where the rank has one)
+    remat_moe = moe_layer_extra_bytes(cfg, s, b, lay.tp, act) if params.n_moe and lay.recompute != "none" else 0
+    out["recompute_buffer"] = float(full_layer + remat_moe - layer_bytes(work, lay, lay.recompute)
+                                    if lay.recompute != "none" else 0)
     z = lay.zero_stage
     # ZeRO-3 holds the unit being computed plus `prefetch` units gathered ahead
-    out["comm_buffers"] = params.largest_layer * (prec.grad + ((1 + lay.prefetch) * prec.param if z == 3 else 0))
+    out["comm_buffers"] = float(params.largest_layer * (1 + lay.prefetch) * prec.param if z == 3 else 0)
+    out["layer_grads"] = float(params.largest_layer * prec.grad)  # before its reduce-scatter (or accumulation)
     if z == 3 and lay.hpz > 1:  # ZeRO++ hpZ: every unit's node-sharded copy, held from its forward to its backward
         out["hpz_secondary"] = params.dense * prec.param / lay.hpz
+    _at_peak_moment(out, work, lay, rank, params.largest_layer)
     if work.optimizer == "muon":
         _add_muon(out, work, lay, rank)
     return out
+
+
+def _at_peak_moment(out: dict[str, float], work: Workload, lay: Layout, rank: int, largest: int) -> None:
+    """Activations, logits, accumulated gradients and the two transients (the recomputed layer; the gradients of
+    the `largest` layer before they are added to the accumulated ones, in the compute dtype, or before their
+    reduce-scatter, fp32) as they are at one moment of the step, the one where their sum is largest
+    (framework/plan/phases.py), instead of each at its own largest; for the schedules the walk models (else the
+    in-flight counts above stay)."""
+    ops = rank_ops(lay.schedule, lay.pp, lay.n_micro(work.global_batch), lay.virtual, rank)
+    if ops is None:
+        return
+    cfg, act = work.model, work.precision.act
+    s, b = work.seq_len // lay.cp, lay.micro_batch
+    n_chunks = lay.pp * lay.virtual
+    # ZeRO-1 accumulates unsharded gradients over the micro-batches, and so do ZeRO-2/3 under pp (model_state_bytes)
+    accumulate = lay.zero_stage == 1 or (lay.zero_stage >= 2 and lay.pp > 1)
+    per_layer, moe_extra = layer_bytes(work, lay, lay.recompute) + rope_input_bytes(work, lay), 0
+    if cfg.moe.enabled and lay.recompute == "none":
+        moe_extra = moe_layer_extra_bytes(cfg, s, b, lay.tp, act)
+    vocab = s * b * (cfg.vocab_size // lay.tp)
+    chunks = []
+    for c in rank_chunks(lay, rank):
+        part = chunk_params(cfg, lay, c)
+        kept = len(part.layers) * per_layer + part.n_moe * moe_extra + (embedding_bytes(s, b) if c == 0 else 0)
+        if c < n_chunks - 1:  # the stage output torch keeps until this micro-batch's backward
+            kept += s * b * cfg.hidden // (lay.tp if lay.sp else 1) * act
+        grads = part.dense * work.precision.grad + part.experts * work.precision.grad if accumulate else 0.0
+        if c == n_chunks - 1:
+            head = head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act) - FP32 * vocab
+            chunks.append(ChunkBytes(kept, head, FP32 * vocab, act * vocab, grads))
+        else:
+            chunks.append(ChunkBytes(kept, grads=grads))
+    layer_grads = largest * (work.precision.param if accumulate else work.precision.grad)
+    moment = live_at_peak(ops, chunks, out["recompute_buffer"], layer_grads)
+    out["activations"], out["recompute_buffer"] = moment.activations, moment.layer
+    out["layer_grads"] = moment.backward
+    if "logits" in out:
+        out["logits"] = moment.logits
+    if accumulate:
+        out["grads"] = moment.grads
 
 
 def _add_muon(out: dict[str, float], work: Workload, lay: Layout, rank: int) -> None:
@@ -304,6 +371,7 @@ def peak_memory(work: Workload, lay: Layout) -> tuple[float, int, dict[str, floa
 __all__ = [
     "RankParams",
     "checkpoint_staging_bytes",
+    "chunk_params",
     "cp_kv_bytes",
     "cp_mask_bytes",
     "fp8_linear_params",
@@ -316,4 +384,5 @@ __all__ = [
     "rank_memory",
     "rank_params",
     "resident_state_bytes",
+    "rope_input_bytes",
 ]

@@ -38,8 +38,48 @@ def test_hpz_gathers_forward_over_the_shard_group_and_backward_over_the_node() -
         assert dp["gather"].messages == 2 * m * layers  # m forward + m backward gathers per layer
         # control: without hpZ both gathers cross the shard group (the formula above is not the plain one)
         plain = dp_comm_per_step(_work(1024), Layout(dp=n, zero_stage=3, micro_batch=16), HW, params)
-        assert plain["gather"].wire_bytes == pytest.approx(2 * m * (n - 1) / n * PSI * 2, rel=1e-12)
+        assert plain["gather"].wire_bytes == pytest.approx(_zero3_gathers_per_element(m) * (n - 1) / n * PSI * 2,
+                                                           rel=1e-12)
         assert dp["gather"].seconds < plain["gather"].seconds
+
+
+def _zero3_gathers_per_element(m: int) -> float:
+    """ZeRO-3 without pp on Llama-3-8B's 32 layers, by unit: every micro-batch gathers each block for its forward
+    and again for its backward, except the last block (kept gathered from forward to backward) and the root's own
+    parameters (embedding, final norm, head: FSDP's root does not reshard after forward); as a multiple of the
+    rank's parameters."""
+    d, q, kv, ffn, vocab = 4096, 32 * 128, 8 * 128, 14336, 128256
+    layer = 2 * q * d + 2 * kv * d + 3 * d * ffn + 2 * d
+    root = 2 * vocab * d + d
+    return m * (root + 31 * 2 * layer + layer) / (root + 32 * layer)
+
+
+def test_zero3_under_pp_gathers_in_the_schedules_order_and_reduces_once() -> None:
+    """ZeRO-3 on PP2 1F1B, 4 micro-batches, Llama-3-8B's 32 layers (16 per stage): a forward gathers what is
+    resharded and reshards every block but the stage's last; a backward gathers what is resharded and, under pp,
+    leaves everything gathered until the stage's reduction after its last backward (torch's PipelineStage). Stage 0
+    runs F F B F B F B B: 16 blocks + root at the first forward, 15 at the second, 15 at the first backward, none
+    at the third forward (all gathered) but resharded after it, 15 at the second backward, and so on — each
+    resharding block 5 times, the last block and the root once. The gradients are reduce-scattered once per step."""
+    d, q, kv, ffn, vocab = 4096, 32 * 128, 8 * 128, 14336, 128256
+    layer = 2 * q * d + 2 * kv * d + 3 * d * ffn + 2 * d
+    n, m = 8, 4
+    lay = Layout(pp=2, dp=n, zero_stage=3, micro_batch=2)
+    work = _work(64)
+    for rank, root in ((0, vocab * d), (1, vocab * d + d)):
+        total = root + 16 * layer
+        params = RankParams(dense=total, experts=0, largest_layer=layer, layers=tuple(range(16 * rank, 16 * rank + 16)))
+        dp = dp_comm_per_step(work, lay, HW, params, rank)
+        resharding = 5 if rank == 0 else m + 1  # stage 1 runs F B F B F B F B: the first F, then every B
+        gathered = resharding * 15 * layer + layer + root
+        assert dp["gather"].wire_bytes == pytest.approx((n - 1) / n * gathered * 2, rel=1e-12), rank
+        assert dp["gather"].messages == resharding * 15 + 1
+        assert dp["reduce"].wire_bytes == pytest.approx((n - 1) / n * total * 4, rel=1e-12)
+    # ZeRO-2 under pp reduces once too (without pp: every micro-batch)
+    z2 = dp_comm_per_step(work, Layout(pp=2, dp=n, zero_stage=2, micro_batch=2), HW, params, 1)
+    assert z2["reduce"].wire_bytes == pytest.approx((n - 1) / n * total * 4, rel=1e-12)
+    flat = dp_comm_per_step(work, Layout(pp=1, dp=n, zero_stage=2, micro_batch=2), HW, params, 0)
+    assert flat["reduce"].wire_bytes == pytest.approx(m * (n - 1) / n * total * 4, rel=1e-12)
 
 
 def test_zeropp_leaves_the_experts_reduction_plain() -> None:

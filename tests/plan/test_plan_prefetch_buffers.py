@@ -1,6 +1,7 @@
 """The planner's ZeRO-3 gather buffers: the unit being computed plus `prefetch` units gathered ahead, each the size
-of the largest layer in the compute dtype, beside that layer's unsharded gradient in the reduce dtype; ZeRO 0-2
-hold no gathered copy. Checked against the largest FSDP unit counted by hand from the model's dimensions: a
+of the largest layer in the compute dtype; ZeRO 0-2 hold no gathered copy. Beside them, at a backward moment, that
+layer's gradient before its reduce-scatter (reduce dtype) or before it is added to the accumulated ones (ZeRO-1:
+compute dtype). Checked against the largest FSDP unit counted by hand from the model's dimensions: a
 decoder layer (llama2-7b) or the vocabulary-sized embedding (llama-1b, 128k vocabulary)."""
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def test_zero3_buffers_grow_by_one_unit_per_prefetched_unit(preset: str, tp: int
     for z in (0, 1, 2, 3):
         for prefetch in (0, 1, 2):
             lay = Layout(tp=tp, dp=8, zero_stage=z, prefetch=prefetch)
-            got = rank_memory(work, lay, 0)["comm_buffers"]
-            want = layer * (prec.grad + ((1 + prefetch) * prec.param if z == 3 else 0))
-            assert got == want, (z, prefetch, got, want)
+            mem = rank_memory(work, lay, 0)
+            want = layer * (1 + prefetch) * prec.param if z == 3 else 0
+            assert mem["comm_buffers"] == want, (z, prefetch, mem["comm_buffers"], want)
+            grads = layer * (prec.param if z == 1 else prec.grad)
+            assert mem["layer_grads"] in (0.0, grads), (z, prefetch, mem["layer_grads"], grads)
     # the peak sees it too: each prefetched unit adds exactly one bf16 layer to the ZeRO-3 peak
     peaks = [peak_memory(work, Layout(tp=tp, dp=8, zero_stage=3, prefetch=p))[0] for p in (0, 1, 2)]
     assert peaks[1] - peaks[0] == pytest.approx(2 * layer) and peaks[2] - peaks[1] == pytest.approx(2 * layer)
@@ -44,7 +47,7 @@ def test_zero3_buffers_grow_by_one_unit_per_prefetched_unit(preset: str, tp: int
 def test_fp32_training_gathers_fp32_units() -> None:
     work = Workload(model_config("llama2-7b"), 2048, 64, Precision.named("fp32"))
     got = rank_memory(work, Layout(dp=8, zero_stage=3, prefetch=1), 0)["comm_buffers"]
-    assert got == _largest_unit_by_hand("llama2-7b", 1) * (4 + 2 * 4)
+    assert got == _largest_unit_by_hand("llama2-7b", 1) * 2 * 4  # the unit and one prefetched, fp32
 
 
 def test_logits_and_cp_mask_bytes_by_hand() -> None:

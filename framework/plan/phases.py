@@ -1,0 +1,157 @@
+"""What a pipeline rank holds at each moment of a step: the order its forwards and backwards run in.
+
+    ops = rank_ops("1F1B", pp=4, n_micro=8, virtual=1, rank=0)       # ((True, 0), (True, 0), ..., (False, 0))
+    moment = live_at_peak(ops, unit, head, grads)                      # activations and gradients at the peak
+
+A rank's peak is not the sum of each term's own largest size: its activations are largest at the end of the
+warm-up, while the unsharded gradients that ZeRO-1 (and, under pp, ZeRO-2/3: torch's pipeline stages turn FSDP's
+gradient sync off until the last backward) accumulate fill up during the backwards that free those activations.
+The dry run's tracker sees the step in the order torch runs it; `rank_ops` lists that order for the schedules it
+models — one micro-batch after another without pp, GPipe, 1F1B (torch's Schedule1F1B: min(m, p - r) warm-up
+forwards, then backward/forward pairs) and Interleaved1F1B (torch's `_get_1f1b_rank_ops` with `_get_warmup_ops`'
+warm-up, forward then backward in the steady state) — and `live_at_peak` walks it, taking the largest sum of the
+activations alive and the gradients allocated at the end of each forward, at the start of each backward (its
+stage's head tensors already freed: the loss and the head run backward first) and at its end (its micro-batch's
+activations freed, its chunk's gradients allocated). Other schedules (zero bubble, V shapes) keep the planner's
+in-flight counts (framework/parallel/pipeline_schedules.py).
+
+`fsdp_gathers` counts, from the same order, the all-gathers FSDP issues per unit under ZeRO-3 with pp: a unit
+gathered for a forward is resharded after it (every block but the stage's last), a backward gathers what is
+resharded and, under pp, leaves it gathered (torch's stage turns `reshard_after_backward` off until its reduce after
+the last backward), so the next forward or backward of that chunk gathers nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Op = tuple[bool, int]
+"""(forward?, this rank's chunk index 0 .. v-1)."""
+
+MODELLED = ("1F1B", "Interleaved1F1B", "GPipe")
+
+
+def rank_ops(schedule: str, pp: int, n_micro: int, virtual: int, rank: int) -> tuple[Op, ...] | None:
+    """This rank's compute actions in torch's order, or None for a schedule not modelled here."""
+    m = n_micro
+    if pp == 1:
+        return ((True, 0), (False, 0)) * m
+    if schedule == "GPipe":
+        return ((True, 0),) * m + ((False, 0),) * m
+    if schedule == "1F1B":
+        warm = min(m, pp - rank)
+        return ((True, 0),) * warm + ((False, 0), (True, 0)) * (m - warm) + ((False, 0),) * warm
+    if schedule != "Interleaved1F1B":
+        return None
+    per_round = m // max(1, m // pp)
+    total = m * virtual
+    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), total)
+    ops: list[Op] = []
+    for op in range(total + warm):
+        if op < total:
+            ops.append((True, (op // per_round) % virtual))
+        if op >= warm:
+            ops.append((False, virtual - 1 - ((op - warm) // per_round) % virtual))
+    return tuple(ops)
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """One micro-batch's bytes on one chunk of the rank, by when its backward frees them."""
+
+    kept: float
+    """Activations freed as the backward ends (the blocks' saved tensors, the stage output torch keeps)."""
+    head: float = 0.0
+    """Activations the loss and head free first in the backward (final norm, head input, targets)."""
+    probs: float = 0.0
+    """The loss's fp32 log-probabilities, freed with the head."""
+    logits: float = 0.0
+    """The stage output when it is the logits: torch's stage holds it until its backward returns."""
+    grads: float = 0.0
+    """The chunk's accumulated gradients: allocated by its first backward, kept until its last backward ends and
+    the stage reduces them (torch runs each stage's reduction after that stage's last backward)."""
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What lives at the rank's peak moment: activations (head included), logits and loss, gradients, and which
+    transients: a layer's working set (its forward, or its recomputation in backward) and a layer's gradients
+    before they are accumulated (backward only)."""
+
+    activations: float
+    logits: float
+    grads: float
+    layer: float = 0.0
+    backward: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.activations + self.logits + self.grads + self.layer + self.backward
+
+
+def live_at_peak(ops: Sequence[Op], chunks: Sequence[ChunkBytes], layer: float = 0.0,
+                 backward: float = 0.0) -> Moment:
+    """The moment of `ops` with the most bytes of `chunks` alive, `layer` and `backward` the two transients (a
+    layer's working set, a layer's unaccumulated gradients; module docstring).
+
+    Moments: inside each forward (the blocks' tensors so far, a layer's working set), its end (the loss: head and
+    logits, no layer), the start of each backward (its head and log-probabilities freed, the top layer
+    recomputed) and its end (its micro-batch freed, its chunk's gradients allocated, the bottom layer's backward).
+    """
+    live = [0] * len(chunks)
+    started = [False] * len(chunks)
+    best = Moment(0.0, 0.0, 0.0)
+
+    def consider(minus: float, minus_logits: float, lay: float, bwd: float) -> None:
+        nonlocal best
+        acts = sum(k * (ch.kept + ch.head) for k, ch in zip(live, chunks)) - minus
+        logits = sum(k * (ch.probs + ch.logits) for k, ch in zip(live, chunks)) - minus_logits
+        cand = Moment(acts, logits, sum(ch.grads for ch, s in zip(chunks, started) if s), lay, bwd)
+        if cand.total > best.total:
+            best = cand
+
+    backwards_left = [sum(1 for fwd, c in ops if not fwd and c == chunk) for chunk in range(len(chunks))]
+    for fwd, c in ops:
+        ch = chunks[c]
+        live[c] += fwd
+        if fwd:
+            consider(ch.head, ch.probs + ch.logits, layer, 0.0)  # its last layer's forward
+            consider(0.0, 0.0, 0.0, 0.0)  # its end: the head and the loss
+            continue
+        consider(ch.head, ch.probs, layer, backward)  # its head freed, its top layer recomputed
+        started[c] = True
+        consider(ch.kept + ch.head, ch.probs + ch.logits, layer, backward)  # its bottom layer: micro-batch freed
+        live[c] -= 1
+        backwards_left[c] -= 1
+        started[c] = backwards_left[c] > 0  # after its last backward the stage reduce-scatters and frees them
+    return best
+
+
+def fsdp_gathers(ops: Sequence[Op], virtual: int, pipelined: bool) -> list[tuple[int, int]]:
+    """Per chunk: (gathers of a unit that reshards after forward, gathers of the units that do not — the stage's
+    last block and its root's own parameters), ZeRO-3, over one step of `ops` (module docstring).
+
+    Without pp every backward reshards (the engine's `set_micro_batch_sync`), so each micro-batch gathers the
+    resharding units twice and the others once.
+    """
+    out = []
+    for chunk in range(virtual):
+        state = "sharded"
+        resharding = kept = 0
+        for fwd, c in ops:
+            if c != chunk:
+                continue
+            if fwd:
+                resharding += state != "all"
+                kept += state == "sharded"
+                state = "kept"
+            else:
+                resharding += state == "kept"
+                kept += state == "sharded"
+                state = "all" if pipelined else "sharded"
+        out.append((resharding, kept))
+    return out
+
+
+__all__ = ["MODELLED", "ChunkBytes", "Moment", "fsdp_gathers", "live_at_peak", "rank_ops"]
