@@ -79,10 +79,14 @@ def _attention_params(cfg: ModelConfig) -> int:
     return attn_one
 
 
-def attention_score_dims(cfg: ModelConfig) -> tuple[int, int]:
-    """(query/key channels, value channels) summed over the heads: what Q·K^T and A·V contract per position."""
+def attention_score_dims(cfg: ModelConfig, executed: bool = False) -> tuple[int, int]:
+    """(query/key channels, value channels) summed over the heads: what Q·K^T and A·V contract per position.
+
+    `executed`: what the kernels run rather than the model's count: MLA's values are zero-padded to the query/key
+    head dim before the fused attention kernels (models/mla.py), so A·V contracts qk channels too."""
     if cfg.attention == "mla":
-        return cfg.n_heads * cfg.mla.qk_head_dim, cfg.n_heads * cfg.mla.v_head_dim
+        v = cfg.mla.qk_head_dim if executed else cfg.mla.v_head_dim
+        return cfg.n_heads * cfg.mla.qk_head_dim, cfg.n_heads * v
     return cfg.n_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim
 
 
@@ -124,7 +128,8 @@ def num_params(cfg: ModelConfig) -> int:
     return param_counts(cfg).total
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, recompute: bool = False) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, recompute: bool = False,
+                    executed: bool = False) -> float:
     """Training FLOPs (forward + backward) per token.
 
     Args:
@@ -134,9 +139,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False, rec
         recompute: hardware FLOPs with full activation recomputation of the blocks (one extra forward of every
             layer: 8N instead of 6N and 16·L·h·s instead of 12·L·h·s; the output head is not recomputed and stays
             at 6·V·h), the "HFU" convention of Narayanan et al. 2021: 96·B·s·l·h²(1 + s/6h + V/(16·l·h)).
+        executed: the attention core as the kernels run it (`attention_score_dims`): the planner's step time and
+            hardware FLOPs; model FLOPs (the MFU convention) leave it False.
     """
     n = param_counts(cfg).active_non_embedding
-    qk, v = attention_score_dims(cfg)
+    qk, v = attention_score_dims(cfg, executed)
     attn: float = 6 * (cfg.n_layers + cfg.mtp_depth) * (qk + v) * seq_len  # 12·L·h·s for dense heads (qk = v = h)
     if causal:
         attn /= 2

@@ -79,14 +79,15 @@ class Estimate:
 
 @functools.lru_cache(maxsize=256)
 def _flops(cfg: ModelConfig, seq: int, recompute: bool) -> float:
-    return flops_per_token(cfg, seq, recompute=recompute)
+    return flops_per_token(cfg, seq, recompute=recompute, executed=True)
 
 
 @functools.lru_cache(maxsize=256)
 def _layer_and_head_flops(cfg: ModelConfig, seq: int, recompute: bool) -> tuple[float, float]:
     """(FLOPs per token of one average layer, FLOPs per token of the head and final norm), forward + backward."""
-    total = flops_per_token(cfg, seq, recompute=recompute)
-    head = flops_per_token(dataclasses.replace(cfg, n_layers=0), seq, recompute=recompute)
+    # what the kernels execute (MLA's zero-padded values included): the step's time, not the MFU convention
+    total = flops_per_token(cfg, seq, recompute=recompute, executed=True)
+    head = flops_per_token(dataclasses.replace(cfg, n_layers=0), seq, recompute=recompute, executed=True)
     return (total - head) / cfg.n_layers, head
 
 

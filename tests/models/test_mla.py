@@ -123,9 +123,9 @@ def test_attention_is_eligible_for_the_flash_kernel() -> None:
 
 def test_flops_terms_equal_counted_kernels() -> None:
     """The planner's MLA FLOPs (models/flops.py) against torch's FlopCounterMode over a forward and backward:
-    every projection's matmuls are 6 x (parameters without the norms) per token exactly; the attention core
-    counts as the planner's term times 2 qk / (qk + v), the work the zero-padded values cost the kernels (the
-    planner counts the model's FLOPs, the MFU convention)."""
+    every projection's matmuls are 6 x (parameters without the norms) per token exactly; the attention core the
+    kernels execute (`executed=True`, the planner's step time) equals the counted bmm FLOPs, and the model's
+    count (the MFU convention) is that times (qk + v) / 2 qk: the values are zero-padded to the key dim."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -145,3 +145,4 @@ def test_flops_terms_equal_counted_kernels() -> None:
     m = cfg.mla
     core = (flops_per_token(cfg, s) - 6 * pc.active_non_embedding) * b * s
     assert counts["aten.bmm"] == core * 2 * m.qk_head_dim / (m.qk_head_dim + m.v_head_dim)
+    assert counts["aten.bmm"] == (flops_per_token(cfg, s, executed=True) - 6 * pc.active_non_embedding) * b * s
