@@ -3,8 +3,10 @@
 Each layout runs one real training step pair on gloo (framework/dryrun/run.py `real_rank`: real tensors, the
 same tracker and communication logger) on every rank, and the dry run rehearses one rank of each rank class on
 the fake backend. Every real rank is compared with its class's rehearsal, so the claim that one rank stands for
-its class is checked too. For the Muon layout the planner's Muon terms are held to the same rehearsal. Two worlds
-(4 and 8 ranks) host all layouts, one engine after another.
+its class is checked too. For the Muon layout the planner's Muon terms are held to the same rehearsal, and on
+every layout with FSDP data parallelism the planner's data-parallel gather and reduce-scatter bytes
+(framework/plan/comm.py: ZeRO-3's gathers in the schedule's order, one reduction per step under pp) equal the
+rehearsal's. Two worlds (4 and 8 ranks) host all layouts, one engine after another.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ WORLD4 = {
     # collectives (TP layers' and Muon's alike) went on process groups the comm logger did not name "tp" but
     # "other", totals equal; not investigated further. docs/PLANNER.md has its dry-run figures.)
     "dp4-zero3-muon": ["parallel.dp_shard=4", "parallel.zero_stage=3", "model.n_layers=8", "train.optimizer=muon"],
+    # under pp a backward leaves ZeRO-3's units gathered and the stage reduces once, after its last backward
+    "pp2-dp2-zero3": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3", "model.n_layers=8",
+                      "train.micro_batch_size=1"],
 }
 WORLD8 = {
     "tp2-pp2-dp2-zero1": ["parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1",
@@ -65,7 +70,30 @@ def _check(cases: dict[str, list[str]], world_size: int) -> None:
             problems += _compare(f"{name} rank {rank} vs class {cls.name}", dry[cls.rank], real[rank][name])
         if cfg.train.optimizer == "muon":
             problems += _planner_muon(name, cfg, world_size, classes, dry)
+        if dims.dp_shard > 1 and dims.dp_replicate == 1:  # HSDP's replica all-reduce is not in the planner
+            problems += _planner_dp(name, cfg, world_size, classes, dry)
     assert not problems, "\n".join(problems)
+
+
+def _planner_dp(name: str, cfg: Config, world_size: int, classes: list[RankClass],
+                dry: dict[int, StepMeasure]) -> list[str]:
+    """The planner's data-parallel wire bytes per step (gathers; reduce-scatters) against the rehearsal's, on the
+    dense (dp_shard) and expert (edp) shard groups together: equal up to float rounding."""
+    from framework.dryrun.planner import layout_of
+    from framework.plan.comm import dp_comm_per_step
+    from framework.plan.memory import rank_params
+
+    work, lay = layout_of(cfg, world_size)
+    out = []
+    for c in classes:
+        rank = c.pp_ranks[0]
+        plan = dp_comm_per_step(work, lay, get_hardware("h100-80g"), rank_params(work.model, lay, rank), rank)
+        for part, op in (("gather", "all_gather"), ("reduce", "reduce_scatter")):
+            measured = sum(x.wire_bytes for x in dry[c.rank].collectives if x.op == op and x.axis in
+                           ("dp_shard", "edp"))
+            if abs(plan[part].wire_bytes - measured) > 1e-6 * max(1.0, measured):
+                out.append(f"{name} {c.name}: planner dp {op} {plan[part].wire_bytes:.0f} B vs dry run {measured:.0f}")
+    return out
 
 
 def _planner_muon(name: str, cfg: Config, world_size: int, classes: list[RankClass],
