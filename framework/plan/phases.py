@@ -23,8 +23,11 @@ the last backward), so the next forward or backward of that chunk gathers nothin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 Op = tuple[bool, int]
 """(forward?, this rank's chunk index 0 .. v-1)."""
@@ -32,6 +35,7 @@ Op = tuple[bool, int]
 MODELLED = ("1F1B", "Interleaved1F1B", "GPipe")
 
 
+@functools.lru_cache(maxsize=4096)
 def rank_ops(schedule: str, pp: int, n_micro: int, virtual: int, rank: int) -> tuple[Op, ...] | None:
     """This rank's compute actions in torch's order, or None for a schedule not modelled here."""
     m = n_micro
@@ -90,6 +94,19 @@ class Moment:
         return self.activations + self.logits + self.grads + self.layer + self.backward
 
 
+@functools.lru_cache(maxsize=1024)
+def _op_arrays(ops: tuple[Op, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(forward?, chunk, first backward of its chunk?, last backward of its chunk?) per op."""
+    fwd = np.fromiter((f for f, _ in ops), dtype=bool, count=len(ops))
+    c = np.fromiter((ch for _, ch in ops), dtype=np.int64, count=len(ops))
+    bwd_idx = np.flatnonzero(~fwd)
+    first = np.zeros(len(ops), dtype=bool)
+    last = np.zeros(len(ops), dtype=bool)
+    first[bwd_idx[np.unique(c[bwd_idx], return_index=True)[1]]] = True
+    last[bwd_idx[len(bwd_idx) - 1 - np.unique(c[bwd_idx][::-1], return_index=True)[1]]] = True
+    return fwd, c, first, last
+
+
 def live_at_peak(ops: Sequence[Op], chunks: Sequence[ChunkBytes], layer: float = 0.0,
                  backward: float = 0.0) -> Moment:
     """The moment of `ops` with the most bytes of `chunks` alive, `layer` and `backward` the two transients (a
@@ -99,36 +116,35 @@ def live_at_peak(ops: Sequence[Op], chunks: Sequence[ChunkBytes], layer: float =
     logits, no layer), the start of each backward (its head and log-probabilities freed, the top layer
     recomputed) and its end (its micro-batch freed, its chunk's gradients allocated, the bottom layer's backward).
     """
-    live = [0] * len(chunks)
-    started = [False] * len(chunks)
+    if not ops:
+        return Moment(0.0, 0.0, 0.0)
+    fwd, c, first, last = _op_arrays(tuple(ops))
+    kept, head, probs, logit, grad = (np.array([getattr(ch, k) for ch in chunks], dtype=np.float64)[c]
+                                      for k in ("kept", "head", "probs", "logits", "grads"))
+    sign = np.where(fwd, 1.0, -1.0)
+    acts = np.cumsum(sign * (kept + head))  # alive after each op
+    logits = np.cumsum(sign * (probs + logit))
+    # each chunk's gradients: allocated by its first backward, freed after its last (the stage's reduction)
+    with_new = np.cumsum(np.where(first, grad, 0.0)) - np.cumsum(np.where(last, grad, 0.0)) + np.where(last, grad, 0.0)
+    before = with_new - np.where(first, grad, 0.0)  # before this op allocates its chunk's gradients
+    acts_before, logits_before = acts - sign * (kept + head), logits - sign * (probs + logit)
+    candidates = [  # (mask, activations, logits, gradients, layer, backward)
+        (fwd, acts - head, logits - probs - logit, before, layer, 0.0),  # a forward's last layer
+        (fwd, acts, logits, before, 0.0, 0.0),  # a forward's end: the head and the loss
+        (~fwd, acts_before - head, logits_before - probs, before, layer, backward),  # a backward's start
+        (~fwd, acts, logits, with_new, layer, backward),  # a backward's end: its micro-batch freed
+    ]
     best = Moment(0.0, 0.0, 0.0)
-
-    def consider(minus: float, minus_logits: float, lay: float, bwd: float) -> None:
-        nonlocal best
-        acts = sum(k * (ch.kept + ch.head) for k, ch in zip(live, chunks)) - minus
-        logits = sum(k * (ch.probs + ch.logits) for k, ch in zip(live, chunks)) - minus_logits
-        cand = Moment(acts, logits, sum(ch.grads for ch, s in zip(chunks, started) if s), lay, bwd)
-        if cand.total > best.total:
-            best = cand
-
-    backwards_left = [sum(1 for fwd, c in ops if not fwd and c == chunk) for chunk in range(len(chunks))]
-    for fwd, c in ops:
-        ch = chunks[c]
-        live[c] += fwd
-        if fwd:
-            consider(ch.head, ch.probs + ch.logits, layer, 0.0)  # its last layer's forward
-            consider(0.0, 0.0, 0.0, 0.0)  # its end: the head and the loss
-            continue
-        consider(ch.head, ch.probs, layer, backward)  # its head freed, its top layer recomputed
-        started[c] = True
-        consider(ch.kept + ch.head, ch.probs + ch.logits, layer, backward)  # its bottom layer: micro-batch freed
-        live[c] -= 1
-        backwards_left[c] -= 1
-        started[c] = backwards_left[c] > 0  # after its last backward the stage reduce-scatters and frees them
+    for mask, a, lg, g, lay, bw in candidates:
+        total = np.where(mask, a + lg + g + lay + bw, -np.inf)
+        i = int(np.argmax(total))
+        if total[i] > best.total:
+            best = Moment(float(a[i]), float(lg[i]), float(g[i]), lay, bw)
     return best
 
 
-def fsdp_gathers(ops: Sequence[Op], virtual: int, pipelined: bool) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=1024)
+def fsdp_gathers(ops: tuple[Op, ...], virtual: int, pipelined: bool) -> list[tuple[int, int]]:
     """Per chunk: (gathers of a unit that reshards after forward, gathers of the units that do not — the stage's
     last block and its root's own parameters), ZeRO-3, over one step of `ops` (module docstring).
 
