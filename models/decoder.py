@@ -94,10 +94,7 @@ class Decoder(nn.Module):
         """
         if doc_ids is not None:
             attn_mask = self.mask_builder(doc_ids)
-        # (T, E/2, 2) or (B, T, E/2, 2): only the rows this call uses. Each FSDP unit casts its floating inputs to
-        # the compute dtype (MixedPrecisionPolicy.cast_forward_inputs) and a checkpointed block keeps its inputs,
-        # so the whole max_seq_len table would be copied and kept once per layer and micro-batch.
-        rope = self.rope[:x.shape[1]] if positions is None else self.rope[positions]
+        rope = self.rope if positions is None else self.rope[positions]  # (T, E/2, 2) or (B, T, E/2, 2)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None and self.embeds_input else x
         for key, layer in self.layers.items():
             if kv_cache is None:

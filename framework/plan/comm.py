@@ -103,9 +103,10 @@ def pp_comm_per_step(work: Workload, lay: Layout, hw: Hardware) -> AxisComm:
 def zero3_gathers(work: Workload, lay: Layout, rank: int = 0) -> tuple[float, float, dict[int, int]]:
     """All-gathers of ZeRO-3 parameters on pipeline rank `rank` per step, in the order its schedule runs
     (framework/plan/phases.py `fsdp_gathers`): (dense elements gathered over the rank's dense elements, the same for
-    the experts, gathers per layer). The units: each block (the chunk's last one, and the chunk's own parameters
-    — embedding, final norm, head — are never resharded after forward), and each block's experts (resharded
-    after every forward). Without pp every micro-batch gathers a block for forward and again for backward."""
+    the experts, gathers per layer). The units: each block (the chunk's last one is never resharded after
+    forward), the chunk's own parameters (embedding, final norm, head: FSDP's root, not resharded after forward
+    under pp only, zero.py) and each block's experts (resharded after every forward). Without pp every
+    micro-batch gathers a block for forward and again for backward."""
     cfg, m = work.model, lay.n_micro(work.global_batch)
     chunks = rank_chunks(lay, rank)
     ops = rank_ops(lay.schedule, lay.pp, m, lay.virtual, rank)
@@ -125,7 +126,7 @@ def zero3_gathers(work: Workload, lay: Layout, rank: int = 0) -> tuple[float, fl
             dense[1] += d
             experts[0] += resharding * e
             experts[1] += e
-        dense[0] += kept * root
+        dense[0] += (kept if lay.pp > 1 else resharding) * root
         dense[1] += root
     return (dense[0] / dense[1] if dense[1] else 0.0, experts[0] / experts[1] if experts[1] else 0.0, per_layer)
 

@@ -189,18 +189,20 @@ def layer_bytes(work: Workload, lay: Layout, recompute: Recompute) -> float:
 
 
 def rope_input_bytes(work: Workload, lay: Layout) -> int:
-    """The RoPE table rows one layer keeps per micro-batch under FSDP mixed precision.
+    """The RoPE table one layer keeps per micro-batch under FSDP mixed precision.
 
-    The table is an fp32 buffer passed to every block (models/decoder.py: the s rows a step uses); FSDP casts each
-    unit's floating inputs to the compute dtype, so every block gets its own 16-bit copy: a checkpointed block
-    (full or selective recompute) keeps it as an input, and without recompute `apply_rope` upcasts it and its
-    multiply keeps that fp32 copy. Without FSDP (ZeRO-0) or in fp32 runs the buffer itself is used: nothing added.
+    The decoder passes its whole fp32 (max_seq_len, E/2, 2) table to every block (models/decoder.py) and FSDP casts
+    each unit's floating inputs to the compute dtype (MixedPrecisionPolicy.cast_forward_inputs), so every block
+    gets its own 16-bit copy of the whole table: a checkpointed block (full or selective recompute) keeps it as an
+    input; without recompute the copy dies after the block's forward and `apply_rope`'s multiply keeps the fp32
+    upcast of the s rows it uses. Without FSDP (ZeRO-0) or in fp32 runs the buffer itself is used: nothing added.
     """
     act = work.precision.act
     if lay.zero_stage == 0 or act >= FP32 or work.activations == "korthikanti":
         return 0
-    rows = work.seq_len // lay.cp * work.model.rope_dim  # (s, E/2, 2)
-    return rows * (act if lay.recompute != "none" else FP32)
+    if lay.recompute != "none":
+        return work.model.max_seq_len * work.model.rope_dim * act
+    return work.seq_len // lay.cp * work.model.rope_dim * FP32
 
 
 def cp_kv_bytes(cfg: ModelConfig, seq: int, micro_batch: int, tp: int, cp: int, act: int,

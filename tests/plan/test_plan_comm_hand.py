@@ -44,14 +44,13 @@ def test_hpz_gathers_forward_over_the_shard_group_and_backward_over_the_node() -
 
 
 def _zero3_gathers_per_element(m: int) -> float:
-    """ZeRO-3 without pp on Llama-3-8B's 32 layers, by unit: every micro-batch gathers each block for its forward
-    and again for its backward, except the last block (kept gathered from forward to backward) and the root's own
-    parameters (embedding, final norm, head: FSDP's root does not reshard after forward); as a multiple of the
-    rank's parameters."""
+    """ZeRO-3 without pp on Llama-3-8B's 32 layers, by unit: every micro-batch gathers each block and the root's
+    own parameters (embedding, final norm, head) for its forward and again for its backward, except the last
+    block (kept gathered from forward to backward, zero.py); as a multiple of the rank's parameters."""
     d, q, kv, ffn, vocab = 4096, 32 * 128, 8 * 128, 14336, 128256
     layer = 2 * q * d + 2 * kv * d + 3 * d * ffn + 2 * d
     root = 2 * vocab * d + d
-    return m * (root + 31 * 2 * layer + layer) / (root + 32 * layer)
+    return m * (2 * root + 31 * 2 * layer + layer) / (root + 32 * layer)
 
 
 def test_zero3_under_pp_gathers_in_the_schedules_order_and_reduces_once() -> None:
