@@ -110,12 +110,12 @@ def zero3_gathers(work: Workload, lay: Layout, rank: int = 0) -> tuple[float, fl
     cfg, m = work.model, lay.n_micro(work.global_batch)
     chunks = rank_chunks(lay, rank)
     ops = rank_ops(lay.schedule, lay.pp, m, lay.virtual, rank)
-    if ops is None:  # a schedule the walk does not model: each chunk as 1F1B's last stage runs it
-        ops = tuple(op for c in range(len(chunks)) for op in ((True, c), (False, c)) * m)
+    # a schedule the walk does not model: each chunk as 1F1B's last stage runs it (forward, backward, ...)
+    counts = fsdp_gathers(ops, len(chunks), lay.pp > 1) if ops is not None else [(m + 1, 1)] * len(chunks)
     dense = [0.0, 0.0]  # gathered, held
     experts = [0.0, 0.0]
     per_layer: dict[int, int] = {}
-    for (resharding, kept), c in zip(fsdp_gathers(ops, len(chunks), lay.pp > 1), chunks):
+    for (resharding, kept), c in zip(counts, chunks):
         part = chunk_params(cfg, lay, c)
         root = part.dense
         for i in part.layers:

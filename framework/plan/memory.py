@@ -30,7 +30,13 @@ from framework.plan.activations import (
 )
 from framework.plan.layout import Layout, Precision, Workload
 from framework.plan.muon import muon_bytes
-from framework.plan.phases import ChunkBytes, live_at_peak, rank_ops
+from framework.plan.phases import (
+    ChunkBytes,
+    live_at_peak,
+    moment_micro_batches,
+    rank_ops,
+    single_chunk_peak,
+)
 from models.config import ModelConfig
 from models.flops import mla_params
 
@@ -259,6 +265,8 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     # torch's stage keeps each in-flight micro-batch's output (its fwd_cache) until that micro-batch's backward:
     # the residual stream leaving every chunk but the model's last, which no layer of the chunk saves
     sent = sum(c < lay.pp * lay.virtual - 1 for c in chunks) if lay.pp > 1 else 0
+    # ... less, under recompute, the received input the first block keeps (it is the receive buffer, pipeline_recv)
+    sent -= sum(c > 0 for c in chunks) if lay.recompute != "none" else 0
     stage_layers += sent * s * b * cfg.hidden // (lay.tp if lay.sp else 1) * act
     if rank == 0 or schedule_spec(lay.schedule).every_rank_in_flight:
         # in-flight count (stage 0's; this rank's under interleaving) in L-layer multiples, on this rank's layers
@@ -288,44 +296,50 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     out["layer_grads"] = float(params.largest_layer * prec.grad)  # before its reduce-scatter (or accumulation)
     if z == 3 and lay.hpz > 1:  # ZeRO++ hpZ: every unit's node-sharded copy, held from its forward to its backward
         out["hpz_secondary"] = params.dense * prec.param / lay.hpz
-    _at_peak_moment(out, work, lay, rank, params.largest_layer)
+    _at_peak_moment(out, work, lay, rank, params, per_layer, moe_extra if lay.recompute == "none" else 0)
     if work.optimizer == "muon":
         _add_muon(out, work, lay, rank)
     return out
 
 
-def _at_peak_moment(out: dict[str, float], work: Workload, lay: Layout, rank: int, largest: int) -> None:
+def _at_peak_moment(out: dict[str, float], work: Workload, lay: Layout, rank: int, params: RankParams,
+                    per_layer: float, moe_extra: float) -> None:
     """Activations, logits, accumulated gradients and the two transients (the recomputed layer; the gradients of
-    the `largest` layer before they are added to the accumulated ones, in the compute dtype, or before their
+    the largest layer before they are added to the accumulated ones, in the compute dtype, or before their
     reduce-scatter, fp32) as they are at one moment of the step, the one where their sum is largest
     (framework/plan/phases.py), instead of each at its own largest; for the schedules the walk models (else the
-    in-flight counts above stay)."""
-    ops = rank_ops(lay.schedule, lay.pp, lay.n_micro(work.global_batch), lay.virtual, rank)
+    in-flight counts above stay). `per_layer`, `moe_extra`: one layer's kept bytes and an MoE layer's extra."""
+    n_micro = lay.n_micro(work.global_batch)
+    ops = rank_ops(lay.schedule, lay.pp, moment_micro_batches(lay.schedule, lay.pp, n_micro, rank), lay.virtual, rank)
     if ops is None:
         return
-    cfg, act = work.model, work.precision.act
+    cfg, act, prec = work.model, work.precision.act, work.precision
     s, b = work.seq_len // lay.cp, lay.micro_batch
     n_chunks = lay.pp * lay.virtual
     # ZeRO-1 accumulates unsharded gradients over the micro-batches, and so do ZeRO-2/3 under pp (model_state_bytes)
     accumulate = lay.zero_stage == 1 or (lay.zero_stage >= 2 and lay.pp > 1)
-    per_layer, moe_extra = layer_bytes(work, lay, lay.recompute) + rope_input_bytes(work, lay), 0
-    if cfg.moe.enabled and lay.recompute == "none":
-        moe_extra = moe_layer_extra_bytes(cfg, s, b, lay.tp, act)
     vocab = s * b * (cfg.vocab_size // lay.tp)
     chunks = []
-    for c in rank_chunks(lay, rank):
-        part = chunk_params(cfg, lay, c)
+    own = rank_chunks(lay, rank)
+    for c in own:
+        part = params if len(own) == 1 else chunk_params(cfg, lay, c)
         kept = len(part.layers) * per_layer + part.n_moe * moe_extra + (embedding_bytes(s, b) if c == 0 else 0)
         if c < n_chunks - 1:  # the stage output torch keeps until this micro-batch's backward
             kept += s * b * cfg.hidden // (lay.tp if lay.sp else 1) * act
-        grads = part.dense * work.precision.grad + part.experts * work.precision.grad if accumulate else 0.0
+        if c > 0 and lay.recompute != "none":  # the first block's kept input is the receive buffer (pipeline_recv)
+            kept -= s * b * cfg.hidden // (lay.tp if lay.sp else 1) * act
+        grads = part.total * prec.grad if accumulate else 0.0
         if c == n_chunks - 1:
             head = head_bytes(cfg, s, b, tp=lay.tp, sp=lay.sp, act_bytes=act) - FP32 * vocab
             chunks.append(ChunkBytes(kept, head, FP32 * vocab, act * vocab, grads))
         else:
             chunks.append(ChunkBytes(kept, grads=grads))
-    layer_grads = largest * (work.precision.param if accumulate else work.precision.grad)
-    moment = live_at_peak(ops, chunks, out["recompute_buffer"], layer_grads)
+    remat, layer_grads = out["recompute_buffer"], params.largest_layer * (prec.param if accumulate else prec.grad)
+    if len(chunks) == 1:  # one chunk: warm-up forwards, backward/forward pairs, cooldown backwards, in closed form
+        warm = 1 if lay.pp == 1 else n_micro if lay.schedule == "GPipe" else min(n_micro, lay.pp - rank)
+        moment = single_chunk_peak(warm, n_micro - warm, chunks[0], remat, layer_grads)
+    else:
+        moment = live_at_peak(ops, chunks, remat, layer_grads)
     out["activations"], out["recompute_buffer"] = moment.activations, moment.layer
     out["layer_grads"] = moment.backward
     if "logits" in out:

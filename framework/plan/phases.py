@@ -33,6 +33,8 @@ Op = tuple[bool, int]
 """(forward?, this rank's chunk index 0 .. v-1)."""
 
 MODELLED = ("1F1B", "Interleaved1F1B", "GPipe")
+SHORT = 64
+"""Op lists up to this long are walked op by op, longer ones with numpy (the same moments)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -58,6 +60,19 @@ def rank_ops(schedule: str, pp: int, n_micro: int, virtual: int, rank: int) -> t
         if op >= warm:
             ops.append((False, virtual - 1 - ((op - warm) // per_round) % virtual))
     return tuple(ops)
+
+
+def moment_micro_batches(schedule: str, pp: int, n_micro: int, rank: int) -> int:
+    """The fewest micro-batches whose walk has the same moments as `n_micro`'s (the steady state repeats): without
+    pp 3, under 1F1B the warm-up and two backward/forward pairs, under Interleaved1F1B three rounds when the
+    micro-batches fill whole rounds of pp (tests/plan/test_plan_phases.py compares the walks)."""
+    if pp == 1:
+        return min(n_micro, 3)
+    if schedule == "1F1B":
+        return min(n_micro, pp - rank + 2)
+    if schedule == "Interleaved1F1B" and n_micro % pp == 0:
+        return min(n_micro, 3 * pp)
+    return n_micro
 
 
 @dataclass(frozen=True)
@@ -116,8 +131,8 @@ def live_at_peak(ops: Sequence[Op], chunks: Sequence[ChunkBytes], layer: float =
     logits, no layer), the start of each backward (its head and log-probabilities freed, the top layer
     recomputed) and its end (its micro-batch freed, its chunk's gradients allocated, the bottom layer's backward).
     """
-    if not ops:
-        return Moment(0.0, 0.0, 0.0)
+    if len(ops) <= SHORT:  # numpy's per-call cost passes the loop's below this
+        return _walk(ops, chunks, layer, backward)
     fwd, c, first, last = _op_arrays(tuple(ops))
     kept, head, probs, logit, grad = (np.array([getattr(ch, k) for ch in chunks], dtype=np.float64)[c]
                                       for k in ("kept", "head", "probs", "logits", "grads"))
@@ -141,6 +156,63 @@ def live_at_peak(ops: Sequence[Op], chunks: Sequence[ChunkBytes], layer: float =
         if total[i] > best.total:
             best = Moment(float(a[i]), float(lg[i]), float(g[i]), lay, bw)
     return best
+
+
+def single_chunk_peak(warm: int, steady: int, ch: ChunkBytes, layer: float = 0.0, backward: float = 0.0) -> Moment:
+    """`live_at_peak` in closed form for one chunk run as `warm` forwards, `steady` backward/forward pairs and
+    `warm` backwards (no pp: 1 and m - 1; GPipe: m and 0; 1F1B: min(m, p - r) and the rest): the candidate
+    moments are the last warm-up forward's, the first backward's, one steady pair's and the first cooldown
+    backward's, in that order (ties go to the earliest, as in the walk)."""
+    g = ch.grads
+    top = warm if steady else warm - 1  # micro-batches alive at the first cooldown backward
+
+    def fwd(k: int, grads: float) -> list[Moment]:  # the k-th alive's forward: its last layer, its end
+        return [Moment((k - 1) * (ch.kept + ch.head) + ch.kept, (k - 1) * (ch.probs + ch.logits), grads, layer),
+                Moment(k * (ch.kept + ch.head), k * (ch.probs + ch.logits), grads)]
+
+    def bwd(k: int, before: float, after: float) -> list[Moment]:  # a backward with k alive: its start, its end
+        return [Moment(k * (ch.kept + ch.head) - ch.head, k * (ch.probs + ch.logits) - ch.probs, before, layer,
+                       backward),
+                Moment((k - 1) * (ch.kept + ch.head), (k - 1) * (ch.probs + ch.logits), after, layer, backward)]
+
+    cands = fwd(warm, 0.0) + bwd(warm, 0.0, g)
+    if steady:
+        cands += fwd(warm, g) + bwd(warm, g, g)
+    if top >= 1 and warm > 1:
+        cands += bwd(top, g, g)
+    best = Moment(0.0, 0.0, 0.0)
+    for cand in cands:
+        if cand.total > best.total:
+            best = cand
+    return best
+
+
+def _walk(ops: Sequence[Op], chunks: Sequence[ChunkBytes], layer: float, backward: float) -> Moment:
+    """`live_at_peak` op by op (the same moments, in the same order)."""
+    acts = logits = grads = 0.0
+    started = [False] * len(chunks)
+    left = [0] * len(chunks)
+    for f, c in ops:
+        left[c] += not f
+    best, best_total = (0.0, 0.0, 0.0, 0.0, 0.0), 0.0
+    for fwd, c in ops:
+        ch = chunks[c]
+        if fwd:
+            acts, logits = acts + ch.kept + ch.head, logits + ch.probs + ch.logits
+            cands = ((acts - ch.head, logits - ch.probs - ch.logits, grads, layer, 0.0), (acts, logits, grads, 0.0, 0.0))
+        else:
+            start = (acts - ch.head, logits - ch.probs, grads, layer, backward)
+            grads += 0.0 if started[c] else ch.grads
+            started[c] = True
+            acts, logits = acts - ch.kept - ch.head, logits - ch.probs - ch.logits
+            cands = (start, (acts, logits, grads, layer, backward))
+            left[c] -= 1
+            grads -= ch.grads if left[c] == 0 else 0.0
+        for cand in cands:
+            total = cand[0] + cand[1] + cand[2] + cand[3] + cand[4]
+            if total > best_total:
+                best, best_total = cand, total
+    return Moment(*best)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -170,4 +242,5 @@ def fsdp_gathers(ops: tuple[Op, ...], virtual: int, pipelined: bool) -> list[tup
     return out
 
 
-__all__ = ["MODELLED", "ChunkBytes", "Moment", "fsdp_gathers", "live_at_peak", "rank_ops"]
+__all__ = ["MODELLED", "ChunkBytes", "Moment", "fsdp_gathers", "live_at_peak", "moment_micro_batches", "rank_ops",
+           "single_chunk_peak"]

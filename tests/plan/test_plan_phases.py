@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 
 from bench.schedule_sim import F, action_table, compute_actions, executed_single_stage_table
-from framework.plan.phases import ChunkBytes, fsdp_gathers, live_at_peak, rank_ops
+from framework.plan import phases
+from framework.plan.phases import (
+    ChunkBytes,
+    fsdp_gathers,
+    live_at_peak,
+    moment_micro_batches,
+    rank_ops,
+    single_chunk_peak,
+)
 
 
 @pytest.mark.parametrize(("pp", "m", "v"), [(2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3), (8, 8, 2)])
@@ -68,3 +76,29 @@ def test_zero3_gathers_follow_the_pipelined_resharding() -> None:
         ops = rank_ops("1F1B", 4, 4, 1, rank)
         assert ops is not None and fsdp_gathers(ops, 1, pipelined=True) == [want], rank
     assert 19 * 5 + 2 == 97  # first and last stage: 19 resharding blocks, the last block and the root's params
+
+
+def test_the_walk_shortcuts_keep_every_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner walks fewer micro-batches than the step runs (`moment_micro_batches`: the steady state repeats)
+    and long op lists with numpy: on random bytes, the same peak as the whole step walked op by op."""
+    import random
+
+    rng = random.Random(0)
+    for schedule, pp, v, ms in (("1F1B", 1, 1, (1, 2, 9)), ("1F1B", 4, 1, (4, 5, 16, 19)),
+                                ("Interleaved1F1B", 4, 2, (4, 8, 24, 36)), ("Interleaved1F1B", 2, 3, (2, 10))):
+        for m in ms:
+            for rank in range(pp):
+                whole = rank_ops(schedule, pp, m, v, rank)
+                short = rank_ops(schedule, pp, moment_micro_batches(schedule, pp, m, rank), v, rank)
+                assert whole is not None and short is not None
+                for _ in range(3):
+                    chunks = [ChunkBytes(*(rng.random() for _ in range(5))) for _ in range(v)]
+                    layer, backward = rng.random(), rng.random()
+                    monkeypatch.setattr(phases, "SHORT", 10**9)
+                    want = live_at_peak(whole, chunks, layer, backward)
+                    monkeypatch.setattr(phases, "SHORT", -1)
+                    got = [live_at_peak(ops, chunks, layer, backward) for ops in (whole, short)]
+                    if v == 1:  # one chunk: the closed form
+                        warm = 1 if pp == 1 else min(m, pp - rank)
+                        got.append(single_chunk_peak(warm, m - warm, chunks[0], layer, backward))
+                    assert all(g.total == pytest.approx(want.total, rel=1e-12) for g in got), (schedule, pp, m, rank)
