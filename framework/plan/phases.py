@@ -199,7 +199,8 @@ def _walk(ops: Sequence[Op], chunks: Sequence[ChunkBytes], layer: float, backwar
         ch = chunks[c]
         if fwd:
             acts, logits = acts + ch.kept + ch.head, logits + ch.probs + ch.logits
-            cands = ((acts - ch.head, logits - ch.probs - ch.logits, grads, layer, 0.0), (acts, logits, grads, 0.0, 0.0))
+            cands = ((acts - ch.head, logits - ch.probs - ch.logits, grads, layer, 0.0),
+                     (acts, logits, grads, 0.0, 0.0))
         else:
             start = (acts - ch.head, logits - ch.probs, grads, layer, backward)
             grads += 0.0 if started[c] else ch.grads
