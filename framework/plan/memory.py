@@ -255,7 +255,8 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     s, b, act = work.seq_len // lay.cp, lay.micro_batch, prec.act  # this rank's tokens
     params = rank_params(cfg, lay, rank)
     out = model_state_bytes(params, lay, prec)
-    per_layer = layer_bytes(work, lay, lay.recompute) + rope_input_bytes(work, lay)
+    kept_layer = layer_bytes(work, lay, lay.recompute)
+    per_layer = kept_layer + rope_input_bytes(work, lay)
     full_layer = layer_bytes(work, lay, "none")
     moe_extra = moe_layer_extra_bytes(cfg, s, b, lay.tp, act) if cfg.moe.enabled else 0
     stage_layers = len(params.layers) * per_layer + (params.n_moe * moe_extra if lay.recompute == "none" else 0)
@@ -288,8 +289,7 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     # Transients: the rematerialized layer during its backward; ZeRO-3's gathered units; one layer's gradients.
     # (an MoE layer's, routed experts included, where the rank has one)
     remat_moe = moe_layer_extra_bytes(cfg, s, b, lay.tp, act) if params.n_moe and lay.recompute != "none" else 0
-    out["recompute_buffer"] = float(full_layer + remat_moe - layer_bytes(work, lay, lay.recompute)
-                                    if lay.recompute != "none" else 0)
+    out["recompute_buffer"] = float(full_layer + remat_moe - kept_layer if lay.recompute != "none" else 0)
     z = lay.zero_stage
     # ZeRO-3 holds the unit being computed plus `prefetch` units gathered ahead
     out["comm_buffers"] = float(params.largest_layer * (1 + lay.prefetch) * prec.param if z == 3 else 0)

@@ -109,9 +109,22 @@ class Moment:
         return self.activations + self.logits + self.grads + self.layer + self.backward
 
 
-@functools.lru_cache(maxsize=1024)
-def _op_arrays(ops: tuple[Op, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(forward?, chunk, first backward of its chunk?, last backward of its chunk?) per op."""
+_ARRAYS: dict[int, tuple[Sequence[Op], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+
+def _op_arrays(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(forward?, chunk, first backward of its chunk?, last backward of its chunk?) per op; memoized by identity
+    (`rank_ops` returns the same tuple for the same schedule), which spares hashing a long tuple per call."""
+    hit = _ARRAYS.get(id(ops))
+    if hit is not None and hit[0] is ops:
+        return hit[1]
+    if len(_ARRAYS) > 1024:
+        _ARRAYS.clear()
+    _ARRAYS[id(ops)] = (ops, _make_op_arrays(ops))
+    return _ARRAYS[id(ops)][1]
+
+
+def _make_op_arrays(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     fwd = np.fromiter((f for f, _ in ops), dtype=bool, count=len(ops))
     c = np.fromiter((ch for _, ch in ops), dtype=np.int64, count=len(ops))
     bwd_idx = np.flatnonzero(~fwd)
@@ -133,7 +146,7 @@ def live_at_peak(ops: Sequence[Op], chunks: Sequence[ChunkBytes], layer: float =
     """
     if len(ops) <= SHORT:  # numpy's per-call cost passes the loop's below this
         return _walk(ops, chunks, layer, backward)
-    fwd, c, first, last = _op_arrays(tuple(ops))
+    fwd, c, first, last = _op_arrays(ops)
     kept, head, probs, logit, grad = (np.array([getattr(ch, k) for ch in chunks], dtype=np.float64)[c]
                                       for k in ("kept", "head", "probs", "logits", "grads"))
     sign = np.where(fwd, 1.0, -1.0)
