@@ -31,6 +31,9 @@ The other layouts, held to the same tolerance against the 1-process FP8 run of t
   unchanged), from the comm logger, and the planner predicts the bytes saved per step exactly.
 - TP2 + SP (both recipes) and PP2: tensorwise scales over a sharded DTensor are reduced over tp (the 1-process
   amax); the layouts change the order of the bf16 partial sums (tp) or nothing (pp) before a cast.
+- DP2 over dp_replicate (DDP) and the rowwise DP2 ZeRO-3 layout, both compiled (aot_eager), against the eager
+  1-process FP8 run: each replica runs the 1-process casts on its micro-batches, compile traces the same casts
+  (measured on 1 process: bitwise equal to eager), and only the order of the fp32 gradient sums differs.
 
 Alongside, each layout must really run FP8 (every converted linear a Float8Linear), and the fp32-all-gather
 layout's losses must be closer to the FP8 reference than to the bf16 run (with FSDP's bf16 the rounding of
@@ -64,6 +67,7 @@ pytest.importorskip("torchao", reason="train.fp8 needs torchao (pip install 'tor
 U8, U16 = 2.0**-4, 2.0**-8
 FP8 = {"train.precision": "bf16", "train.fp8.enabled": True}
 ROWWISE = {**FP8, "train.fp8.recipe": "rowwise"}
+AOT = {"train.compile": True, "train.compile_backend": "aot_eager"}
 ROUND_TRIP: dict[str, Any] = {"dp_shard": 2, "zero_stage": 3, **FP8, "train.fp8.fsdp_all_gather": True,
                               "comm_log": True}
 BF16_RESUME: dict[str, Any] = {"dp_shard": 2, "zero_stage": 3, "train.precision": "bf16"}
@@ -72,10 +76,11 @@ LAYOUTS: list[dict[str, Any]] = [
     {"dp_shard": 2, "zero_stage": 3, **FP8, "comm_log": True},
     {"dp_shard": 2, "zero_stage": 1, "fsdp_mixed_precision": False, **FP8},
     ROUND_TRIP,
-    {"dp_shard": 2, "zero_stage": 3, **ROWWISE},
+    {"dp_shard": 2, "zero_stage": 3, **ROWWISE, **AOT},
     {"dp_shard": 1, "tp": 2, "sequence_parallel": True, **FP8},
     {"dp_shard": 1, "tp": 2, "sequence_parallel": True, **ROWWISE},
     {"dp_shard": 1, "pp": 2, **FP8},
+    {"dp_shard": 1, "dp_replicate": 2, "zero_stage": 0, **FP8, **AOT},
 ]
 EXACT_WEIGHTS = ("fsdp_mixed_precision",)
 """Layouts whose values reach their FP8 casts as in the 1-process run: closer to it than to the bf16 run."""
@@ -101,7 +106,9 @@ def _layouts(rank: int, world: int, root: str) -> tuple[list[tuple[Steps, int, l
             steps = train_engine(engine, cfg)[0]
         gathers = [t.bytes for t in engine.comm.timings if t.op == "all_gather"] if engine.comm is not None else []
         out.append((steps, n_fp8, gathers))
-    return out, trip
+    from framework.parallel.compile import compiled_frames
+
+    return out, {**trip, "compiled_frames": compiled_frames()}
 
 
 def _round_trip(engine: Any, cfg: Config, root: Path) -> tuple[Steps, dict[str, Any]]:
@@ -145,6 +152,7 @@ def spawn(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list[tuple[Ste
 @pytest.mark.distributed
 def test_fp8_layouts_match_one_process_fp8(spawn: list[Any]) -> None:
     results = [layouts for layouts, _ in spawn]
+    assert spawn[0][1]["compiled_frames"] > 0, "the compiled layouts compiled nothing"
     bf16_ref, _ = reference(("train.precision=bf16",))
     cfg = make_config(tuple(f"{k}={v}" for k, v in FP8.items()))
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -153,7 +161,7 @@ def test_fp8_layouts_match_one_process_fp8(spawn: list[Any]) -> None:
     bad = []
     for layout, (steps, n_fp8, _) in zip(LAYOUTS, results[0], strict=True):
         fp8_ref, _ = reference(tuple(f"{k}={v}" for k, v in layout.items() if k.startswith("train.")
-                                     and k != "train.fp8.fsdp_all_gather"))
+                                     and k != "train.fp8.fsdp_all_gather" and not k.startswith("train.compile")))
         per_stage = n_linears // layout.get("pp", 1)
         n_fp8_all = n_fp8 if layout.get("pp", 1) == 1 else sum(r[LAYOUTS.index(layout)][1] for r in results)
         if n_fp8_all != n_linears:
