@@ -43,6 +43,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("--step", type=int, default=None, help="default: latest")
     q.add_argument("--tokenizer", type=Path, default=None,
                    help="sentencepiece .model (default: the run's data build, when it has one)")
+    q.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the exported weights' dtype (default float32, the checkpoint's values exactly)")
     q.set_defaults(func=cmd_export_hf)
     q = sub.add_parser("import-hf",
                        help="a Hugging Face Llama, Mixtral, Qwen2/3-MoE or DeepSeek-V3 directory as a Tessera "
@@ -129,7 +131,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from framework.checkpoint.hf import export_hf
 
-    out = export_hf(args.run, args.out, step=args.step, tokenizer=args.tokenizer)
+    out = export_hf(args.run, args.out, step=args.step, tokenizer=args.tokenizer, dtype=args.dtype)
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"exported to {out}: {files}")
     return 0

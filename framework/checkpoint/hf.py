@@ -94,9 +94,10 @@ LAYER_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("attention.wv.weight", "self_attn.v_proj.weight", None),
     ("attention.wo.weight", "self_attn.o_proj.weight", None),
 )
-def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None, bos_id: int | None = None,
+              dtype: str = "float32") -> dict[str, Any]:
     """config.json for the HF model (written for both the transformers 4.x and 5.x field names); the special-token
-    ids are the tokenizer's, null where it has none (or no tokenizer is known)."""
+    ids are the tokenizer's, null where it has none (or no tokenizer is known); `dtype` the weights'."""
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else FAMILIES[arch].architecture],
         "model_type": arch,
@@ -104,7 +105,7 @@ def hf_config(cfg: ModelConfig, arch: str, eos_id: int | None = None, bos_id: in
         "intermediate_size": cfg.ffn,
         "hidden_act": "silu", "rope_theta": cfg.rope_theta, "rope_parameters": rope_parameters(cfg),
         "rope_scaling": rope_scaling_4x(cfg), "attention_bias": False, "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std, "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
+        "initializer_range": cfg.init_std, "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
         "bos_token_id": bos_id, "eos_token_id": eos_id,
     }
     if arch == "llama":
@@ -331,8 +332,10 @@ def load_model(path: Path) -> tuple[nn.Module, dict[str, Any]]:
     return model, meta
 
 
-def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | None = None) -> Path:
-    """Write checkpoint `src` (run dir or step dir; `step` picks one) as an HF model directory `out`."""
+def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | None = None,
+              dtype: str = "float32") -> Path:
+    """Write checkpoint `src` (run dir or step dir; `step` picks one) as an HF model directory `out`, its weights
+    in `dtype` (float32: the checkpoint's fp32 exactly; bfloat16: rounded to nearest, as models are published)."""
     from safetensors.torch import save_file
 
     path = resolve_checkpoint(src, step)
@@ -343,7 +346,7 @@ def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | N
         get_logger("checkpoint").warning(
             f"export-hf: model.mtp_depth={cfg.mtp_depth}: {arch} has no place for multi-token prediction modules; "
             f"the {cfg.mtp_depth} MTP module(s) are not exported (DeepSeek-V3 keeps them as extra layers)")
-    tensors = to_hf_state(cfg, {k: v for k, v in model.state_dict().items()})
+    tensors = {k: v.to(getattr(torch, dtype)) for k, v in to_hf_state(cfg, model.state_dict()).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SAFETENSORS), metadata={"format": "pt", "tessera_checkpoint": str(path),
                                                           "tessera_step": str(meta.get("step"))})
@@ -355,7 +358,7 @@ def export_hf(src: Path, out: Path, step: int | None = None, tokenizer: Path | N
 
         loaded = Tokenizer(tok)  # sentencepiece .model or tokenizer.json; -1: the tokenizer has no such token
         bos, eos = (i if i >= 0 else None for i in (loaded.bos_id, loaded.eos_id))
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, arch, eos, bos), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, arch, eos, bos, dtype), indent=2))
     return out
 
 

@@ -18,10 +18,15 @@ from typing import Any, Literal
 
 from framework.base.errors import ConfigError
 
-FP8_PROVEN = ("1 process, data parallelism over dp_shard (ZeRO 1-3, FSDP2, FP8 all-gathers), tensor parallelism "
-              "with or without sequence parallelism, and pipeline parallelism")
+FP8_PROVEN = ("1 process, data parallelism over dp_shard (ZeRO 1-3, FSDP2, FP8 all-gathers) or over dp_replicate "
+              "(DDP), tensor parallelism with or without sequence parallelism, pipeline parallelism, and "
+              "train.compile without tp or pp")
 """The layouts an FP8 run has a parity test for (tests/parallel/test_fp8_parity.py); the others are refused."""
 
+CP_FP8 = ("FP8 scales each cast by an amax over the whole tensor (tensorwise; rowwise's output gradients over all "
+          "tokens), and under cp every rank holds its own share of the sequence as a plain tensor, so each rank "
+          "would scale with the amax of its tokens alone: another FP8 run, not the 1-process numerics every proven "
+          "layout reproduces (tp reduces its amax over the DTensor mesh; cp has no such mesh)")
 MOE_FP8 = ("FP8 experts need torch._scaled_grouped_mm, which has kernels only on CUDA (sm90+), none on the CPU "
            "this project's tests run on, so the experts' FP8 GEMM cannot be proven here")
 
@@ -65,14 +70,17 @@ def fp8_problem(precision: str, compile: bool, fp8: FP8Config, parallel: Any, mo
     if precision != "bf16":
         return (f"train.fp8.enabled=true with train.precision={precision}: the FP8 recipes run everything outside "
                 f"the converted linears in bf16; set train.precision=bf16")
-    unproven: dict[str, Any] = {name: value for name, value in (
-        ("parallel.cp", parallel.cp), ("parallel.ep", parallel.ep), ("parallel.dp_replicate", parallel.dp_replicate))
-        if value != 1}
+    if parallel.cp != 1:
+        return (f"train.fp8.enabled=true with parallel.cp={parallel.cp}: {CP_FP8}; set parallel.cp=1 (more "
+                f"dp_shard or tp for the memory) or train.fp8.enabled=false")
+    unproven: dict[str, Any] = {"parallel.ep": parallel.ep} if parallel.ep != 1 else {}
+    if parallel.dp_replicate != 1 and parallel.dp_shard != 1:  # HSDP: a 2-D FSDP mesh
+        unproven["parallel.dp_replicate"] = f"{parallel.dp_replicate} with parallel.dp_shard={parallel.dp_shard}"
     if model.moe.enabled:
         return (f"train.fp8.enabled=true with model.moe.enabled=true: {MOE_FP8}; set train.fp8.enabled=false for "
                 f"MoE models")
-    if compile:
-        unproven["train.compile"] = True
+    if compile and (parallel.tp > 1 or parallel.pp > 1):  # proven on 1 process, dp_shard and dp_replicate
+        unproven["train.compile"] = f"true with parallel.tp={parallel.tp}, parallel.pp={parallel.pp}"
     if parallel.zero_quantized_weights or parallel.zero_quantized_gradients:
         unproven["parallel.zero_quantized_*"] = True
     if fp8.fsdp_all_gather and (parallel.tp > 1 or parallel.pp > 1):  # proven on dp_shard alone

@@ -38,7 +38,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from framework.parallel.comm_timing import CollectiveTiming, _close_events, _device_event, _storage, _WaitHooks
+from framework.parallel.comm_timing import (
+    CollectiveTiming,
+    _close_events,
+    _device_event,
+    _storage,
+    _WaitHooks,
+    payload,
+)
 
 # op name -> (recorded kind, schema argument holding the full buffer); barriers move no data and are left out.
 _C10D: dict[str, tuple[str, str]] = {
@@ -215,7 +222,7 @@ class _CollectiveCounter(TorchDispatchMode):
     def _record(self, func: Any, namespace: str, args: Any, kwargs: dict[str, Any]
                 ) -> tuple[CollectiveTiming | None, torch.Tensor | None]:
         name = func._schema.name.split("::")[-1]
-        bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+        bound = {a.name: payload(v) for a, v in (*zip(func._schema.arguments, args), *kwargs.items())}
         if namespace == "c10d":
             if name not in _C10D:
                 return None, None

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @dataclass
@@ -176,4 +177,19 @@ def _set_done(timing: CollectiveTiming) -> None:
 
 
 def _storage(x: Any) -> int:
+    x = payload(x)
     return x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else -1
+
+
+def payload(x: Any) -> Any:
+    """What a collective moves for `x`: a tensor subclass that wraps others (torchao's Float8TrainingTensor: FP8
+    data of the outer shape, its dtype reported as the original bf16, and a scale) sends the inner tensors of its
+    own shape, the data, which torchao's collective overrides pass on while the scale stays on the rank."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(payload(t) for t in x)
+    if not is_traceable_wrapper_subclass(x):
+        return x
+    inner = [getattr(x, name) for name in x.__tensor_flatten__()[0]]
+    data = [t for t in inner if isinstance(t, torch.Tensor) and t.shape == x.shape]
+    return payload(data[0]) if len(data) == 1 else x  # a DTensor (a shard inside) stays itself
+

@@ -107,3 +107,27 @@ def test_405b_at_tp1_pp1_is_refused_with_its_cause(capsys: pytest.CaptureFixture
     assert "DOES NOT FIT" in text and "stopped at" in text and "gathered FSDP units dominate" in text, text
     setup = float(text.split("tensors from building the model")[1].split(")")[1].split(",")[0])
     assert 11.0 < setup < 12.5, text  # the shards, drawn after fully_shard
+
+
+@pytest.mark.slow
+def test_fp8_dry_run_moves_fp8_on_the_tensor_parallel_wire(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """train.fp8 (tensorwise) on DP2 x TP2 + SP: the fake backend carries float8, so torchao's FP8 TP styles run
+    as on NCCL (gloo cannot). In bf16 each sequence-parallel all-gather has a reduce-scatter of the same buffer;
+    with FP8 the block's four all-gathers per micro-batch (attention and MLP inputs in e4m3 forward, wo's and w2's
+    output gradients in e5m2 backward) move 1 byte per element, the reduce-scatters still bf16's 2."""
+    pytest.importorskip("torchao", reason="train.fp8 needs torchao")
+    out = tmp_path / "dry.json"
+    rc = main(["dryrun", TINY, "train.precision=bf16", "train.fp8.enabled=true", "parallel.dp_shard=2",
+               "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=3", "--world", "4",
+               "--json", str(out), "--vs-planner"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    comm = {(c["axis"], c["op"]): c for c in json.loads(out.read_text())["classes"][0]["measure"]["collectives"]}
+    gather, scatter = comm[("tp", "all_gather")], comm[("tp", "reduce_scatter")]
+    assert {"float8_e4m3fn", "float8_e5m2"} <= set(gather["dtypes"]), gather
+    cfg = load_config(TINY, [])
+    n_micro = cfg.train.global_batch_size // cfg.train.micro_batch_size // 2
+    buffer = cfg.data.seq_len * cfg.train.micro_batch_size * cfg.model.hidden  # one gathered block input
+    assert gather["bytes"] == scatter["bytes"] - 4 * cfg.model.n_layers * n_micro * buffer, (gather, scatter)
+    states = [line.split() for line in text.splitlines() if " model states " in line]
+    assert states and abs(float(states[0][-1]) - 1.0) <= 0.02, text

@@ -23,12 +23,12 @@ FP8 = ["train.precision=bf16", "train.fp8.enabled=true"]
 
 @pytest.mark.parametrize(("overrides", "names"), [
     (["train.fp8.enabled=true"], "train.precision=fp32"),
-    ([*FP8, "parallel.cp=2", "parallel.dp_shard=1"], "parallel.cp=2"),
-    ([*FP8, "parallel.dp_replicate=2", "parallel.dp_shard=1"], "parallel.dp_replicate=2"),
+    ([*FP8, "parallel.cp=2", "parallel.dp_shard=1"], "each rank would scale with the amax of its tokens"),
+    ([*FP8, "parallel.dp_replicate=2", "parallel.dp_shard=2"], "parallel.dp_replicate=2 with parallel.dp_shard=2"),
     ([*FP8, "model.preset=test-moe"], "model.moe.enabled=true: FP8 experts need torch._scaled_grouped_mm"),
     ([*FP8, "train.fp8.fsdp_all_gather=true", "parallel.tp=2"], "train.fp8.fsdp_all_gather=true with parallel.tp=2"),
     ([*FP8, "train.fp8.recipe=rowwise", "train.fp8.fsdp_all_gather=true"], "train.fp8.fsdp_all_gather=true with"),
-    ([*FP8, "train.compile=true"], "train.compile=True"),
+    ([*FP8, "train.compile=true", "parallel.tp=2"], "train.compile=true with parallel.tp=2"),
     ([*FP8, "train.fp8.min_dim=8"], "train.fp8.min_dim=8"),
 ])
 def test_unproven_combinations_are_refused_at_load(overrides: list[str], names: str) -> None:

@@ -69,11 +69,15 @@ def param_checksums(engine: Any) -> Checksums:
     out = {}
     for part in engine.model_parts:
         for fqn, p in part.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            x = full.detach().double().flatten()
-            w = torch.sin(torch.arange(x.numel(), dtype=torch.float64) * 0.7 + 1.0)
-            out[canonical_fqn(fqn)] = (float(x.pow(2).sum()), float((w * x).sum()), float(w.norm()))
+            out[canonical_fqn(fqn)] = checksum(p.full_tensor() if isinstance(p, DTensor) else p)
     return out
+
+
+def checksum(full: torch.Tensor) -> tuple[float, float, float]:
+    """`param_checksums`' figures of one whole tensor."""
+    x = full.detach().double().flatten()
+    w = torch.sin(torch.arange(x.numel(), dtype=torch.float64) * 0.7 + 1.0)
+    return float(x.pow(2).sum()), float((w * x).sum()), float(w.norm())
 
 
 def kept_outputs(engine: Any) -> int:
@@ -84,12 +88,14 @@ def kept_outputs(engine: Any) -> int:
     return sum(len(st.output_chunks) for st in stages)
 
 
-def train_engine(engine: Any, cfg: Config, steps: int = STEPS) -> tuple[Steps, Checksums]:
+def train_engine(engine: Any, cfg: Config, steps: int = STEPS, start: int = 0, stop: int | None = None
+                 ) -> tuple[Steps, Checksums]:
+    """Steps [start, stop) of a `steps`-step run (a resumed engine starts later), and the checksums after them."""
     from framework.train.lr_schedule import lr_at
 
     out = []
     data = batches(cfg, steps)
-    for step in range(steps):
+    for step in range(start, steps if stop is None else stop):
         batch = rank_batch(data[step], engine.dp_rank, engine.dp_size, cfg.train.micro_batch_size)
         loss = engine.forward_backward(batch)
         assert not kept_outputs(engine), f"the last pipeline stage kept {kept_outputs(engine)} micro-batch outputs"
