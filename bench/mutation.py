@@ -276,6 +276,9 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
             outcome, took = run_tests(tree, tests, limit)
         finally:
             target.write_text(original)
+        # the same command passed on the unmutated tree, so pytest refusing to run (exit 4: a conftest's import
+        # broken by the mutant, e.g. a table entry without a required field) is the mutant's doing: killed
+        outcome = "failed" if outcome == "error" else outcome
         row = {**asdict(m), "outcome": outcome, "seconds": round(took, 1)}
         result["mutants"].append(row)  # type: ignore[attr-defined]
         if log is not None:
