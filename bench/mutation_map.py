@@ -61,7 +61,8 @@ MODULE_TESTS: dict[str, list[str]] = {
     # precision, MoE routing, RoPE
     "framework/parallel/precision.py": ["tests/parallel/test_partial_grads.py", "tests/parallel/test_clip_foreach.py",
                                         "tests/framework/test_mixed_precision.py"],
-    "framework/numerics/precision.py": ["tests/parallel/test_partial_grads.py",
+    "framework/numerics/precision.py": ["tests/framework/test_loss_scale_state_rules.py",
+                                        "tests/parallel/test_partial_grads.py",
                                         "tests/framework/test_mixed_precision.py"],
     "models/moe/router.py": ["tests/moe/test_capacity_ties.py", "tests/moe/test_moe_routing.py"],
     "models/rope.py": [f"{CK}/test_rope_hf_reference.py", f"{CK}/test_rope_scaling.py"],
