@@ -74,7 +74,8 @@ MODULE_TESTS: dict[str, list[str]] = {
     ],
     "data_pipeline/build/minhash.py": [f"{DP}/test_minhash_golden.py", f"{DP}/test_dedup.py",
                                  f"{DP}/test_minhash_variance.py"],
-    "data_pipeline/build/dedup.py": [f"{DP}/test_removals_by_range.py", f"{DP}/test_dedup.py"],
+    "data_pipeline/build/dedup.py": [f"{DP}/test_dedup_config_bounds.py", f"{DP}/test_removals_by_range.py",
+                                     f"{DP}/test_dedup.py"],
     # the planner
     "framework/plan/memory.py": ["tests/plan/test_plan_prefetch_buffers.py", "tests/plan/test_plan_memory_comm.py",
                                  "tests/plan/test_plan_activations.py"],
@@ -129,6 +130,15 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("data_pipeline/build/dedup.py:39", "kwarg", "np.empty(len(priority), dtype=np.int64)", "np.empty(len(priority))"):
         "keep-preference ranks as float64: they are only sorted (argsort, lexsort), exact below 2^53 documents, and "
         "preference_rank has no caller outside the module",
+    ("framework/numerics/precision.py:34", "kwarg", "torch.tensor(x, dtype=torch.float32)", "torch.tensor(x)"):
+        "a Python float becomes a tensor of the default dtype, float32: nothing in the project changes the default "
+        "(no set_default_dtype in product or tests)",
+    ("framework/numerics/precision.py:107", "kwarg", "opt.zero_grad(set_to_none=True)", "opt.zero_grad()"):
+        "set_to_none=True is torch's default since 2.0 (pyproject requires newer)",
+    ("data_pipeline/build/dedup.py:27", "offbyone", "1", "2"):
+        "the default partition_docs 2^19 -> 2^20: documents per partition of the sharded stages, whose output does "
+        "not depend on it (tests/data_pipeline/test_sharding.py: 16 against 10,000); only memory per task and the "
+        "exact stage's cache key change",
     ("framework/train/parallel_engine.py:196", "negate", "True", "False"):
         "batch.to(device, non_blocking=False): the same values (on CPU no copy; on a GPU the step's kernels run on "
         "the copy's stream, after it); its 2026-12-06 run timed out (load average 78), not a failure",
