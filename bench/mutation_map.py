@@ -135,10 +135,6 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "(no set_default_dtype in product or tests)",
     ("framework/numerics/precision.py:107", "kwarg", "opt.zero_grad(set_to_none=True)", "opt.zero_grad()"):
         "set_to_none=True is torch's default since 2.0 (pyproject requires newer)",
-    ("data_pipeline/build/dedup.py:27", "offbyone", "1", "2"):
-        "the default partition_docs 2^19 -> 2^20: documents per partition of the sharded stages, whose output does "
-        "not depend on it (tests/data_pipeline/test_sharding.py: 16 against 10,000); only memory per task and the "
-        "exact stage's cache key change",
     ("framework/train/parallel_engine.py:196", "negate", "True", "False"):
         "batch.to(device, non_blocking=False): the same values (on CPU no copy; on a GPU the step's kernels run on "
         "the copy's stream, after it); its 2026-12-06 run timed out (load average 78), not a failure",
