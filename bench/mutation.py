@@ -289,7 +289,8 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
 
 
 def _key(m: dict[str, object]) -> tuple[object, ...]:
-    return m["module"], m["line"], m["op"], m["before"], m["after"]
+    """One mutant across logs; the span tells apart two edits of equal text on one line (two `True`s)."""
+    return m["module"], m["line"], m["op"], m["before"], m["after"], tuple(m.get("span") or ())  # type: ignore[arg-type]
 
 
 def _equivalent(m: dict[str, object]) -> str | None:

@@ -82,7 +82,8 @@ MODULE_TESTS: dict[str, list[str]] = {
     "framework/plan/comm.py": ["tests/plan/test_plan_comm_hand.py", "tests/plan/test_plan_memory_comm.py",
                                "tests/plan/test_plan_zero_overlap.py", "tests/plan/test_plan_context.py"],
     # the parallel recipe's rank arithmetic and schedule table, then the engine and recipe themselves
-    "framework/parallel/mesh.py": ["tests/parallel/test_mesh_edges.py", "tests/parallel/test_mesh.py"],
+    "framework/parallel/mesh.py": ["tests/parallel/test_mesh_edges.py", "tests/parallel/test_mesh_cp_root.py",
+                                   "tests/parallel/test_mesh.py"],
     "framework/parallel/pipeline_schedules.py": ["tests/parallel/test_in_flight_vs_torch.py",
                                                  "tests/parallel/test_schedule_table_vs_torch.py",
                                                  "tests/parallel/test_mesh.py::test_micro_batches_fit_the_schedule_before_launch",
