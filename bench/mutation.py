@@ -276,6 +276,9 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
             outcome, took = run_tests(tree, tests, limit)
         finally:
             target.write_text(original)
+        # the same command passed on the unmutated tree, so pytest refusing to run (exit 4: a conftest's import
+        # broken by the mutant, e.g. a table entry without a required field) is the mutant's doing: killed
+        outcome = "failed" if outcome == "error" else outcome
         row = {**asdict(m), "outcome": outcome, "seconds": round(took, 1)}
         result["mutants"].append(row)  # type: ignore[attr-defined]
         if log is not None:
@@ -286,7 +289,8 @@ def run_module(tree: Path, module: str, per_module: int, timeout_s: float, log: 
 
 
 def _key(m: dict[str, object]) -> tuple[object, ...]:
-    return m["module"], m["line"], m["op"], m["before"], m["after"]
+    """One mutant across logs; the span tells apart two edits of equal text on one line (two `True`s)."""
+    return m["module"], m["line"], m["op"], m["before"], m["after"], tuple(m.get("span") or ())  # type: ignore[arg-type]
 
 
 def _equivalent(m: dict[str, object]) -> str | None:

@@ -61,7 +61,8 @@ MODULE_TESTS: dict[str, list[str]] = {
     # precision, MoE routing, RoPE
     "framework/parallel/precision.py": ["tests/parallel/test_partial_grads.py", "tests/parallel/test_clip_foreach.py",
                                         "tests/framework/test_mixed_precision.py"],
-    "framework/numerics/precision.py": ["tests/parallel/test_partial_grads.py",
+    "framework/numerics/precision.py": ["tests/framework/test_loss_scale_state_rules.py",
+                                        "tests/parallel/test_partial_grads.py",
                                         "tests/framework/test_mixed_precision.py"],
     "models/moe/router.py": ["tests/moe/test_capacity_ties.py", "tests/moe/test_moe_routing.py"],
     "models/rope.py": [f"{CK}/test_rope_hf_reference.py", f"{CK}/test_rope_scaling.py"],
@@ -73,15 +74,18 @@ MODULE_TESTS: dict[str, list[str]] = {
     ],
     "data_pipeline/build/minhash.py": [f"{DP}/test_minhash_golden.py", f"{DP}/test_dedup.py",
                                  f"{DP}/test_minhash_variance.py"],
-    "data_pipeline/build/dedup.py": [f"{DP}/test_removals_by_range.py", f"{DP}/test_dedup.py"],
+    "data_pipeline/build/dedup.py": [f"{DP}/test_dedup_config_bounds.py", f"{DP}/test_removals_by_range.py",
+                                     f"{DP}/test_dedup.py"],
     # the planner
     "framework/plan/memory.py": ["tests/plan/test_plan_prefetch_buffers.py", "tests/plan/test_plan_memory_comm.py",
                                  "tests/plan/test_plan_activations.py"],
     "framework/plan/comm.py": ["tests/plan/test_plan_comm_hand.py", "tests/plan/test_plan_memory_comm.py",
                                "tests/plan/test_plan_zero_overlap.py", "tests/plan/test_plan_context.py"],
     # the parallel recipe's rank arithmetic and schedule table, then the engine and recipe themselves
-    "framework/parallel/mesh.py": ["tests/parallel/test_mesh_edges.py", "tests/parallel/test_mesh.py"],
-    "framework/parallel/pipeline_schedules.py": ["tests/parallel/test_schedule_table_vs_torch.py",
+    "framework/parallel/mesh.py": ["tests/parallel/test_mesh_edges.py", "tests/parallel/test_mesh_cp_root.py",
+                                   "tests/parallel/test_mesh.py"],
+    "framework/parallel/pipeline_schedules.py": ["tests/parallel/test_in_flight_vs_torch.py",
+                                                 "tests/parallel/test_schedule_table_vs_torch.py",
                                                  "tests/parallel/test_mesh.py::test_micro_batches_fit_the_schedule_before_launch",
                                                  "tests/parallel/test_pipeline_schedules.py",
                                                  "tests/plan/test_plan_memory_comm.py::test_bubble_fractions",
@@ -90,7 +94,10 @@ MODULE_TESTS: dict[str, list[str]] = {
     # one mutant costs the judge's 4-rank spawn (~1 min here): bench/mutation_parity.py is a cut of
     # tests/parallel/test_parity.py (5+ min) that still takes every branch of the two modules a CPU can
     "framework/parallel/parallelize.py": ["tests/parallel/test_offload_materialize.py",
-                                          "tests/parallel/test_recipe_draws_shards.py", "bench/mutation_parity.py"],
+                                          "tests/parallel/test_recipe_draws_shards.py", "bench/mutation_parity.py",
+                                          # the p2p dtype: sending fp32 is closer to the 1-process run, so parity
+                                          # cannot see it; the dtypes on the wire can
+                                          "tests/parallel/test_comm_paths.py::test_pipeline_sends_in_the_compute_dtype"],
     "framework/train/parallel_engine.py": [
         "tests/parallel/test_mesh.py::test_micro_batches_fit_the_schedule_before_launch",  # the launch-time check
         "bench/mutation_parity.py"],
@@ -127,6 +134,11 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("data_pipeline/build/dedup.py:39", "kwarg", "np.empty(len(priority), dtype=np.int64)", "np.empty(len(priority))"):
         "keep-preference ranks as float64: they are only sorted (argsort, lexsort), exact below 2^53 documents, and "
         "preference_rank has no caller outside the module",
+    ("framework/numerics/precision.py:34", "kwarg", "torch.tensor(x, dtype=torch.float32)", "torch.tensor(x)"):
+        "a Python float becomes a tensor of the default dtype, float32: nothing in the project changes the default "
+        "(no set_default_dtype in product or tests)",
+    ("framework/numerics/precision.py:107", "kwarg", "opt.zero_grad(set_to_none=True)", "opt.zero_grad()"):
+        "set_to_none=True is torch's default since 2.0 (pyproject requires newer)",
     ("framework/train/parallel_engine.py:196", "negate", "True", "False"):
         "batch.to(device, non_blocking=False): the same values (on CPU no copy; on a GPU the step's kernels run on "
         "the copy's stream, after it); its 2026-12-06 run timed out (load average 78), not a failure",

@@ -16,8 +16,10 @@ The zero-bubble rows split the backward into input-gradient (B) and weight-gradi
 the forward (T_F = T_B = T_W): 1F1B idles (p-1)(T_F + T_B + T_W) per step, ZB-H1 only (p-1)(T_F + T_B - T_W),
 a third. For the V-shaped schedules the paper's ideal is zero; the planner charges them the ZB-H1 third on their
 two chunks, which keeps them from looking free when m is small (fill and drain still cost one chunk per stage).
-`in_flight` is the activation memory stage 0 holds, in L-layer multiples of one micro-batch's (Korthikanti et
-al. 2022 §4.2.3 for the interleaved factor; DualPipeV keeps p+1 micro-batches, DeepSeek-V3 report).
+`in_flight` is the activation memory a pipeline rank holds, in L-layer multiples of one micro-batch's: its chunk
+forwards alive at once (from the forward until the backward that frees them: B, or W after a split I, whose
+autograd graph torch retains) over the p·v chunks of a micro-batch (Korthikanti et al. 2022 §4.2.3 for the
+interleaved factor). Each entry is what torch's own action tables give (tests/parallel/test_in_flight_vs_torch.py).
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class PipelineSchedule:
     last stage on rank 0)."""
     bubble: Callable[[int, int, int], float]
     """(p, m, v) -> idle fraction of a rank's step, p > 1."""
-    in_flight: Callable[[int, int, int], float]
-    """(p, m, v) -> stage 0's in-flight activations over one micro-batch's L layers, p > 1."""
+    in_flight: Callable[[int, int, int, int], float]
+    """(p, m, v, rank) -> the rank's in-flight activations over one micro-batch's L layers, p > 1 (read for rank 0
+    only unless `every_rank_in_flight`)."""
     min_micro_per_rank: int = 1
     """The fewest micro-batches are this x p (torch's constructors refuse fewer)."""
     whole_rounds: bool = False
@@ -58,8 +61,8 @@ class PipelineSchedule:
     forwards_first: bool = False
     """A single-stage schedule that runs every forward before any backward (GPipe), else 1F1B's order."""
     every_rank_in_flight: bool = False
-    """Every pipeline rank holds stage 0's in-flight count (all m micro-batches, or one per chunk round);
-    otherwise rank r holds p - r micro-batches, as in 1F1B."""
+    """`in_flight` gives every pipeline rank's count; otherwise only rank 0's, and rank r holds p - r micro-batches,
+    as in 1F1B."""
 
     def stages_per_rank(self, virtual: int) -> int:
         return {"single": 1, "v": 2}.get(self.shape, virtual)
@@ -83,12 +86,23 @@ def _zb_v(p: int, m: int, v: int) -> float:
     return (p - 1) / (6 * m + p - 1)
 
 
-def _all_micro(p: int, m: int, v: int) -> float:
+def _all_micro(p: int, m: int, v: int, rank: int) -> float:
     return m / p
 
 
-def _one_f_one_b_in_flight(p: int, m: int, v: int) -> float:
+def _one_f_one_b_in_flight(p: int, m: int, v: int, rank: int) -> float:
     return min(p, m) / p
+
+
+def _zb_v_in_flight(p: int, m: int, v: int, rank: int) -> float:
+    """ZB-V: rank r warms up m + 1 + r of its 2p chunk forwards (stage 0 the fewest: it also holds the V's last
+    stage, whose backward follows its forward at once), all 2p once m ≥ 2p - 1, over its 2 of the 2p chunks."""
+    return min(2 * p, m + 1 + rank) / (2 * p)
+
+
+def _dual_pipe_v_in_flight(p: int, m: int, v: int, rank: int) -> float:
+    """DualPipeV: every rank holds 2p + 1 chunk forwards (p + 1/2 micro-batches; m ≥ 2p)."""
+    return (2 * p + 1) / (2 * p)
 
 
 def _interleaved_in_flight(p: int, m: int, v: int, rank: int = 0, hop: int = 2) -> float:
@@ -99,6 +113,16 @@ def _interleaved_in_flight(p: int, m: int, v: int, rank: int = 0, hop: int = 2) 
     GPT-3-175B at p = m = 8 measured it, docs/PLANNER.md)."""
     per_round = m // max(1, m // p)
     return min((v - 1) * per_round + hop * (p - 1 - rank) + 1, m * v) / (p * v)
+
+
+def _interleaved_1f1b_in_flight(p: int, m: int, v: int, rank: int) -> float:
+    return _interleaved_in_flight(p, m, v, rank, hop=2)
+
+
+def _interleaved_zb_in_flight(p: int, m: int, v: int, rank: int) -> float:
+    """Every rank holds rank 0's count: the later ranks warm up less, but each defers its weight passes (W) and
+    torch keeps a chunk's autograd graph from its input pass (I) until its W."""
+    return _interleaved_in_flight(p, m, v, 0, hop=1)
 
 
 SCHEDULES: dict[str, PipelineSchedule] = {}
@@ -135,16 +159,17 @@ for _spec in (
     PipelineSchedule(name="1F1B", torch_class="1F1B", shape="single", bubble=_one_f_one_b,
                      in_flight=_one_f_one_b_in_flight),
     PipelineSchedule(name="Interleaved1F1B", torch_class="Interleaved1F1B", shape="looped", bubble=_interleaved,
-                     in_flight=_interleaved_in_flight, whole_rounds=True, every_rank_in_flight=True),
+                     in_flight=_interleaved_1f1b_in_flight, whole_rounds=True, every_rank_in_flight=True),
     PipelineSchedule(name="LoopedBFS", torch_class="LoopedBFS", shape="looped", bubble=_interleaved,
                      in_flight=_all_micro, every_rank_in_flight=True),
     PipelineSchedule(name="InterleavedZeroBubble", torch_class="InterleavedZeroBubble", shape="looped",
-                     bubble=lambda p, m, v: (p - 1) / (3 * v * m + p - 1), in_flight=_interleaved_in_flight,
+                     bubble=lambda p, m, v: (p - 1) / (3 * v * m + p - 1), in_flight=_interleaved_zb_in_flight,
                      whole_rounds=True, split_backward=True, every_rank_in_flight=True),
     PipelineSchedule(name="ZBVZeroBubble", torch_class="ZBVZeroBubble", shape="v", bubble=_zb_v,
-                     in_flight=_one_f_one_b_in_flight, split_backward=True),
+                     in_flight=_zb_v_in_flight, split_backward=True, every_rank_in_flight=True),
     PipelineSchedule(name="DualPipeV", torch_class="DualPipeV", shape="v", bubble=_zb_v,
-                     in_flight=lambda p, m, v: min(p + 1, m) / p, min_micro_per_rank=2, split_backward=True),
+                     in_flight=_dual_pipe_v_in_flight, min_micro_per_rank=2, split_backward=True,
+                     every_rank_in_flight=True),
 ):
     register_schedule(_spec)
 
@@ -196,11 +221,18 @@ def in_flight_factor(schedule: str, pp: int, n_micro: int, virtual: int = 1, ran
     the schedules whose every rank holds several (`every_rank_in_flight`), over n_layers."""
     if pp == 1:
         return 1.0
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        return _interleaved_in_flight(pp, n_micro, virtual, rank, 2 if schedule == "Interleaved1F1B" else 1)
-    return schedule_spec(schedule).in_flight(pp, n_micro, virtual)
+    return schedule_spec(schedule).in_flight(pp, n_micro, virtual, rank)
+
+
+def rank_in_flight(schedule: str, pp: int, n_micro: int, virtual: int, rank: int) -> float:
+    """Micro-batches' worth of its own layers' activations pipeline rank `rank` holds at its peak: `in_flight` in
+    micro-batches (stage 0's; every rank's under `every_rank_in_flight`), else 1F1B's p - rank."""
+    spec = schedule_spec(schedule)
+    if pp == 1 or rank == 0 or spec.every_rank_in_flight:
+        return in_flight_factor(schedule, pp, n_micro, virtual, rank) * pp
+    return max(1.0, float(pp - rank)) if n_micro >= pp else 1.0
 
 
 __all__ = ["SCHEDULES", "PipelineSchedule", "UnknownScheduleError", "bubble_fraction", "in_flight_factor",
-           "min_micro_batches", "register_schedule", "schedule_micro_batch_problem", "schedule_spec",
+           "min_micro_batches", "rank_in_flight", "register_schedule", "schedule_micro_batch_problem", "schedule_spec",
            "stages_of_rank", "unregister_schedule"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from framework.parallel.pipeline_schedules import in_flight_factor, schedule_spec, stages_of_rank
+from framework.parallel.pipeline_schedules import rank_in_flight, stages_of_rank
 from framework.plan.activations import (
     FP32,
     INT64,
@@ -269,11 +269,7 @@ def rank_memory(work: Workload, lay: Layout, rank: int) -> dict[str, float]:
     # ... less, under recompute, the received input the first block keeps (it is the receive buffer, pipeline_recv)
     sent -= sum(c > 0 for c in chunks) if lay.recompute != "none" else 0
     stage_layers += sent * s * b * cfg.hidden // (lay.tp if lay.sp else 1) * act
-    if rank == 0 or schedule_spec(lay.schedule).every_rank_in_flight:
-        # in-flight count (stage 0's; this rank's under interleaving) in L-layer multiples, on this rank's layers
-        in_flight = in_flight_factor(lay.schedule, lay.pp, m, lay.virtual, rank) * lay.pp
-    else:
-        in_flight = max(1.0, float(lay.pp - rank)) if m >= lay.pp else 1.0
+    in_flight = rank_in_flight(lay.schedule, lay.pp, m, lay.virtual, rank)  # micro-batches, on this rank's layers
     out["activations"] = (stage_layers + (embedding_bytes(s, b) if 0 in chunks else 0)) * in_flight
     if lay.cp > 1:
         out["cp_mask"] = cp_mask_bytes(work.seq_len, b, lay.cp, act, work.cp_comm) * in_flight

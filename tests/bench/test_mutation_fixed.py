@@ -1,11 +1,12 @@
-"""A fixed handful of bench/mutation.py's mutants of three pure modules (the loss guard, the resume rules, the
-planner's traffic model), each run in process against the module's own fast tests: every one must be killed.
-A rewrite that makes a test unable to fail, or a mutant the tests stopped seeing, shows here in CI; the full
-bench (bench/mutation.py, docs/BENCHMARKS.md) covers the rest. Each mutant is named by its operator and source
-text, not its line, so edits elsewhere in the module do not move it."""
+"""A fixed handful of bench/mutation.py's mutants of five pure modules (the loss guard, the resume rules, the
+planner's traffic model, the pipeline-schedule table, the loss scaler), each run in process against the module's
+own fast tests: every one must be killed. A rewrite that makes a test unable to fail, or a mutant the tests
+stopped seeing, shows here in CI; the full bench (bench/mutation.py, docs/BENCHMARKS.md) covers the rest. Each
+mutant is named by its operator and source text, not its line, so edits elsewhere in the module do not move it."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -18,10 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "checkpoint"))
 sys.path.insert(0, str(REPO / "tests" / "plan"))
+sys.path.insert(0, str(REPO / "tests" / "parallel"))
+sys.path.insert(0, str(REPO / "tests" / "framework"))
 
 from bench.mutation import Mutant, apply, mutants  # noqa: E402
 
 GUARD, RULES, COMM = "framework/checkpoint/guard.py", "framework/checkpoint/resume_rules.py", "framework/plan/comm.py"
+SCHED, SCALER = "framework/parallel/pipeline_schedules.py", "framework/numerics/precision.py"
 FIXED: list[tuple[str, str, str]] = [  # (module, operator, source text the mutant changes)
     (GUARD, "compare", "z > self.cfg.zscore"),
     (GUARD, "compare", "self.consecutive >= self.cfg.max_consecutive"),
@@ -37,11 +41,23 @@ FIXED: list[tuple[str, str, str]] = [  # (module, operator, source text the muta
     (COMM, "arith", "work.model.moe.top_k * tokens * work.model.hidden * work.precision.act"),
     (COMM, "arith", "group - 1"),
     (COMM, "arith", "work.seq_len // lay.cp"),
+    # the in-flight flag (which ranks hold more than 1F1B's p - r): survived until test_in_flight_vs_torch.py
+    (SCHED, "negate", "False"),
+    (SCHED, "negate", "True"),
+    (SCHED, "arith", "m + 1 + rank"),
+    # a resume across precisions: survived until test_loss_scale_state_rules.py
+    (SCALER, "boolop", "self.enabled and state"),
 ]
+CONTEXT = {  # source text on the mutant's line, where its own text occurs more than once in the module
+    (SCHED, "negate", "False"): "every_rank_in_flight: bool = False",
+    (SCHED, "negate", "True"): "in_flight=_all_micro, every_rank_in_flight=True",
+}
 
 
 def _find(module: str, op: str, before: str) -> Mutant:
-    found = [m for m in mutants(module, 0) if m.op == op and m.before == before]
+    lines = (REPO / module).read_text().splitlines()
+    context = CONTEXT.get((module, op, before), "")
+    found = [m for m in mutants(module, 0) if m.op == op and m.before == before and context in lines[m.line - 1]]
     assert found, f"no {op} mutant of {before!r} in {module}: the source changed; pick another fixed mutant"
     return found[0]
 
@@ -93,7 +109,24 @@ def _comm_tests(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp: Path) -> 
             hand.test_tensor_parallel_under_context_parallel_and_the_ring_latency]
 
 
-TESTS = {GUARD: _guard_tests, RULES: _rules_tests, COMM: _comm_tests}
+def _schedule_tests(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp: Path) -> list[Callable[[], None]]:
+    import test_in_flight_vs_torch as ref  # torch's action tables are cached there: one build for all mutants
+
+    monkeypatch.setattr(ref, "SCHEDULES", mod.SCHEDULES)
+    monkeypatch.setattr(ref, "rank_in_flight", mod.rank_in_flight)
+    return [functools.partial(ref.test_every_rank_holds_what_torch_holds, name)
+            for name in ("1F1B", "LoopedBFS", "ZBVZeroBubble")]
+
+
+def _scaler_tests(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp: Path) -> list[Callable[[], None]]:
+    import test_loss_scale_state_rules as rules
+
+    monkeypatch.setattr(rules, "LossScaler", mod.LossScaler)
+    return [rules.test_an_fp16_run_without_a_saved_scale_starts_from_its_configured_one,
+            rules.test_a_bf16_run_ignores_an_fp16_checkpoints_scale_as_grad_scaler_does]
+
+
+TESTS = {GUARD: _guard_tests, RULES: _rules_tests, COMM: _comm_tests, SCHED: _schedule_tests, SCALER: _scaler_tests}
 
 
 def _killed(module: str, source: str, monkeypatch: pytest.MonkeyPatch, tmp: Path) -> bool:

@@ -130,6 +130,16 @@ def test_micro_batches_fit_the_schedule_before_launch() -> None:
         micro_batches(dims, six, "DualPipeV")
     with pytest.raises(ParallelismError, match=r"1F1B needs at least parallel.pp = 4"):
         micro_batches(dims, TrainConfig(global_batch_size=3, micro_batch_size=1), "1F1B")
+    # the smallest pipeline is checked too (torch refuses DualPipeV with 3 micro-batches on 2 ranks); without one,
+    # a single micro-batch is every layout's
+    two = ParallelDims(pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=1)
+    three = TrainConfig(global_batch_size=3, micro_batch_size=1)
+    with pytest.raises(ParallelismError, match=r"DualPipeV needs at least 2 x parallel.pp .* = 4"):
+        micro_batches(two, three, "DualPipeV")
+    assert micro_batches(ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1), three, "DualPipeV") == 3
+    # global batch / (micro-batch x data ranks): 32 rows over 2 x 2 data ranks in micro-batches of 2 is 4 each
+    hsdp = ParallelDims(pp=1, dp_replicate=2, dp_shard=2, cp=1, tp=1)
+    assert micro_batches(hsdp, TrainConfig(global_batch_size=32, micro_batch_size=2)) == 4
 
 
 def test_stage_split_and_placement() -> None:

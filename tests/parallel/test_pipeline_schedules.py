@@ -42,7 +42,7 @@ def dummy() -> Iterator[PipelineSchedule]:
     """A new single-stage schedule run by torch's GPipe class, whose minimum is 2 micro-batches per rank."""
     spec = register_schedule(PipelineSchedule(
         name=NAME, torch_class="GPipe", shape="single", bubble=lambda p, m, v: (p - 1) / (m + p - 1),
-        in_flight=lambda p, m, v: m / p, min_micro_per_rank=2, forwards_first=True, every_rank_in_flight=True))
+        in_flight=lambda p, m, v, rank: m / p, min_micro_per_rank=2, forwards_first=True, every_rank_in_flight=True))
     yield spec
     unregister_schedule(NAME)
     assert NAME not in SCHEDULES

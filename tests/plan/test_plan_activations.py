@@ -85,7 +85,7 @@ def test_in_flight_factor() -> None:
     assert in_flight_factor("Interleaved1F1B", 8, 8, 2) == 1.0
     assert in_flight_factor("Interleaved1F1B", 4, 16, 2) == (4 + 6 + 1) / 8  # two rounds of p: Korthikanti again
     assert in_flight_factor("Interleaved1F1B", 8, 8, 2, rank=7) == (8 + 0 + 1) / 16  # the last rank warms up least
-    assert in_flight_factor("DualPipeV", 4, 8) == 5 / 4
+    assert in_flight_factor("DualPipeV", 4, 8) == 9 / 8  # 2p + 1 chunk forwards (torch's table)
 
 
 MLA = {"preset": "test-mla"}  # multi-head latent attention (models/mla.py), with query compression and without
