@@ -97,6 +97,12 @@ def resolve_partial_grads(params: Iterable[torch.Tensor]) -> None:
             p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
 
 
+def clip_factor(norm: float, max_norm: float) -> float:
+    """The factor that brings a gradient of global `norm` down to `max_norm`, never above 1: torch's
+    `clip_grad_norm_` rule, `max_norm / (norm + 1e-6)` (the same eps, so both engines clip alike)."""
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
 @torch.no_grad()
 def scale_grads(params: Iterable[torch.Tensor], factor: float) -> None:
     """Multiply every local gradient piece by `factor` in place: one `torch._foreach_mul_` per (device, dtype)."""

@@ -39,6 +39,7 @@ from framework.parallel.parallelize import parallelize
 from framework.parallel.pipeline import build_schedule, run_schedule
 from framework.parallel.pipeline_schedules import min_micro_batches, schedule_micro_batch_problem
 from framework.parallel.precision import (
+    clip_factor,
     global_grad_norm,
     grad_norms_by_bucket,
     resolve_partial_grads,
@@ -245,7 +246,7 @@ class ParallelEngine:
         self._found_inf = not math.isfinite(norm)
         self._unscaled = True
         if max_norm > 0 and not self._found_inf:
-            scale_grads(params, min(1.0, max_norm / (norm + 1e-6)))
+            scale_grads(params, clip_factor(norm, max_norm))
         return norm
 
     def layer_grad_norms(self, total: float) -> list[float]:

@@ -64,3 +64,29 @@ def test_scale_grads_scales_every_gradient_and_factor_one_touches_nothing() -> N
     assert torch.equal(ps[0].grad, torch.tensor([0.25, -0.5, 1.0])) and ps[1].grad is None
     scale_grads(ps, 1.0)
     assert torch.equal(ps[0].grad, torch.tensor([0.25, -0.5, 1.0]))
+
+
+def test_clip_factor_clips_as_torch_clip_grad_norm() -> None:
+    """The parallel engine clips by `clip_factor`; the 1-process engine by torch's `clip_grad_norm_`. Both must scale
+    the same gradients to the same values. Tolerance: torch forms its factor in fp32 (two roundings) and we in fp64
+    (one rounding to fp32 at the multiply), so the results differ by at most ~3 units of fp32 roundoff (2**-24);
+    rtol 3e-7. A norm of ~0.3 makes torch's eps of 1e-6 a 3e-6 relative change, ten times that tolerance, so a
+    dropped or negated eps fails."""
+    from framework.parallel.precision import clip_factor, scale_grads
+
+    gen = torch.Generator().manual_seed(0)
+    for target_norm, max_norm in [(0.3, 0.1), (0.3, 0.25), (0.3, 1.0), (7.0, 1.0)]:
+        grads = [torch.randn(shape, generator=gen) for shape in [(64, 32), (32,), (17, 5)]]
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        grads = [g * (target_norm / total) for g in grads]
+        ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for r, o, g in zip(ref, ours, grads):
+            r.grad, o.grad = g.clone(), g.clone()
+        norm = float(torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=True))
+        scale_grads(ours, clip_factor(norm, max_norm))
+        for r, o in zip(ref, ours):
+            assert o.grad is not None and r.grad is not None
+            torch.testing.assert_close(o.grad, r.grad, rtol=3e-7, atol=0.0)
+        if max_norm >= target_norm:  # below the bound nothing is scaled: bitwise the gradients as they were
+            assert all(torch.equal(o.grad, g) for o, g in zip(ours, grads))
