@@ -14,7 +14,7 @@ seed reproduces its samples on the same device.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,10 @@ class SamplingConfig:
     stop_at_eos: bool = True
     use_cache: bool = True
     """False recomputes the whole sequence at every step (a reference for the cache; slow)."""
+    draft_tokens: int = 0
+    """Speculative decoding (framework/infer/speculative.py): the model's multi-token-prediction modules draft
+    this many tokens (1..model.mtp_depth) and one forward verifies them; greedy only, the output is unchanged.
+    0 decodes one token per forward."""
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -51,6 +55,59 @@ class SamplingConfig:
             raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 keeps every token)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1 keeps every token)")
+        if self.draft_tokens < 0:
+            raise ConfigError(f"draft_tokens={self.draft_tokens} must be >= 0 (0 decodes without drafts)")
+        if self.draft_tokens and self.temperature > 0:
+            raise ConfigError(f"draft_tokens={self.draft_tokens} verifies drafts greedily, but temperature="
+                              f"{self.temperature}; set temperature=0 or draft_tokens=0")
+
+
+@dataclass
+class DecodeTrace:
+    """What one `generate` call did (for tests, benches and the CLI's summary)."""
+
+    forwards: int = 0
+    """Model forwards after the prompt's."""
+    drafted: int = 0
+    """Draft tokens proposed (per row; a batch proposes the same count in every row)."""
+    accepted: int = 0
+    """Of which accepted: a batch advances by its live rows' smallest count."""
+    keep: bool = False
+    """Keep the logits below (tests: they are compared with the plain decode and the training path)."""
+    logits: list[torch.Tensor] = field(default_factory=list)
+    """The (B, V) logits every new token was chosen from, in order."""
+    drafts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """Per verification: the newest committed position n and the (B, q, V) logits the drafts were chosen from."""
+
+
+class _Output:
+    """The rows' new tokens as they are committed: streaming, EOS and the token budget in one place."""
+
+    def __init__(self, batch: int, cfg: SamplingConfig, eos_id: int | None, device: torch.device,
+                 on_token: Callable[[int, int], None] | None, trace: DecodeTrace | None) -> None:
+        self.rows: list[list[int]] = [[] for _ in range(batch)]
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.cfg, self.eos_id, self.on_token, self.trace = cfg, eos_id, on_token, trace
+        self.produced = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.produced >= self.cfg.max_new_tokens or bool(self.done.all())
+
+    def commit(self, token_B: torch.Tensor, logits_BV: torch.Tensor) -> torch.Tensor:
+        """Record one new token per row (finished rows get PAD_ID); returns the tokens to feed next."""
+        token = torch.where(self.done, torch.full_like(token_B, PAD_ID), token_B)
+        if self.trace is not None and self.trace.keep:
+            self.trace.logits.append(logits_BV.detach().clone())
+        for row in range(len(self.rows)):
+            if not self.done[row]:
+                self.rows[row].append(int(token[row]))
+                if self.on_token is not None:
+                    self.on_token(row, int(token[row]))
+        if self.cfg.stop_at_eos and self.eos_id is not None:
+            self.done |= token == self.eos_id
+        self.produced += 1
+        return token
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -105,13 +162,15 @@ def _mask(valid_BS: torch.Tensor, t: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model: Decoder, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, eos_id: int | None = None,
-             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+             on_token: Callable[[int, int], None] | None = None, trace: DecodeTrace | None = None
+             ) -> list[list[int]]:
     """The new tokens of every prompt (without the prompt; with the EOS that ended a row, if any).
 
     Args:
         model: a one-process `Decoder` (all parts present), in eval mode.
         prompts: token ids, one list per row; rows may differ in length.
         on_token: called as on_token(row, token) for every token a row produces, as it is produced (streaming).
+        trace: filled with the forward, draft and acceptance counts (and the logits, if it keeps them).
     """
     cfg.validate()
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -123,38 +182,39 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], cfg: SamplingConf
                           f"max_seq_len={mcfg.max_seq_len}; shorten the prompt or lower max_new_tokens")
     device = next(model.parameters()).device
     ids, valid = _left_pad(prompts, device)
-    b = ids.shape[0]
+    out = _Output(ids.shape[0], cfg, eos_id, device, on_token, trace)
+    if cfg.draft_tokens:
+        from framework.infer.speculative import decode_speculative  # it builds on this module's helpers
+
+        decode_speculative(model, ids, valid, cfg, out)
+        return out.rows
     gen = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 else None
-    cache = None
-    if cfg.use_cache:
-        heads, key_dim, value_dim = cache_layout(mcfg)  # MLA: the compressed latent and the rotary key
-        cache = KVCache(list(model.layers.keys()), b, ids.shape[1] + cfg.max_new_tokens,
-                        heads, key_dim, next(model.parameters()).dtype, device, value_dim)
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool, device=device)
+    cache = new_cache(model, ids.shape[0], ids.shape[1] + cfg.max_new_tokens) if cfg.use_cache else None
     step_ids = ids
-    for _ in range(cfg.max_new_tokens):
+    while True:
         positions_all = (valid.long().cumsum(-1) - 1).clamp(min=0)
         if cache is None:
             logits = model(ids, _mask(valid, ids.shape[1]), positions=positions_all)
         else:
             t = step_ids.shape[1]
             logits = model(step_ids, _mask(valid, t), positions=positions_all[:, -t:], kv_cache=cache)
-        token = next_tokens(logits[:, -1], cfg, gen)
-        token = torch.where(done, torch.full_like(token, PAD_ID), token)
-        for row in range(b):
-            if not done[row]:
-                out[row].append(int(token[row]))
-                if on_token is not None:
-                    on_token(row, int(token[row]))
-        if cfg.stop_at_eos and eos_id is not None:
-            done |= token == eos_id
-        if bool(done.all()):
+        token = out.commit(next_tokens(logits[:, -1], cfg, gen), logits[:, -1])
+        if out.finished:
             break
+        if trace is not None:
+            trace.forwards += 1
         ids = torch.cat([ids, token[:, None]], dim=1)
-        valid = torch.cat([valid, torch.ones_like(done)[:, None]], dim=1)
+        valid = torch.cat([valid, torch.ones_like(out.done)[:, None]], dim=1)
         step_ids = token[:, None]
-    return out
+    return out.rows
+
+
+def new_cache(model: Decoder, batch: int, capacity: int, layer_ids: list[str] | None = None) -> KVCache:
+    """An empty KV cache for `model`'s layers (or `layer_ids`), in its parameters' dtype and device."""
+    heads, key_dim, value_dim = cache_layout(model.cfg)  # MLA: the compressed latent and the rotary key
+    param = next(model.parameters())
+    ids = list(model.layers.keys()) if layer_ids is None else layer_ids
+    return KVCache(ids, batch, capacity, heads, key_dim, param.dtype, param.device, value_dim)
 
 
 def load_generator(path: Path, step: int | None = None, device: str = "cpu",
