@@ -22,7 +22,7 @@ from typing import cast
 import torch
 
 from framework.base.errors import ConfigError
-from framework.infer.generate import DecodeTrace, SamplingConfig, _mask, _Output, new_cache
+from framework.infer.decoding import DecodeTrace, Output, SamplingConfig, causal_mask, new_cache
 from models.decoder import Decoder
 from models.kv_cache import LayerKVCache
 from models.mtp import MTPModule
@@ -61,7 +61,7 @@ class MTPDrafter:
                 cache.length = start  # positions from `start` on read drafts of an earlier step: redo them
             emb = model.tok_embeddings(seq[:, start + k:n + k])
             h = self.modules[k - 1](self.hidden[k - 1][:, start:n], emb, model.rope[positions[:, start:n]],
-                                    _mask(valid_BN[:, :n], n - start), kv_cache=cache)
+                                    causal_mask(valid_BN[:, :n], n - start), kv_cache=cache)
             self.hidden[k][:, start:n] = h
             self.exact[k] = max(n - k + 1, 0)
             logits.append(model.output(self.modules[k - 1].norm(h[:, -1])))
@@ -74,7 +74,7 @@ class MTPDrafter:
 
 
 def decode_speculative(model: Decoder, ids: torch.Tensor, valid: torch.Tensor, cfg: SamplingConfig,
-                       out: _Output) -> None:
+                       out: Output) -> None:
     """Greedy decoding of the left-padded `ids` (B, P) with MTP drafts, committing into `out` (module docstring)."""
     depth = model.cfg.mtp_depth
     if model.mtp is None or not 1 <= cfg.draft_tokens <= depth:
@@ -85,7 +85,7 @@ def decode_speculative(model: Decoder, ids: torch.Tensor, valid: torch.Tensor, c
     cache = new_cache(model, batch, capacity) if cfg.use_cache else None
     drafter = MTPDrafter(model, cfg.draft_tokens, batch, capacity, cfg.use_cache)
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    h = model.final_hidden(ids, _mask(valid, ids.shape[1]), positions, cache)
+    h = model.final_hidden(ids, causal_mask(valid, ids.shape[1]), positions, cache)
     drafter.hidden[0][:, :ids.shape[1]] = h
     logits = model.output(h[:, -1])
     tokens, valid = _extend(ids, valid, out.commit(logits.argmax(-1), logits))
@@ -96,10 +96,10 @@ def decode_speculative(model: Decoder, ids: torch.Tensor, valid: torch.Tensor, c
         valid_ext = torch.cat([valid, torch.ones_like(fed[:, 1:], dtype=torch.bool)], dim=1)
         positions = (valid_ext.long().cumsum(-1) - 1).clamp(min=0)
         if cache is None:  # the reference: every position again
-            h = model.final_hidden(torch.cat([tokens[:, :n], fed], dim=1), _mask(valid_ext, n + q + 1), positions)
+            h = model.final_hidden(torch.cat([tokens[:, :n], fed], dim=1), causal_mask(valid_ext, n + q + 1), positions)
             h = h[:, n:]
         else:
-            h = model.final_hidden(fed, _mask(valid_ext, q + 1), positions[:, n:], cache)
+            h = model.final_hidden(fed, causal_mask(valid_ext, q + 1), positions[:, n:], cache)
         drafter.hidden[0][:, n:n + q + 1] = h
         logits = model.output(h)  # (B, q + 1, V): position n + i decides the token after d_i
         greedy = logits.argmax(-1)
