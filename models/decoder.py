@@ -95,12 +95,7 @@ class Decoder(nn.Module):
         if doc_ids is not None:
             attn_mask = self.mask_builder(doc_ids)
         rope = self.rope if positions is None else self.rope[positions]  # (T, E/2, 2) or (B, T, E/2, 2)
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None and self.embeds_input else x
-        for key, layer in self.layers.items():
-            if kv_cache is None:
-                h = layer(h, rope, attn_mask)
-            else:
-                h = layer(h, rope, attn_mask, kv_cache.layers[key])
+        h = self._layers(x, rope, attn_mask, kv_cache)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
@@ -110,6 +105,22 @@ class Decoder(nn.Module):
             assert self.tok_embeddings is not None, "MTP needs the embedding (under pp the last stage's copy)"
             logits = self.mtp(logits, h, mtp_labels, self.tok_embeddings, self.output, rope, attn_mask)
         return logits
+
+    def _layers(self, x: torch.Tensor, rope: torch.Tensor, attn_mask: Any, kv_cache: KVCache | None) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None and self.embeds_input else x
+        for key, layer in self.layers.items():
+            if kv_cache is None:
+                h = layer(h, rope, attn_mask)
+            else:
+                h = layer(h, rope, attn_mask, kv_cache.layers[key])
+        return h
+
+    def final_hidden(self, x: torch.Tensor, attn_mask: Any, positions: torch.Tensor,
+                     kv_cache: KVCache | None = None) -> torch.Tensor:
+        """(B, T, D) final-normed hidden states of token ids `x` (generation, one-process model): what the head
+        turns into logits and what multi-token prediction's first depth reads (framework/infer/speculative.py)."""
+        assert self.norm is not None
+        return self.norm(self._layers(x, self.rope[positions], attn_mask, kv_cache))
 
     def _apply(self, fn: Any, recurse: bool = True) -> Decoder:
         # The RoPE table stays fp32 when the parameters are cast (model.to(torch.bfloat16)): apply_rope multiplies

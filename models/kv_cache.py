@@ -58,3 +58,9 @@ class KVCache:
     def length(self) -> int:
         """Positions cached so far (the same in every layer after a full forward)."""
         return next(iter(self.layers.values())).length if self.layers else 0
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (speculative decoding drops its rejected drafts); the next
+        `update` overwrites them."""
+        for layer in self.layers.values():
+            layer.length = min(layer.length, length)

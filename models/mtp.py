@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.kv_cache import LayerKVCache
 from models.layers import build_norm
 
 IGNORE = -100
@@ -53,9 +54,12 @@ class MTPModule(nn.Module):
         self.norm = build_norm(cfg)
 
     def forward(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, rope: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+        """`kv_cache`: drafting in generation (framework/infer/speculative.py) keeps this depth's keys/values."""
         x = self.eh_proj(torch.cat([self.hnorm(h_BTD), self.enorm(emb_BTD)], dim=-1))
-        return self.block(x, rope, attn_mask)
+        if kv_cache is None:  # the training call stays (x, rope, mask), as the decoder's blocks
+            return self.block(x, rope, attn_mask)
+        return self.block(x, rope, attn_mask, kv_cache)
 
 
 class MultiTokenPrediction(nn.Module):

@@ -64,6 +64,10 @@ def decoder_block_plan(sequence_parallel: bool, attention: str = "gqa") -> Plan:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
+        # Qwen3's q/k norms: one (E,) weight shared by every head, applied to this rank's heads (dim 2 of
+        # (B, T, H, E)); as Shard(2) DTensors their weight gradient comes out Partial and is summed over tp.
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     }
     plan: Plan = {
         **attn,

@@ -3,6 +3,7 @@
     tessera generate RUN_OR_CKPT --prompt "def main(" [--prompt ...] [--prompts-file FILE]
                      [--max-new-tokens 64] [--temperature 0] [--top-k 0] [--top-p 1] [--seed 0]
                      [--step N] [--device cpu|cuda] [--dtype fp32|bf16] [--ids] [--no-eos] [--no-cache]
+                     [--draft-tokens N]
 
 The checkpoint may come from any layout (it is resharded into one process). Text goes through the run's own
 sentencepiece tokenizer (found from the checkpoint's data config, or --tokenizer); with --ids, or for a run on
@@ -40,6 +41,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ids", action="store_true", help="prompts and output are token ids")
     p.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--no-cache", action="store_true", help="recompute every position (reference; slow)")
+    p.add_argument("--draft-tokens", type=int, default=0,
+                   help="speculative decoding: the model's MTP modules draft this many tokens per forward "
+                        "(1..model.mtp_depth; greedy only, same output)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
 
@@ -71,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from framework.base.errors import ConfigError
     from framework.checkpoint.run_tokenizer import checkpoint_tokenizer
-    from framework.infer.generate import SamplingConfig, generate, load_generator
+    from framework.infer.generate import DecodeTrace, SamplingConfig, generate, load_generator
 
     prompts = read_prompts(args)
     model, meta = load_generator(args.checkpoint, args.step, args.device, getattr(torch, _DTYPES[args.dtype]))
@@ -92,7 +96,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if any(not 0 <= t < vocab for ids in encoded for t in ids):
         raise ConfigError(f"a prompt token id is outside [0, model.vocab_size={vocab})")
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, stop_at_eos=not args.no_eos, use_cache=not args.no_cache)
+                         top_p=args.top_p, seed=args.seed, stop_at_eos=not args.no_eos, use_cache=not args.no_cache,
+                         draft_tokens=args.draft_tokens)
     eos = int(sp.eos_id) if sp is not None else None
     stream = len(prompts) == 1 and not args.json
     shown: list[int] = []
@@ -105,7 +110,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if stream:
         sys.stdout.write(prompts[0] if sp is not None else " ".join(map(str, encoded[0])))
-    outs = generate(model, encoded, cfg, eos, on_token if stream else None)
+    trace = DecodeTrace()
+    outs = generate(model, encoded, cfg, eos, on_token if stream else None, trace)
+    if cfg.draft_tokens:
+        print(f"speculative decoding: {trace.accepted} of {trace.drafted} drafts accepted, "
+              f"{trace.forwards + 1} forwards", file=sys.stderr)
     if stream:
         sys.stdout.write("\n")
         return 0

@@ -14,44 +14,17 @@ seed reproduces its samples on the same device.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from framework.base.errors import ConfigError
+from framework.infer.decoding import PAD_ID, DecodeTrace, Output, SamplingConfig, causal_mask, new_cache
+from framework.infer.speculative import decode_speculative
 from models.decoder import Decoder
-from models.kv_cache import KVCache, cache_layout
 
-PAD_ID = 0
-"""Id placed in the left padding; it is never attended to, so any valid id works."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class SamplingConfig:
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    """0 decodes greedily (argmax); > 0 divides the logits before sampling."""
-    top_k: int = 0
-    """Keep the k most likely tokens (0: all)."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose probability reaches top_p (1: all)."""
-    seed: int = 0
-    stop_at_eos: bool = True
-    use_cache: bool = True
-    """False recomputes the whole sequence at every step (a reference for the cache; slow)."""
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 decodes greedily)")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 keeps every token)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1 keeps every token)")
-
+__all__ = ["PAD_ID", "DecodeTrace", "SamplingConfig", "filter_logits", "generate", "load_generator", "next_tokens"]
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Set the logits outside the top-k / top-p (nucleus) set to -inf; at least one token always stays."""
@@ -91,27 +64,17 @@ def _left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[t
     return ids.to(device), valid.to(device)
 
 
-def _mask(valid_BS: torch.Tensor, t: int) -> torch.Tensor:
-    """(B, 1, t, S) attention mask of the last t of S positions: causal, padding never attended; a padding
-    query attends to itself so its (ignored) softmax row is never empty."""
-    s = valid_BS.shape[1]
-    q_pos = torch.arange(s - t, s, device=valid_BS.device)
-    k_pos = torch.arange(s, device=valid_BS.device)
-    causal = k_pos[None, :] <= q_pos[:, None]
-    allowed = causal[None] & valid_BS[:, None, :]
-    allowed |= (k_pos[None, :] == q_pos[:, None])[None]
-    return allowed[:, None]
-
-
 @torch.no_grad()
 def generate(model: Decoder, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, eos_id: int | None = None,
-             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+             on_token: Callable[[int, int], None] | None = None, trace: DecodeTrace | None = None
+             ) -> list[list[int]]:
     """The new tokens of every prompt (without the prompt; with the EOS that ended a row, if any).
 
     Args:
         model: a one-process `Decoder` (all parts present), in eval mode.
         prompts: token ids, one list per row; rows may differ in length.
         on_token: called as on_token(row, token) for every token a row produces, as it is produced (streaming).
+        trace: filled with the forward, draft and acceptance counts (and the logits, if it keeps them).
     """
     cfg.validate()
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -123,38 +86,29 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], cfg: SamplingConf
                           f"max_seq_len={mcfg.max_seq_len}; shorten the prompt or lower max_new_tokens")
     device = next(model.parameters()).device
     ids, valid = _left_pad(prompts, device)
-    b = ids.shape[0]
+    out = Output(ids.shape[0], cfg, eos_id, device, on_token, trace)
+    if cfg.draft_tokens:
+        decode_speculative(model, ids, valid, cfg, out)
+        return out.rows
     gen = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 else None
-    cache = None
-    if cfg.use_cache:
-        heads, key_dim, value_dim = cache_layout(mcfg)  # MLA: the compressed latent and the rotary key
-        cache = KVCache(list(model.layers.keys()), b, ids.shape[1] + cfg.max_new_tokens,
-                        heads, key_dim, next(model.parameters()).dtype, device, value_dim)
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool, device=device)
+    cache = new_cache(model, ids.shape[0], ids.shape[1] + cfg.max_new_tokens) if cfg.use_cache else None
     step_ids = ids
-    for _ in range(cfg.max_new_tokens):
+    while True:
         positions_all = (valid.long().cumsum(-1) - 1).clamp(min=0)
         if cache is None:
-            logits = model(ids, _mask(valid, ids.shape[1]), positions=positions_all)
+            logits = model(ids, causal_mask(valid, ids.shape[1]), positions=positions_all)
         else:
             t = step_ids.shape[1]
-            logits = model(step_ids, _mask(valid, t), positions=positions_all[:, -t:], kv_cache=cache)
-        token = next_tokens(logits[:, -1], cfg, gen)
-        token = torch.where(done, torch.full_like(token, PAD_ID), token)
-        for row in range(b):
-            if not done[row]:
-                out[row].append(int(token[row]))
-                if on_token is not None:
-                    on_token(row, int(token[row]))
-        if cfg.stop_at_eos and eos_id is not None:
-            done |= token == eos_id
-        if bool(done.all()):
+            logits = model(step_ids, causal_mask(valid, t), positions=positions_all[:, -t:], kv_cache=cache)
+        token = out.commit(next_tokens(logits[:, -1], cfg, gen), logits[:, -1])
+        if out.finished:
             break
+        if trace is not None:
+            trace.forwards += 1
         ids = torch.cat([ids, token[:, None]], dim=1)
-        valid = torch.cat([valid, torch.ones_like(done)[:, None]], dim=1)
+        valid = torch.cat([valid, torch.ones_like(out.done)[:, None]], dim=1)
         step_ids = token[:, None]
-    return out
+    return out.rows
 
 
 def load_generator(path: Path, step: int | None = None, device: str = "cpu",

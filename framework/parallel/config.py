@@ -177,13 +177,14 @@ def mtp_problem(mtp_depth: int, pp: int, cp: int, schedule: str = "1F1B", tied: 
     if mtp_depth and cp > 1:
         return (f"model.mtp_depth={mtp_depth} with parallel.cp={cp}: the MTP modules read labels shifted across "
                 f"the whole sequence, which a cp rank's chunks do not hold; set model.mtp_depth=0 or cp=1")
-    if mtp_depth and tied and pp > 1:
-        # The last stage's tied head doubles as the MTP modules' embedding copy. Under a split-backward schedule
-        # torch (pipelining/_backward.py) frees each weight group's graph and the tied weight's group reaches the
-        # embedding through the already-freed MTP block ("backward through the graph a second time", reproduced
-        # on one process with stage_backward_input/weight); under 1F1B x tp2 its gradient swap mismatched sizes
-        # (gloo 131072 vs 65536 bytes on the last stage). Untied models keep a separate copy.
-        return (f"model.mtp_depth={mtp_depth} with model.tied_embeddings=true and parallel.pp={pp} "
-                f"(pp_schedule {schedule}): the tied head cannot double as the last stage's MTP embedding copy; "
-                f"use model.tied_embeddings=false, or pp=1")
+    if mtp_depth and tied and pp > 1 and schedule_spec(schedule).split_backward:
+        # The last stage's tied head doubles as the MTP modules' embedding copy. A split-backward schedule runs
+        # torch's stage_backward_weight (pipelining/_backward.py), which frees each weight group's graph as it
+        # goes; the tied weight's group starts at the head and reaches the embedding lookup through the MTP block
+        # whose graph an earlier group already freed ("backward through the graph a second time", reproduced on
+        # one process with stage_backward_input/weight). Untied models keep a separate copy and run.
+        return (f"model.mtp_depth={mtp_depth} with model.tied_embeddings=true and parallel.pp={pp} under "
+                f"pp_schedule={schedule} (split backward): torch's weight-gradient pass cannot reach the tied "
+                f"head's second use; use a schedule without split backward (1F1B, Interleaved1F1B, GPipe), "
+                f"model.tied_embeddings=false, or pp=1")
     return None

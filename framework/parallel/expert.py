@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -165,9 +166,9 @@ def _shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
 
 
 def _tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    if moe.shared_gate is not None:  # applied to this rank's sequence shard; no tp gradient sum is installed
-        raise ParallelismError("model.moe.shared_expert_gate=true is not supported with tensor parallelism "
-                               "(parallel.tp > 1); use parallel.tp=1 (FSDP, ep, pp)")
+    if moe.shared_gate is not None:  # Qwen2-MoE's [hidden -> 1] gate, replicated, on this rank's tokens (dim 0
+        # of (N, D)): its weight gradient comes out Partial and is summed over tp (resolve_partial_grads)
+        parallelize_module(moe.shared_gate, tp_mesh, SequenceParallel(sequence_dim=0, use_local_output=True))
     moe.token_shards = SequenceShards(tp_mesh.get_group())
     moe.router.weight = nn.Parameter(distribute_tensor(moe.router.weight.data, tp_mesh, [Replicate()],
                                                        src_data_rank=None))

@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from framework.base.errors import ParallelismError
 from models.decoder import Decoder
 from models.moe.layer import MoE
 from models.plans import Plan, decoder_block_plan, decoder_top_plan, mtp_module_plan
@@ -93,9 +92,6 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sequence_paral
     both shard the (vocab, hidden) weight on dim 0, so the head is re-pointed at the embedding's DTensor.
     Compile TP blocks only through `compile_blocks` (sub-layer regions; docs/ARCHITECTURE.md, known torch traps).
     """
-    if model.cfg.qk_norm:  # its weight would see only this rank's heads' gradient; no tp sum is installed
-        raise ParallelismError("model.qk_norm=true is not supported with tensor parallelism (parallel.tp > 1): "
-                               "the per-head norm weights would drift apart; use parallel.tp=1 (FSDP, ep, pp)")
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
     top = _present(model, decoder_top_plan(sequence_parallel, loss_parallel))

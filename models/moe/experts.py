@@ -72,23 +72,29 @@ def pad_groups(counts_E: torch.Tensor, align: int, rows: int) -> tuple[torch.Ten
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs here and matches the loop, forward and weight gradient (probed once per
-    device type and dtype, on aligned groups, one of them empty, as `_grouped` calls it)."""
+    device type and dtype, on aligned groups, one of them empty, as `_grouped` calls it).
+
+    The answer is cached for the process, so the probe must not depend on the caller's autograd state: a first
+    call under `no_grad` / `inference_mode` (an MoE forward in an evaluation or in `generate`) would otherwise fail
+    the probe's backward and pin every later training forward to the loop.
+    """
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
-                align = group_alignment(dtype)
-                x = torch.randn(4 * align, 16, device=device, dtype=dtype)
-                w = torch.randn(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([2 * align, 2 * align, 4 * align], device=device, dtype=torch.int32)
-                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-                y.backward(torch.ones_like(y))
-                with torch.no_grad():
-                    ref = torch.cat([x[:2 * align] @ w[0].T, x[2 * align:] @ w[2].T])
-                grad = w.grad
-                ok = grad is not None and bool(torch.isfinite(grad).all()) and bool(grad[1].eq(0).all()) \
-                    and torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+                with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                    align = group_alignment(dtype)
+                    x = torch.randn(4 * align, 16, device=device, dtype=dtype)
+                    w = torch.randn(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                    offs = torch.tensor([2 * align, 2 * align, 4 * align], device=device, dtype=torch.int32)
+                    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+                    y.backward(torch.ones_like(y))
+                    with torch.no_grad():
+                        ref = torch.cat([x[:2 * align] @ w[0].T, x[2 * align:] @ w[2].T])
+                    grad = w.grad
+                    ok = grad is not None and bool(torch.isfinite(grad).all()) and bool(grad[1].eq(0).all()) \
+                        and torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _GROUPED_MM_OK[key] = ok

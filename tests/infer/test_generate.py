@@ -107,7 +107,7 @@ def test_cli_streams_text_with_the_runs_tokenizer(stdlib_build: object, tmp_path
     run = tmp_path / "run"
     Trainer(load_config(TINY, [f"run.dir={run}", "train.steps=2", "checkpoint.interval=0", "data.kind=stdlib",
                                f"data.cache_dir={cache}", "data.seq_len=64", "data.vocab_size=4096",
-                               "model.vocab_size=4096"])).train()
+                               "model.vocab_size=4096", "model.mtp_depth=1"])).train()
     streamed = io.StringIO()
     with contextlib.redirect_stdout(streamed):
         assert main(["generate", str(run), "--prompt", "def main(", "--max-new-tokens", "6"]) == 0
@@ -120,3 +120,9 @@ def test_cli_streams_text_with_the_runs_tokenizer(stdlib_build: object, tmp_path
     assert [r["prompt"] for r in rows] == ["def main(", "import os\n"]
     assert all(len(r["tokens"]) == 6 or r["tokens"][-1] == 2 for r in rows)
     assert streamed.getvalue() == "def main(" + rows[0]["completion"] + "\n"  # batch == alone, greedy
+    drafted, report = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(drafted), contextlib.redirect_stderr(report):
+        assert main(["generate", str(run), "--prompt", "def main(", "--prompt", "import os\n", "--json",
+                     "--max-new-tokens", "6", "--draft-tokens", "1"]) == 0
+    assert drafted.getvalue() == batched.getvalue()  # MTP drafts change the forwards, not the greedy text
+    assert "drafts accepted" in report.getvalue()

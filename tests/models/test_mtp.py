@@ -66,5 +66,8 @@ def test_inference_forward_skips_mtp_and_layouts_it_cannot_run_are_refused() -> 
     with pytest.raises(ParallelismError, match=r"model\.mtp_depth=1 with parallel\.cp=2"):
         tiny_config(None, "model.mtp_depth=1", "parallel.cp=2")
     tiny_config(None, "model.mtp_depth=1", "parallel.pp=2")  # the last stage holds them (tests/parallel)
-    with pytest.raises(ParallelismError, match=r"model\.tied_embeddings=true and parallel\.pp=2"):
-        tiny_config(None, "model.mtp_depth=1", "parallel.pp=2", "model.tied_embeddings=true")
+    tiny_config(None, "model.mtp_depth=1", "parallel.pp=2", "model.tied_embeddings=true")  # 1F1B: the tied head
+    with pytest.raises(ParallelismError, match=r"model\.tied_embeddings=true and parallel\.pp=2 under "
+                                               r"pp_schedule=ZBVZeroBubble \(split backward\)"):
+        tiny_config(None, "model.mtp_depth=1", "parallel.pp=2", "model.tied_embeddings=true",
+                    "parallel.pp_schedule=ZBVZeroBubble")

@@ -1,7 +1,8 @@
 """The parallel engine on an MoE decoder (4 experts, top-2) against the 1-process LocalEngine: every layout with
 ep, tp, pp in {1, 2} and data parallelism (FSDP, dp_shard = 8 / (tp pp)) filling 8 ranks, in dropless mode (with
 a shared expert and aux-loss-free bias balancing) and capacity mode (factor 1.0, with z-loss), 5 AdamW steps with
-clipping — loss, aux loss and gradient norm to 1e-5 at every step. One process group runs all 16 cases.
+clipping — loss, aux loss and gradient norm to 1e-5 at every step; and under tp 4 and ep 2 x tp 2 x pp 2 a model
+with Qwen3's q/k norms and Qwen2-MoE's shared-expert gate. One process group runs all 18 cases.
 
 The reference routes the same token groups: with global batch 16 and micro-batch 2, data rank r's j-th
 micro-batch is the reference's micro-batch r * n_micro + j, so capacity drops are identical."""
@@ -23,8 +24,14 @@ WORLD, STEPS = 8, 5
 MODES = {
     "dropless": ("model.moe.bias_update_rate=0.01", "model.moe.n_shared_experts=1"),
     "capacity": ("model.moe.capacity_factor=1.0", "model.moe.z_loss_coef=0.001"),
+    # Qwen3's per-head q/k norms and Qwen2-MoE's shared-expert gate: replicated weights whose gradient each tp
+    # rank holds a share of (its heads; its tokens)
+    "gated": ("model.qk_norm=true", "model.moe.n_shared_experts=1", "model.moe.shared_expert_gate=true"),
 }
 LAYOUTS = [dict(ep=ep, tp=tp, pp=pp) for ep, tp, pp in itertools.product((1, 2), (1, 2), (1, 2))]
+MODE_LAYOUTS = {"dropless": LAYOUTS, "capacity": LAYOUTS,
+                # only tp > 1 is new for these; tp 4 > 2 KV heads: the k norm on replicated KV heads
+                "gated": [dict(ep=1, tp=4, pp=1), dict(ep=2, tp=2, pp=2)]}
 
 
 def _config(mode: str, layout: dict[str, int] | None = None) -> Config:
@@ -71,7 +78,7 @@ def _all_layouts(rank: int, world: int) -> dict[str, list[tuple[float, float, fl
 
     out = {}
     for mode in MODES:
-        for layout in LAYOUTS:
+        for layout in MODE_LAYOUTS[mode]:
             cfg = _config(mode, layout)
             engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
             out[f"{mode} {layout}"] = _train(engine, cfg)

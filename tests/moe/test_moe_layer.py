@@ -120,6 +120,20 @@ def test_grouped_mm_groups_start_aligned_and_equal_the_loop(monkeypatch: pytest.
     assert grads["grouped_mm"][1][[0, 3, 7]].eq(0).all()  # experts without rows: zero gradient
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_mm_probe_ignores_the_callers_grad_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's answer is cached for the process: a first call from an evaluation (no_grad) or `generate`
+    (inference_mode) must give the answer a training forward gets, else every later forward runs the loop."""
+    from models.moe import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod, "_GROUPED_MM_OK", {})
+    expected = experts_mod.grouped_mm_available(torch.device("cpu"), torch.float32)
+    for mode in (torch.no_grad, torch.inference_mode):
+        monkeypatch.setattr(experts_mod, "_GROUPED_MM_OK", {})
+        with mode():
+            assert experts_mod.grouped_mm_available(torch.device("cpu"), torch.float32) == expected, mode
+
+
 def test_auto_falls_back_to_the_loop_when_unaligned() -> None:
     cfg = model_config(**{**SMALL, "hidden": 18, "n_heads": 3},
                        moe=dict(n_experts=4, top_k=2, expert_hidden=5))  # 5 * 4 bytes: not 16-byte aligned

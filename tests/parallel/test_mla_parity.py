@@ -8,7 +8,7 @@ blocks; ZeRO-3 shards the latent weights; cp (ring, with and without document ma
 recompute and compile (aot_eager,
 sub-layer regions under TP) wrap MLA blocks; query compression off (q_proj) under TP. Multi-token prediction:
 its projection, norms and blocks under TP (with and without sequence parallelism and vocab-parallel loss), ZeRO-3
-and on the last pipeline stage (1F1B x TP2, ZBV) train as one process (its loss rides on the
+and on the last pipeline stage (1F1B x TP2 tied, ZBV) train as one process (its loss rides on the
 logits' gradient, so the main loss and grad norm carry it).
 """
 
@@ -38,10 +38,11 @@ def _layouts() -> list[dict[str, Any]]:
         {"tp": 2, "dp_shard": 2, "model.mtp_depth": 2, **MLA},
         {"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1, "model.mtp_depth": 2, **MLA},
         {"dp_shard": 2, "zero_stage": 3, "model.mtp_depth": 2, **MLA},
-        # MTP on the last pipeline stage, with its copy of the embedding: 1F1B x TP2 (the copies' gradients
-        # swapped point to point; TP on the copy, vocab-parallel MTP loss), and ZBV (stage 0 and the last stage on
-        # one rank: the copies' gradients added in place; split backward).
-        {"pp": 2, "tp": 2, "dp_shard": 1, "model.mtp_depth": 2, **MLA},
+        # MTP on the last pipeline stage, with its copy of the embedding: 1F1B x TP2 with tied embeddings (the
+        # tied head is the copy; the gradients swapped point to point; TP on the copy, vocab-parallel MTP loss),
+        # and ZBV untied (stage 0 and the last stage on one rank: the copies' gradients added in place; split
+        # backward).
+        {"pp": 2, "tp": 2, "dp_shard": 1, "model.mtp_depth": 2, "model.tied_embeddings": True, **MLA},
         {"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "model.mtp_depth": 1, **MLA},
     ]
 
