@@ -6,9 +6,9 @@ What each layout proves: TP splits MLA's up-projections by heads while the repli
 norms and shared rotary key receive their whole gradient (with and without sequence parallelism); PP cuts MLA
 blocks; ZeRO-3 shards the latent weights; cp (ring, with and without document masks) attends across ranks;
 recompute and compile (aot_eager,
-sub-layer regions under TP) wrap MLA blocks; query compression off (q_proj) under TP. Multi-token prediction:
+sub-layer regions under TP) wrap MLA blocks; EP splits the DeepSeek-V3 test shape's experts; query compression off (q_proj) under TP. Multi-token prediction:
 its projection, norms and blocks under TP (with and without sequence parallelism and vocab-parallel loss), ZeRO-3
-and on the last pipeline stage (1F1B x TP2 tied, ZBV) train as one process (its loss rides on the
+and on the last pipeline stage (1F1B x TP2 tied, ZBV, interleaved 1F1B) train as one process (its loss rides on the
 logits' gradient, so the main loss and grad norm carry it).
 """
 
@@ -44,6 +44,10 @@ def _layouts() -> list[dict[str, Any]]:
         # backward).
         {"pp": 2, "tp": 2, "dp_shard": 1, "model.mtp_depth": 2, "model.tied_embeddings": True, **MLA},
         {"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "model.mtp_depth": 1, **MLA},
+        # Interleaved 1F1B: two MLA chunks per rank. EP: the DeepSeek-V3 shape (MLA, sigmoid group-limited routing
+        # with its load-balancing bias, a shared expert, a dense first layer) with experts split over 2 ranks.
+        {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "model.mtp_depth": 1, **MLA},
+        {"ep": 2, "dp_shard": 2, "zero_stage": 3, "model.preset": "test-deepseek-v3"},
     ]
 
 
