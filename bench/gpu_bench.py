@@ -59,7 +59,11 @@ class Report:
     """The JSON written after every phase (and every case), with the wall time since the start."""
 
     def __init__(self, path: Path, meta: dict[str, Any]) -> None:
-        self.path, self.t0 = path, time.perf_counter()
+        # The budget counts from gpu_check.sh's start (GPU_CHECK_T0, epoch seconds), whose hard timeout does too:
+        # counted from here, the imports and CUDA start before it (~10-20 s) would let a last phase start that the
+        # timeout then cuts instead of the gate skipping it.
+        before = max(0.0, time.time() - float(os.environ.get("GPU_CHECK_T0") or time.time()))
+        self.path, self.t0 = path, time.perf_counter() - before
         self.data: dict[str, Any] = {"meta": meta, "attention": [], "kernels": [], "checkpoint": [], "parity": [],
                                      "throughput": [], "slice": [], "calibration": None}
 

@@ -12,6 +12,7 @@ OUT=${OUT:-.}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 start=$(date +%s)
+export GPU_CHECK_T0=$start  # gpu_bench.py's budget counts from here, as the hard timeout below does
 if [[ "${1:-}" != "--dry" ]]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 fi

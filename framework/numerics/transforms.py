@@ -60,6 +60,10 @@ class ModelTransform:
     """A module swap that needs no values and must see the modules before TP shards them (FP8's linears: the TP
     styles attach hooks to the modules they shard, so a later swap would drop them). `parallelize` applies it to
     the meta-device stage before step 3; `LocalEngine` at its usual point (no sharding there)."""
+    reads_values: bool = True
+    """Applied after sharding (not `before_sharding`), it reads the weights' values, so `parallelize` materializes
+    the stage before it (FSDP's shards then drawn whole). False for compile, which only wraps the modules and
+    traces at the first forward: the stage stays on the meta device until every sharding is done."""
     tp_plan: Callable[[nn.Module, Plan, DeviceMesh], Plan] | None = None
     """How TP must shard the modules this transform swapped: the plan for `module` (a block, a stage's top or
     an MTP depth) with its styles replaced where needed (FP8's styles cast before their all-gathers)."""
@@ -113,7 +117,8 @@ def _compile(settings: TransformSettings) -> ModelTransform | None:
 
     backend = settings.compile_backend
     return ModelTransform("compile", lambda model, site: compile_blocks(
-        model.layers, backend, tensor_parallel=site.tensor_parallel, fullgraph=not site.graph_breaks))
+        model.layers, backend, tensor_parallel=site.tensor_parallel, fullgraph=not site.graph_breaks),
+        reads_values=False)
 
 
 def _fp8(settings: TransformSettings) -> ModelTransform | None:

@@ -281,7 +281,7 @@ class MoEParallel:
 
         moe = MoEParallel(model_cfg, pcfg, dims, mesh)
         moe.parallelize(part)                 # after TP, before to_empty / init_weights
-        moe.shard(part, **fsdp_kwargs)        # after init and recompute, before FSDP wraps the blocks
+        moe.shard(part, **fsdp_kwargs)        # after recompute and compile, before FSDP wraps the blocks
         moe.before_step(parts, scale)         # scale: gradient the aux loss gets per forward
         moe.after_backward(parts)             # expert gradient sync when FSDP does not do it
         moe.after_optimizer_step(parts, applied)  # routing-bias update from all-reduced counts (or drop)
@@ -298,7 +298,9 @@ class MoEParallel:
         data_groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard") if dims.size(a) > 1]
         self.reduce = sum_over(data_groups)
         self.experts_fsdp = False
-        self.grad_sync: ExpertGradSync | None = None
+        self.hand_synced = False
+        """Expert gradients are summed by `ExpertGradSync` after backward (no FSDP on the experts)."""
+        self.sync_group: dist.ProcessGroup | None = None
 
     def parallelize(self, part: nn.Module) -> None:
         if not self.enabled:
@@ -324,20 +326,19 @@ class MoEParallel:
             # dp_shard == 1: the replica sync (if any) already averaged over dp_replicate; the edp ranks inside
             # one replica are tp ranks holding other tokens of the same group -> sum, nothing more to divide
             inner = self.dims.edp_size // self.dims.dp_replicate
-            group = self.ep_mesh["edp"].get_group() if inner > 1 else None
-            params = expert_parameters(part)
-            if self.grad_sync is None:
-                self.grad_sync = ExpertGradSync(params, group, 1)
-            else:
-                self.grad_sync.params.extend(params)
+            self.sync_group = self.ep_mesh["edp"].get_group() if inner > 1 else None
+            self.hand_synced = True
 
     def before_step(self, parts: list[nn.Module], scale: float) -> None:
         if self.enabled:
             set_aux_loss_scale(parts, scale)
 
     def after_backward(self, parts: list[nn.Module]) -> None:
-        if self.enabled and self.grad_sync is not None:
-            self.grad_sync()
+        if self.enabled and self.hand_synced:
+            # The parameters are looked up now, not in `shard`: a stage built on the meta device is materialized
+            # after `shard`, and its `to_empty` replaces every plain parameter with a new object (a list taken
+            # then would hold the meta tensors and never see a gradient: tp ranks' expert gradients unsummed).
+            ExpertGradSync([p for part in parts for p in expert_parameters(part)], self.sync_group, 1)()
 
     def after_optimizer_step(self, parts: list[nn.Module], applied: bool = True) -> None:
         if not self.enabled:

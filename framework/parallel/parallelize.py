@@ -23,9 +23,11 @@ The order, each step needing the one before (docs/ARCHITECTURE.md "Where each pa
      shards (FSDP's included), bitwise the 1-process values under any layout; a tied head is re-tied (to_empty
      gives it its own storage). Under cpu_offload the parameters materialize on the host (FSDP's offload wants
      them there), the buffers on the device. fp8 is a module swap on the meta stage (step 3), and qwZ wraps the
-     meta weights (its wrapper keeps its type through `to_empty`), so neither changes this. A transform applied
-     at step 7 (compile for now, framework/numerics/transforms.py `_compile`) sees initialized weights, so such a
-     run materializes before step 6 instead (TP/EP shards still drawn as such, FSDP's not).
+     meta weights (its wrapper keeps its type through `to_empty`), so neither changes this; nor does compile
+     (step 7 wraps the meta modules, dynamo traces at the first forward). A step-7 transform that reads weight
+     values (`ModelTransform.reads_values`; none today) makes its run materialize before step 6 instead (TP/EP
+     shards still drawn as such, FSDP's not). Whatever holds parameter objects must look them up after this step:
+     `to_empty` from meta gives plain parameters new objects (the MoE expert gradient sync reads them per step).
   after all stages:
  10. tied embeddings across pipeline stages: which ranks swap the embedding and head gradients
  11. ZeRO-0 / DDP over dp_replicate without FSDP: bucketed replica all-reduce, launched during backward (ddp.py)
@@ -118,7 +120,7 @@ def parallelize(model_cfg: ModelConfig, pcfg: ParallelConfig, dims: ParallelDims
         moe.parallelize(part)  # 4
         if context is not None:  # 5
             context.install(part)
-        early = any(not t.before_sharding for t in transforms)  # step 7's transforms see initialized weights
+        early = any(t.reads_values for t in transforms if not t.before_sharding)  # such a step 7 needs values
         if early:
             materialize(part, model_cfg, device, seed)
         apply_recompute(part.layers, pcfg.recompute, pcfg.recompute_every)  # 6

@@ -122,3 +122,18 @@ def _assert_planner_flop_convention(report: dict, runs: list[dict]) -> None:
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * planned.flops[0] / tokens / (989.0 * 1e12))
         assert r["reference_mfu"] == pytest.approx(
             r["reference_tokens_per_s"] * planned.flops[0] / tokens / (989.0 * 1e12))
+
+
+def test_the_time_budget_counts_from_the_shell_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_check.sh's hard timeout runs from its own start: the phase gates must count the seconds spent before
+    gpu_bench.py's report exists (imports, CUDA start) too, or a last phase starts that the timeout cuts."""
+    import time
+
+    sys.path.insert(0, str(ROOT))
+    import bench.gpu_bench as gpu_bench
+
+    monkeypatch.setenv("GPU_CHECK_T0", str(time.time() - 100.0))
+    left = gpu_bench.Report(tmp_path / "r.json", {}).left(450.0)
+    assert 340.0 < left <= 350.0, left
+    monkeypatch.delenv("GPU_CHECK_T0")
+    assert gpu_bench.Report(tmp_path / "r.json", {}).left(450.0) > 449.0  # run by hand: from its own start
