@@ -199,8 +199,12 @@ class Muon(torch.optim.AdamW):
             g = got.pop(i)
             units[i] = self._nesterov(params[i], g, like=g)
             del g
-        for i in set(self._exchanged()) - set(got):  # the matrices other ranks own: only the step count
-            self.state[params[i]].setdefault("step", torch.tensor(0.0)).add_(1)
+        # The matrices other ranks own: the step count, and an empty momentum, since checkpoint loading
+        # (torch.distributed.checkpoint) reloads the keys the live state has.
+        for i in set(self._exchanged()) - set(units):
+            state = self.state[params[i]]
+            state.setdefault("step", torch.tensor(0.0)).add_(1)
+            state.setdefault("momentum_buffer", _local(params[i]).new_empty(0))
         locals_ = [_local(p) for p in params]
         return self._whole.scatter(_batched(units, fn, self._blocks), locals_)
 
@@ -240,8 +244,9 @@ class Muon(torch.optim.AdamW):
             return
         ids = self._exchanged()
         self._whole.launch(ids, [_local(self.state[params[i]].pop("momentum_buffer")) for i in ids])
-        for i, unit in self._whole.collect().items():
-            self.state[params[i]]["momentum_buffer"] = unit
+        owned = self._whole.collect()
+        for i in ids:
+            self.state[params[i]]["momentum_buffer"] = owned.get(i, _local(params[i]).new_empty(0))
 
 
 def _placed_like(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:

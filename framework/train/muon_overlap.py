@@ -46,7 +46,7 @@ def overlap_problem(train_cfg: TrainConfig, pcfg: ParallelConfig, dims: Parallel
     """Why this layout runs the plain exchange (None: it overlaps)."""
     if train_cfg.optimizer != "muon" or not train_cfg.muon.overlap:
         return "train.muon.overlap is off" if train_cfg.optimizer == "muon" else "not Muon"
-    if pcfg.zero_stage == 0 or dims.fsdp_size == 1 or dims.dp_shard * dims.cp == 1:
+    if pcfg.zero_stage == 0 or dims.fsdp_size == 1:
         return ("no FSDP shard group: the matrices are whole on every rank or cut by tp only, and their gradients "
                 "are final only after the engine's post-backward reductions")
     if dims.tp > 1:
