@@ -189,7 +189,7 @@ class Muon(torch.optim.AdamW):
             self.launches["step"] += 1
         got = self._whole.collect()
         raw = [g for i, g in got.items() if i not in set(rest)]  # sent from backward, before the engine's scaling
-        for factor in self._factors:
+        for factor in self._factors if raw else ():  # (_foreach_mul_ refuses an empty list)
             torch._foreach_mul_(raw, factor)
         del raw
         self._factors.clear()
