@@ -47,7 +47,8 @@ def layout_of(cfg: Config, world_size: int) -> tuple[Workload, Layout]:
     dims = ParallelDims.from_config(p, world_size, cfg.model)
     work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, Precision.named(cfg.train.precision),
                     cp_comm=p.cp_comm, fp8_all_gather=cfg.train.fp8.enabled and cfg.train.fp8.fsdp_all_gather,
-                    optimizer=cfg.train.optimizer, muon_ns_bytes=2 if cfg.train.muon.ns_dtype == "bf16" else 4)
+                    optimizer=cfg.train.optimizer, muon_ns_bytes=2 if cfg.train.muon.ns_dtype == "bf16" else 4,
+                    muon_overlap=cfg.train.muon.overlap)
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_size, ep=dims.ep, cp=dims.cp, zero_stage=p.zero_stage,
                  recompute=p.recompute, micro_batch=cfg.train.micro_batch_size, schedule=p.pp_schedule,
                  virtual=p.virtual_stages if dims.pp > 1 else 1, prefetch=p.fsdp_prefetch,

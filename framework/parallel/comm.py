@@ -97,6 +97,9 @@ class CommLogger:
     def __init__(self, axes: dict[Any, str] | None = None) -> None:
         # Keyed by group name: sub-mesh lookups may hand back different Python wrappers of one process group.
         self.axes = {_name(g): axis for g, axis in (axes or {}).items()}
+        # and by members, for a group of the same ranks under another name: a second engine in one process (the
+        # ground-truth test's world) ran its TP collectives on the tp group an earlier layout had created
+        self.axes_by_ranks = {r: axis for g, axis in reversed(list((axes or {}).items())) if (r := _ranks(g))}
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.payload: dict[tuple[str, str], int] = defaultdict(int)
         self.wire: dict[tuple[str, str], float] = defaultdict(float)
@@ -112,6 +115,10 @@ class CommLogger:
             return self.axes[_name(group)]  # checked first: an axis spanning the world may use the WORLD group
         if group is None or _name(group) == _name(dist.group.WORLD):
             return "world"
+        axis = self.axes_by_ranks.get(_ranks(group))
+        if axis is not None:
+            self.axes[_name(group)] = axis
+            return axis
         return "other"
 
     def record(self, op: str, group: Any, full_bytes: int, dtypes: set[torch.dtype] | None = None,
@@ -285,6 +292,14 @@ def _unbox(group: Any) -> dist.ProcessGroup | None:
         resolve: Any = _resolve_process_group  # takes a GroupName (a str NewType in newer torch)
         return resolve(group)
     return dist.ProcessGroup.unbox(group)
+
+
+def _ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of a group (empty where they cannot be read, e.g. a TorchScript-boxed fake group)."""
+    try:
+        return tuple(dist.get_process_group_ranks(_unbox(group)))  # type: ignore[arg-type]
+    except Exception:
+        return ()
 
 
 def _name(group: Any) -> str:

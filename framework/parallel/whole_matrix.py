@@ -193,6 +193,8 @@ class WholeMatrices:
             key = (id(group), *(id(g) for g, _, _ in self.layout[i].secondary))
             buckets.setdefault(key, _Bucket(group, [])).members.append(i)
         self.buckets = list(buckets.values())
+        self._inflight: list[tuple[_Bucket, list[int], torch.Tensor, dist.Work | None]] = []
+        self._sent: set[int] = set()
         for bucket in self.buckets:
             size, me = dist.get_world_size(bucket.group), dist.get_rank(bucket.group)
             for n, i in enumerate(bucket.members):
@@ -207,29 +209,48 @@ class WholeMatrices:
             pieces = _all_gather_flat(pieces, lengths_P, self.layout[bucket.members[0]].secondary[hop][0])
         return pieces
 
-    def _to_owners(self, bucket: _Bucket, buffers: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """One all-to-all: every buffer to its owner; returns {parameter index: concatenation over members}."""
+    def _to_owners(self, bucket: _Bucket, buffers: list[torch.Tensor], members: list[int] | None = None,
+                   async_op: bool = False) -> tuple[torch.Tensor, dist.Work | None]:
+        """One all-to-all: every buffer (of `members`, the bucket's by default) to its owner; returns the receive
+        buffer (split by `_received`) and, with `async_op`, the work to wait on."""
+        members = bucket.members if members is None else members
         size = dist.get_world_size(bucket.group)
         me = dist.get_rank(bucket.group)
         by_owner: list[list[torch.Tensor]] = [[] for _ in range(size)]
-        for i, buf in zip(bucket.members, buffers, strict=True):
+        for i, buf in zip(members, buffers, strict=True):
             by_owner[self.layout[i].owner].append(buf)
         send = torch.cat([x for per in by_owner for x in per])
         in_splits = [sum(x.numel() for x in per) for per in by_owner]
         del by_owner
         buffers.clear()  # the caller's gathered buffers, now copied into `send`: freed before the owner's copies
-        mine = [i for i in bucket.members if self.layout[i].owner == me]
+        mine = [i for i in members if self.layout[i].owner == me]
         out_splits = [sum(self.layout[i].recv_lengths[k] for i in mine) for k in range(size)]
         recv = send.new_empty(sum(out_splits))
-        dist.all_to_all_single(recv, send, out_splits, in_splits, group=bucket.group)
+        work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=bucket.group, async_op=async_op)
+        return recv, work
+
+    def _received(self, bucket: _Bucket, recv: torch.Tensor, members: list[int] | None = None
+                  ) -> dict[int, torch.Tensor]:
+        """{parameter index: its unit} of what `_to_owners` delivered to this owner."""
+        members = bucket.members if members is None else members
+        mine = [i for i in members if self.layout[i].owner == dist.get_rank(bucket.group)]
         parts: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
         start = 0
-        for k in range(size):
+        for k in range(dist.get_world_size(bucket.group)):
             for i in mine:
                 n = self.layout[i].recv_lengths[k]
                 parts[i].append(recv[start:start + n])
                 start += n
-        return {i: torch.cat(ps) for i, ps in parts.items()}
+        return {i: self._place(i, torch.cat(ps)) for i, ps in parts.items()}
+
+    def _place(self, i: int, data: torch.Tensor) -> torch.Tensor:
+        """The owner's unit of parameter i from its received elements in arrival order."""
+        layout = self.layout[i]
+        if layout.index is None:
+            return data.view(layout.unit_shape)
+        unit = data.new_empty(math.prod(layout.unit_shape))
+        unit[layout.index] = data
+        return unit.view(layout.unit_shape)
 
     def _from_owners(self, bucket: _Bucket, results: dict[int, torch.Tensor], like: torch.Tensor
                      ) -> list[torch.Tensor]:
@@ -273,21 +294,20 @@ class WholeMatrices:
         """The local pieces of fn(whole matrix) for every parameter, given `pieces[i]`, this rank's local piece of
         a tensor placed like `params[i]` (e.g. its Nesterov momentum). Matrices of one shape go through `fn`
         together, stacked, whatever parameter (or expert) they come from."""
-        units: dict[int, torch.Tensor] = {}
-        for i, layout in enumerate(self.layout):
-            if layout.owner < 0:
-                units[i] = pieces[i].reshape(layout.unit_shape)
+        return self.scatter(_batched(self.units(pieces), fn, self.blocks), pieces)
+
+    def units(self, pieces: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """This rank's units (the whole matrices it owns, and the local units of unexchanged parameters) of the
+        tensors whose local pieces are `pieces`, in `apply`'s order: the unexchanged ones, then bucket by bucket."""
+        units = {i: pieces[i].reshape(layout.unit_shape) for i, layout in enumerate(self.layout) if layout.owner < 0}
         for bucket in self.buckets:
             buffers = self._secondary_hops(bucket, [pieces[i].reshape(-1) for i in bucket.members])
-            for i, data in self._to_owners(bucket, buffers).items():
-                layout = self.layout[i]
-                if layout.index is None:
-                    units[i] = data.view(layout.unit_shape)
-                else:
-                    unit = data.new_empty(math.prod(layout.unit_shape))
-                    unit[layout.index] = data
-                    units[i] = unit.view(layout.unit_shape)
-        results = _batched(units, fn, self.blocks)  # empties `units` as it goes
+            units.update(self._received(bucket, self._to_owners(bucket, buffers)[0]))
+        return units
+
+    def scatter(self, results: dict[int, torch.Tensor], pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The local pieces, shaped like `pieces`, of the tensors whose units this rank holds in `results` (the
+        reverse all-to-all from the owners; unexchanged parameters' units are local already)."""
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for i, layout in enumerate(self.layout):
             if layout.owner < 0:
@@ -299,6 +319,46 @@ class WholeMatrices:
                 layout = self.layout[i]
                 out[i] = buf[layout.own_offset:layout.own_offset + layout.own_numel].view(pieces[i].shape)
         return out  # type: ignore[return-value]
+
+    # --- the exchange overlapped with backward (framework/train/muon_overlap.py) -----------------------------
+    def launch(self, ids: Sequence[int], pieces: Sequence[torch.Tensor]) -> None:
+        """Start sending `pieces[j]`, this rank's local piece of a tensor placed like `params[ids[j]]`, to its
+        owner: one asynchronous all-to-all per bucket touched, over those parameters only; `collect` waits. Every
+        rank launches the same `ids` in the same order. Parameters with secondary hops are not launched."""
+        local = dict(zip(ids, pieces, strict=True))
+        for bucket in self.buckets:
+            members = [i for i in bucket.members if i in local]
+            if not members:
+                continue
+            if self.layout[members[0]].secondary or self._sent.intersection(members):
+                raise RuntimeError(f"launching Muon parameters {members}: sent already this step, or they need a "
+                                   "secondary hop (tp under FSDP), which the overlapped exchange does not run")
+            recv, work = self._to_owners(bucket, [local[i].reshape(-1) for i in members], members, async_op=True)
+            self._inflight.append((bucket, members, recv, work))
+            self._sent.update(members)
+
+    def unsent(self) -> list[int]:
+        """The exchanged parameters (owner >= 0) not launched since the last `collect` / `discard`."""
+        return [i for bucket in self.buckets for i in bucket.members if i not in self._sent]
+
+    def collect(self) -> dict[int, torch.Tensor]:
+        """Wait for everything `launch` started; this owner's units {parameter index: unit}, in `apply`'s order."""
+        got: dict[int, torch.Tensor] = {}
+        for bucket, members, recv, work in self._inflight:
+            if work is not None:
+                work.wait()
+            got.update(self._received(bucket, recv, members))
+        self._inflight.clear()
+        self._sent.clear()
+        return {i: got[i] for bucket in self.buckets for i in bucket.members if i in got}
+
+    def discard(self) -> None:
+        """Drop what `launch` sent (a skipped step): wait for the collectives, keep nothing."""
+        for _, _, _, work in self._inflight:
+            if work is not None:
+                work.wait()
+        self._inflight.clear()
+        self._sent.clear()
 
 
 def _to_blocks(unit: torch.Tensor, block: int) -> torch.Tensor:

@@ -17,8 +17,8 @@ compute to hide behind, the others hide behind the neighbouring unit's compute u
 prefetch >= 1; FSDP2's default, prefetch 0, still prefetches one unit in backward) or not at all (forward,
 prefetch 0); per-unit latency ((n-1) ring steps) and the inter-node bandwidth
 of a group that spans nodes enter through each collective's time (`framework.plan.comm`).
-Under Muon (`Workload.optimizer`) the owner exchange and the owners' Newton-Schulz FLOPs add to the step
-whole (framework/plan/muon.py): they run after backward and nothing overlaps them yet.
+Under Muon (`Workload.optimizer`) the owners' Newton-Schulz FLOPs and the exchange's return trip add to the step
+whole (framework/plan/muon.py); the trip to the owners too, except where it overlaps backward (`_muon_exposed`).
 NVMe offload adds reading and writing the rank's AdamW states (16 bytes per parameter) at `nvme_gbps` after
 backward, where nothing hides it.
 Selective recompute adds the memory traffic of rewriting what it recomputes (norms, RoPE, activations are
@@ -198,11 +198,13 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
         nvme_s = 2 * states["optimizer"] / (hw.nvme_gbps * 1e9)
         optimizer_s += 2 * states["optimizer"] / (hw.hbm_gbps * 1e9)
     muon = AxisComm(0.0, 0, 0.0)
-    if work.optimizer == "muon":  # the owner exchange and Newton-Schulz run after backward, nothing hides them
+    muon_s = 0.0
+    if work.optimizer == "muon":  # Newton-Schulz and the return trip run after backward, nothing hides them
         mb = muon_bytes(work, lay, max({0, lay.pp - 1}, key=lambda r: muon_bytes(work, lay, r).ns_flops))
         muon = muon_comm_per_step(work, lay, hw, mb)
         optimizer_s += mb.ns_flops / rate
-    step = pipeline + pp.seconds + dp_exposed + optimizer_s + nvme_s + muon.seconds
+        muon_s = _muon_exposed(muon.seconds, mb.overlapped, max(1, len(params.layers)), compute - fwd)
+    step = pipeline + pp.seconds + dp_exposed + optimizer_s + nvme_s + muon_s
     tokens = work.global_batch * s
     model_flops = mfu_flops_per_token(cfg, s) * tokens  # the MFU convention shared with the observer
     hw_flops = _flops(cfg, s, full_rc) * tokens
@@ -211,7 +213,7 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
             "dp_reduce": dp["reduce"], "dp_gather": dp["gather"], **({"muon": muon} if muon.messages else {})}
     time = {"compute": m * compute, "tp": m * tp_c.seconds, "cp": m * cp_c.seconds, "ep": m * ep_c.seconds,
             "bubble": bubble_s, "pp_p2p": pp.seconds, "dp_exposed": dp_exposed, "optimizer": optimizer_s,
-            "nvme_io": nvme_s, **({"muon_exchange": muon.seconds} if muon.messages else {})}
+            "nvme_io": nvme_s, **({"muon_exchange": muon_s} if muon.messages else {})}
     return Estimate(lay, mem, mem_rank, parts, step, model_flops / denom, hw_flops / denom, tokens / step, bubble,
                     (model_flops, hw_flops), comm, time)
 
@@ -220,4 +222,15 @@ def _scaled(c: AxisComm, m: int) -> AxisComm:
     return AxisComm(c.wire_bytes * m, c.messages * m, c.seconds * m)
 
 
+def _muon_exposed(seconds: float, overlapped: bool, units: int, backward_s: float) -> float:
+    """Exposed seconds of Muon's two all-to-alls (`seconds` both). Overlapped, the trip to the owners leaves unit
+    by unit from the last micro-batch's backward: the last unit's share has nothing left to hide behind, the rest
+    hides behind that backward up to its length."""
+    if not overlapped:
+        return seconds
+    half = seconds / 2
+    return half + half / units + max(0.0, half * (units - 1) / units - backward_s)
+
+
 __all__ = ["Estimate", "estimate", "zero3_pass_exposed"]
+

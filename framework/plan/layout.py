@@ -63,6 +63,9 @@ class Workload:
     each step adds the owner exchange and Newton-Schulz (framework/plan/muon.py)."""
     muon_ns_bytes: int = 2
     """Bytes per element of Muon's Newton-Schulz iteration (train.muon.ns_dtype: bf16 2, fp32 4)."""
+    muon_overlap: bool = True
+    """train.muon.overlap: the owner exchange leaves from backward where the layout allows (framework/plan/muon.py
+    `overlapped`)."""
 
 
 @dataclass(frozen=True)

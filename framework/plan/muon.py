@@ -26,6 +26,12 @@ Transient on that owner, after backward (activations are gone by then): the larg
                      for n stacked a x b matrices, a <= b),
 all in fp32 except the NS working set. Owners whose pieces do not arrive in order (a tp hop, row-wise tp blocks,
 stacked experts cut on dim 1) keep an int32 index per element they own, between steps.
+Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout without tp, pp or ep, as
+framework/train/muon_overlap.py allows; the planner does not see fsdp_layers_per_unit or qgZ, which also refuse),
+the raw gradient pieces reach the owners during backward and an exchanged matrix's momentum lives whole on its
+owner: the momentum is O rather than the shards' S, and the step's transient is the larger of the return trip
+(S2 + O: send and receive buffers beside the results) and Newton-Schulz, since the O received is already live
+when the step starts (it grows while backward frees activations) and no Nesterov pieces are made on the shards.
 `tests/dryrun/test_ground_truth.py` holds these terms to the dry run (itself held to real gloo steps).
 """
 
@@ -63,6 +69,8 @@ class MuonBytes:
     """The busiest owner's placement indices (int32 per element it places), kept between steps."""
     ns_flops: float = 0.0
     """The busiest owner's Newton-Schulz FLOPs per step (`NS_STEPS` quintic steps on every matrix it owns)."""
+    overlapped: bool = False
+    """The to-owner all-to-all leaves from backward (`overlapped`); the return trip stays after it."""
 
 
 Dense = tuple[Unit, bool, bool]
@@ -136,10 +144,10 @@ def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int]) -> dict[tuple[str
     return out
 
 
-def _part(cfg: ModelConfig, lay: Layout, layers: list[int], state: int, ns_bytes: int, out: dict[str, float]
-          ) -> float:
+def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[str, float]) -> float:
     """The transient bytes of one model part's Muon step (one optimizer); adds its traffic and the owner's index
     bytes (4 per placed element, kept between steps) into `out`."""
+    cfg, ns_bytes = work.model, work.muon_ns_bytes
     sizes = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep, "": 1}
     # apply(): every bucket's pieces (S) live throughout, the owned units (O) from the exchange on (then their
     # results); on top, one bucket's send and receive buffers at a time, or one shape group's Newton-Schulz.
@@ -150,6 +158,8 @@ def _part(cfg: ModelConfig, lay: Layout, layers: list[int], state: int, ns_bytes
         held = max((units[r::size] for r in range(size)), key=lambda us: sum(_numel(u) for u, _ in us))
         o, s2 = sum(_numel(u) for u, _ in held), sum(_numel(u) for u, _ in units) / size
         pieces, owned, mine = pieces + s2 / split, owned + o, mine + [u for u, _ in held]
+        if axis == "dp_shard":  # the dense matrices' owners: under overlap their momentum is these, whole
+            out["owned"] = out.get("owned", 0.0) + o
         out["index"] = out.get("index", 0.0) + 4 * sum(_numel(u) for u, placed in held if placed)
         if axis:
             out[axis] = out.get(axis, 0.0) + state * (s2 + o)
@@ -162,7 +172,15 @@ def _part(cfg: ModelConfig, lay: Layout, layers: list[int], state: int, ns_bytes
     ns = max((_ns_work(g, ns_bytes) for g in by_shape.values()), default=0.0)
     out["ns_flops"] = out.get("ns_flops", 0.0) + sum(
         NS_STEPS * n * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for n, a, b in mine)
+    if overlapped(work, lay):  # the gradient units arrived in backward; no Nesterov pieces on the shards
+        return max(state * exchange, ns)
     return state * (pieces + owned) + max(state * exchange, ns)
+
+
+def overlapped(work: Workload, lay: Layout) -> bool:
+    """Whether the owner exchange overlaps backward (framework/train/muon_overlap.py `overlap_problem`)."""
+    return (work.muon_overlap and lay.zero_stage > 0 and lay.shard_group > 1 and lay.tp == 1 and lay.pp == 1
+            and not (work.model.moe.enabled and lay.ep > 1))
 
 
 def chunk_layers(cfg: ModelConfig, lay: Layout, rank: int) -> list[list[int]]:
@@ -180,17 +198,20 @@ def muon_bytes(work: Workload, lay: Layout, rank: int) -> MuonBytes:
     traffic: dict[str, float] = {}
     transient, dense, experts = 0.0, 0, 0
     for layers in chunk_layers(cfg, lay, rank):  # the parts' optimizers step one after another
-        transient = max(transient, _part(cfg, lay, layers, state, work.muon_ns_bytes, traffic))
+        transient = max(transient, _part(work, lay, layers, state, traffic))
         for i in layers:
             d, e = layer_units(cfg, i, lay.ep)
             dense += sum(_numel(u) // (lay.tp if split else 1) for u, split, _ in d)
             experts += sum(map(_numel, e))
     index, flops = traffic.pop("index", 0.0), traffic.pop("ns_flops", 0.0)
-    gather = traffic.pop("all_gather_tp", 0.0)
+    gather, owned = traffic.pop("all_gather_tp", 0.0), traffic.pop("owned", 0.0)
     # ZeRO shards the momentum like AdamW's moments: dense over dp x cp, experts over dp x tp / ep
     zero = lay.zero_stage > 0
     sharded = dense / (lay.shard_group if zero else 1) + experts / (lay.dp * lay.tp // lay.ep if zero else 1)
-    return MuonBytes(dense + experts, sharded * (state - prec.optimizer), traffic, gather, transient, index, flops)
+    delta = sharded * (state - prec.optimizer)
+    if overlapped(work, lay):  # the momentum of the matrices a rank owns, whole, in place of its shards'
+        delta += (owned - dense / lay.shard_group) * state
+    return MuonBytes(dense + experts, delta, traffic, gather, transient, index, flops, overlapped(work, lay))
 
 
 __all__ = ["MuonBytes", "chunk_layers", "layer_units", "muon_bytes"]

@@ -45,6 +45,11 @@ class MuonConfig:
     (framework/train/qk_clip.py). Off by default: Kimi K2 needed it at 1T parameters, Moonlight did not."""
     qk_clip_tau: float = 100.0
     """QK-clip's threshold on q.k / sqrt(d) (Kimi K2 uses 100)."""
+    overlap: bool = True
+    """Send each FSDP unit's gradient pieces to their owners during backward, as soon as FSDP has reduced them,
+    and keep an exchanged matrix's momentum whole on its owner (framework/train/muon_overlap.py). Where the
+    layout does not allow it (tp, pp, ep > 1, no FSDP shard group; `overlap_problem` says why) the exchange runs
+    after backward, as with false. Same updates bit for bit and the same bytes either way."""
 
     def validate(self) -> None:
         if not 0 <= self.momentum < 1:

@@ -25,7 +25,7 @@ batched per matrix shape there) and scatters back, so every layout computes the 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -97,6 +97,9 @@ class Muon(torch.optim.AdamW):
         # `blocks` (train.muon.per_head): id(param) -> +k (rows in blocks of k) or -k (columns in blocks of k)
         self._blocks = [(blocks or {}).get(id(p), 0) for p in self._muon_params()]
         self._whole = WholeMatrices(self._muon_params(), self._blocks)
+        self.overlapped = False  # set by framework/train/muon_overlap.py where the layout allows
+        self._factors: list[float] = []
+        self.launches = {"backward": 0, "step": 0}  # `launch` calls from inside backward / at the step
 
     def _muon_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups if g.get("muon") for p in g["params"]]
@@ -127,27 +130,130 @@ class Muon(torch.optim.AdamW):
             raise RuntimeError(f"Muon step with {len(missing)} Muon parameter(s) lacking a gradient, shapes {missing}")
         if [id(p) for p in self._whole.params] != [id(p) for p in params]:
             raise RuntimeError("Muon's parameters changed after construction; build a new optimizer instead")
-        nesterov_in: list[torch.Tensor] = []
-        for p in params:
-            g = _grad_like_param(p)
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                # a step count as AdamW keeps one: Adam's load_state_dict expects it in every parameter's state
-                state["step"] = torch.tensor(0.0)
-            state["step"] += 1
-            buf = _local(state["momentum_buffer"])
-            buf.lerp_(g, 1 - cfg.momentum)
-            nesterov_in.append(g.lerp(buf, cfg.momentum) if cfg.nesterov else buf)
         dtype = _NS_DTYPES[cfg.ns_dtype]
-        updates = self._whole.apply(nesterov_in, lambda u: newton_schulz(
-            u, cfg.ns_coefficients, cfg.ns_steps, cfg.ns_eps, dtype))
+
+        def fn(u: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(u, cfg.ns_coefficients, cfg.ns_steps, cfg.ns_eps, dtype)
+
+        if self.overlapped:
+            updates = self._owner_step(params, fn)
+        else:
+            updates = self._whole.apply([self._nesterov(p, _grad_like_param(p)) for p in params], fn)
         scale = {id(p): (g["lr"], g["weight_decay"]) for g in self.param_groups if g.get("muon") for p in g["params"]}
         for p, update, block in zip(params, updates, self._blocks, strict=True):
             lr, wd = scale[id(p)]
             w = _local(p)
             w.mul_(1 - lr * wd)
             w.add_(update, alpha=-lr * update_scale(block_shape(tuple(p.shape), block), cfg))
+
+    def _nesterov(self, p: torch.Tensor, g: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The momentum update of `p`'s buffer with gradient `g` (its local piece, or under the overlapped exchange
+        its owner's whole unit; `like` is then the unit), and what Newton-Schulz orthogonalizes."""
+        state = self.state[p]
+        if "step" not in state:  # a step count as AdamW keeps one: Adam's load_state_dict expects it everywhere
+            state["step"] = torch.tensor(0.0)
+        state["step"] += 1
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p if like is None else like)
+        buf = _local(state["momentum_buffer"])
+        buf.lerp_(g, 1 - self.muon_cfg.momentum)
+        return g.lerp(buf, self.muon_cfg.momentum) if self.muon_cfg.nesterov else buf
+
+    # --- the owner exchange overlapped with backward (framework/train/muon_overlap.py) ------------------------
+    def launch(self, params: Sequence[torch.Tensor]) -> None:
+        """Send these Muon parameters' gradients, final now, to their owners (from a backward hook)."""
+        ids = {id(p) for p in params}
+        chosen = [i for i in self._exchanged() if id(self._whole.params[i]) in ids]
+        self._whole.launch(chosen, [_grad_like_param(self._whole.params[i]) for i in chosen])
+        self.launches["backward" if torch._C._current_graph_task_id() != -1 else "step"] += 1
+
+    def grads_scaled(self, factor: float) -> None:
+        """The engine multiplied every gradient by `factor` after the pieces left: the owners repeat it."""
+        if factor != 1.0:
+            self._factors.append(factor)
+
+    def _exchanged(self) -> list[int]:
+        return [i for b in self._whole.buckets for i in b.members]
+
+    def _owner_step(self, params: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> list[torch.Tensor]:
+        """The overlapped exchange's step: the raw gradients are with their owners (what no hook sent goes now),
+        which unscale and clip them as the engine did the local pieces, keep the whole matrices' momentum and run
+        Newton-Schulz; the updates come back as in `WholeMatrices.apply`. Elementwise operations are the same
+        per element on a whole matrix as on its pieces, so every update equals the non-overlapped one bitwise."""
+        from framework.parallel.whole_matrix import _batched
+
+        rest = self._whole.unsent()
+        if rest:
+            self._whole.launch(rest, [_grad_like_param(params[i]) for i in rest])
+            self.launches["step"] += 1
+        got = self._whole.collect()
+        raw = [g for i, g in got.items() if i not in set(rest)]  # sent from backward, before the engine's scaling
+        for factor in self._factors if raw else ():  # (_foreach_mul_ refuses an empty list)
+            torch._foreach_mul_(raw, factor)
+        del raw
+        self._factors.clear()
+        units = {i: self._nesterov(p, _grad_like_param(p)).reshape(self._whole.layout[i].unit_shape)
+                 for i, p in enumerate(params) if self._whole.layout[i].owner < 0}
+        for i in list(got):  # each gradient unit freed once its Newton-Schulz input exists
+            g = got.pop(i)
+            units[i] = self._nesterov(params[i], g, like=g)
+            del g
+        # The matrices other ranks own: the step count, and an empty momentum, since checkpoint loading
+        # (torch.distributed.checkpoint) reloads the keys the live state has.
+        for i in set(self._exchanged()) - set(units):
+            state = self.state[params[i]]
+            state.setdefault("step", torch.tensor(0.0)).add_(1)
+            state.setdefault("momentum_buffer", _local(params[i]).new_empty(0))
+        locals_ = [_local(p) for p in params]
+        return self._whole.scatter(_batched(units, fn, self._blocks), locals_)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops the exchanged gradients of a step not taken (the guard or the fp16 scaler said no)."""
+        self._whole.discard()
+        self._factors.clear()
+        super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Placed like the parameters whatever the mode: under the overlapped exchange the owners' whole momentum
+        matrices go back to every rank's pieces first (a collective, as the step's return trip)."""
+        params = self._muon_params()
+        if not self.overlapped or not any("step" in self.state[p] for p in params):
+            return super().state_dict()
+        owned = {i: self.state[params[i]].pop("momentum_buffer") for i in self._exchanged()
+                 if "momentum_buffer" in self.state[params[i]]}
+        locals_ = [_local(p) for p in params]
+        pieces = self._whole.scatter({**owned, **{i: locals_[i] for i, lay in enumerate(self._whole.layout)
+                                                  if lay.owner < 0}}, locals_)
+        for i in self._exchanged():
+            self.state[params[i]]["momentum_buffer"] = _placed_like(params[i], pieces[i])
+        try:
+            sd = super().state_dict()
+            sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+            return sd
+        finally:
+            for i in self._exchanged():
+                self.state[params[i]].pop("momentum_buffer")
+                if i in owned:
+                    self.state[params[i]]["momentum_buffer"] = owned[i]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        params = self._muon_params()
+        if not self.overlapped or not any("momentum_buffer" in self.state[p] for p in params):
+            return
+        ids = self._exchanged()
+        self._whole.launch(ids, [_local(self.state[params[i]].pop("momentum_buffer")) for i in ids])
+        owned = self._whole.collect()
+        for i in ids:
+            self.state[params[i]]["momentum_buffer"] = owned.get(i, _local(params[i]).new_empty(0))
+
+
+def _placed_like(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    if not isinstance(p, DTensor):
+        return piece.clone()
+    return DTensor.from_local(piece.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
 
 
 def block_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:

@@ -47,6 +47,7 @@ from framework.parallel.precision import (
 )
 from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
 from framework.train.config import TrainConfig
+from framework.train.muon_overlap import overlap_exchange
 from framework.train.optim import build_optimizer
 from framework.train.qk_clip import QKClip
 from models.config import ModelConfig
@@ -109,6 +110,8 @@ class ParallelEngine:
         self.qk_clip = QKClip.build(self.model_parts, model_cfg, train_cfg, coord["tp"] * model_cfg.n_heads // dims.tp,
                                     [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self._fix_tied_decay()
+        # Muon's owner exchange from backward hooks where the layout allows (framework/train/muon_overlap.py)
+        self.muon_exchange = overlap_exchange(self.optimizers, self.model_parts, train_cfg, pcfg, dims, model_cfg)
         self.optimizers = offload_optimizers(  # ZeRO-Infinity (docs/PARALLELISM.md): AdamW states on local NVMe
             self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
@@ -221,6 +224,8 @@ class ParallelEngine:
                     set_micro_batch_sync(part, self.pcfg.zero_stage, i == n - 1)
                 if self.replica_sync is not None:
                     self.replica_sync.arm(i == n - 1)  # DDP buckets launch from the last backward's hooks
+                if self.muon_exchange is not None:
+                    self.muon_exchange.arm(i == n - 1)  # so do Muon's owner exchanges
                 inputs, labels, kwargs = self._split(mb)
                 forward_ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
                 if self.model_cfg.mtp_depth:  # its cross-entropy on vocab-parallel logits needs the loss context
@@ -240,14 +245,20 @@ class ParallelEngine:
 
     def _clip_grad_norm(self, max_norm: float) -> float:
         params = [p for p in self.parameters() if p.grad is not None]
-        scale_grads(params, 1.0 / self.scaler.scale)
+        self._scale_grads(params, 1.0 / self.scaler.scale)
         counted = [p for p in params if p is not self.tied_copy]  # a tied weight counts once (first stage)
         norm = float(global_grad_norm(counted, self.dims.world_size // self.dims.pp, self.groups, self.device))
         self._found_inf = not math.isfinite(norm)
         self._unscaled = True
         if max_norm > 0 and not self._found_inf:
-            scale_grads(params, clip_factor(norm, max_norm))
+            self._scale_grads(params, clip_factor(norm, max_norm))
         return norm
+
+    def _scale_grads(self, params: list[nn.Parameter], factor: float) -> None:
+        scale_grads(params, factor)
+        if self.muon_exchange is not None:  # the owners hold raw gradient pieces: they repeat the factor
+            for opt in self.muon_exchange.optimizers:
+                opt.grads_scaled(factor)
 
     def layer_grad_norms(self, total: float) -> list[float]:
         n = self.model_cfg.n_layers

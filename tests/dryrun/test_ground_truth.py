@@ -36,10 +36,12 @@ WORLD4 = {
     "cp2-tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1", "data.seq_len=64",
                 "train.global_batch_size=4"],
     # Muon's owner plan is rank arithmetic (no exchange at construction), so the fake world builds it too: its
-    # momentum, the dp_shard all-to-alls and the update's transient. (TP2 x DP2 ZeRO-3 Muon, whose tp hop and
-    # owner index the dry run measures too, is not here: run after cp2-tp2 in this world, the real run's TP
-    # collectives (TP layers' and Muon's alike) went on process groups the comm logger did not name "tp" but
-    # "other", totals equal; not investigated further. docs/PLANNER.md has its dry-run figures.)
+    # momentum, the dp_shard all-to-alls (overlapped with backward here) and the update's transient; TP2 x DP2
+    # ZeRO-3 Muon adds the tp hop and the owner index. Run after cp2-tp2 in one world, the second engine's TP
+    # collectives ran on a group of the same members that the first layout had created (not the mesh's "tp"
+    # group, so they were counted under "other"): the comm logger now names a group by its members too.
+    "tp2-dp2-zero3-muon": ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=3", "model.n_layers=8",
+                           "train.optimizer=muon"],
     "dp4-zero3-muon": ["parallel.dp_shard=4", "parallel.zero_stage=3", "model.n_layers=8", "train.optimizer=muon"],
     # under pp a backward leaves ZeRO-3's units gathered and the stage reduces once, after its last backward
     "pp2-dp2-zero3": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3", "model.n_layers=8",

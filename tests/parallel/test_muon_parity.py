@@ -9,6 +9,11 @@ with FSDP's Shard(1), pipeline stages (1F1B and interleaved), TP2 x PP2 x DP2 an
 TP2, DP2 ZeRO-3 and TP2 x DP2 ZeRO-3; per-head blocks under TP2 x DP2 ZeRO-3; plus fp16 loss scaling
 around Muon (against the fp16 one-process run, as the AdamW suite does). All rounds share one 8-rank process
 group.
+
+The owner exchange overlapped with backward (`train.muon.overlap`, on by default where the layout allows it:
+FSDP without tp/pp/ep) runs on every such layout above; three of them run again with it off, and the two runs
+must agree bitwise (losses, grad norms, final parameters). Each overlapped run must have launched its exchange
+from inside backward, once per block and step, and sent nothing at the step; the others never launch.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from parallel_parity import compare, pack_rounds, run_rounds
+from parallel_parity import STEPS, compare, layout_world, make_config, pack_rounds, run_round
 
+from framework.parallel.mesh import ParallelDims
 from framework.testing import run_distributed
+from framework.train.muon_overlap import overlap_problem
 
 MUON = {"train.optimizer": "muon", "train.muon.ns_dtype": "fp32"}
 CLIP = {**MUON, "train.muon.qk_clip": True, "train.muon.qk_clip_tau": 0.1}
@@ -50,12 +57,59 @@ LAYOUTS: list[dict[str, Any]] = [
     # fp16 loss scaling (unscale, overflow skip) around Muon, against the fp16 one-process Muon run.
     {"tp": 2, "dp_shard": 2, "zero_stage": 1, "train.precision": "fp16", **MUON},
 ]
+OFF = {"train.muon.overlap": False}
+# the plain exchange on layouts that overlap by default: ZeRO-3, uneven shards, HSDP with ZeRO-1's accumulation
+LAYOUTS += [{**layout, **OFF} for layout in (LAYOUTS[5], LAYOUTS[7], LAYOUTS[6])]
+
+
+def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
+    """parallel_parity.run_rounds, adding each layout's Muon launch counts ({"backward": n, "step": n})."""
+    import torch.distributed as dist
+
+    from framework.train.muon import Muon
+
+    made: list[Muon] = []
+    init = Muon.__init__
+
+    def recording_init(self: Muon, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    Muon.__init__ = recording_init  # type: ignore[method-assign]
+    out = []
+    for layouts in rounds:
+        before = len(made)
+        result = run_round(rank, world, layouts)
+        out.append({i: (*v, [(m.overlapped, dict(m.launches)) for m in made[before:]]) for i, v in result.items()})
+    dist.barrier()
+    return out
+
+
+def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[dict[int, Any]]]) -> list[str]:
+    """Launch counts against `overlap_problem`, and each plain-exchange twin against its overlapped layout."""
+    bad, runs = [], {}
+    for i, layouts in enumerate(rounds):
+        for j, layout in enumerate(layouts):
+            per_rank = [r[i][j] for r in results if j in r[i]]
+            runs[str(sorted(layout.items()))] = per_rank[0][:2]
+            cfg = make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
+            dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
+            on = overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None
+            want = (on, {"backward": STEPS * cfg.model.n_layers if on else 0, "step": 0})
+            bad += [f"{layout}: (overlapped, launches) {got} on a rank, want {want}"
+                    for r in per_rank for got in r[2] if got != want]
+    for layout in LAYOUTS:
+        if OFF.items() <= layout.items():
+            twin = {k: v for k, v in layout.items() if k not in OFF}
+            if runs[str(sorted(layout.items()))] != runs[str(sorted(twin.items()))]:
+                bad.append(f"{layout}: the plain exchange differs from the overlapped one")
+    return bad
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_muon_layouts_match_one_process_muon() -> None:
     rounds = pack_rounds(LAYOUTS, 8)
-    results = run_distributed(run_rounds, 8, timeout_s=600, rounds=rounds)
-    bad = compare(rounds, results)
+    results = run_distributed(_run_rounds, 8, timeout_s=600, rounds=rounds)
+    bad = compare(rounds, results) + overlap_mismatches(rounds, results)
     assert not bad, "\n".join(bad)
