@@ -2,14 +2,14 @@
 1-process LocalEngine of the same config: loss and grad norm at every step within 1e-5, final parameters'
 checksums within 1e-5 relative (tests/parallel/parallel_parity.py). All layouts share one 8-rank spawn.
 
-What each layout proves: TP splits MLA's up-projections by heads while the replicated down-projections, latent
-norms and shared rotary key receive their whole gradient (with and without sequence parallelism); PP cuts MLA
-blocks; ZeRO-3 shards the latent weights; cp (ring, with and without document masks) attends across ranks;
-recompute and compile (aot_eager,
-sub-layer regions under TP) wrap MLA blocks; EP splits the DeepSeek-V3 test shape's experts; query compression off (q_proj) under TP. Multi-token prediction:
-its projection, norms and blocks under TP (with and without sequence parallelism and vocab-parallel loss), ZeRO-3
-and on the last pipeline stage (1F1B x TP2 tied, ZBV, interleaved 1F1B) train as one process (its loss rides on the
-logits' gradient, so the main loss and grad norm carry it).
+What each layout proves: TP splits MLA's up-projections by heads while the replicated down-projections, latent norms
+and shared rotary key receive their whole gradient (with and without sequence parallelism); PP cuts MLA blocks;
+ZeRO-3 shards the latent weights; cp (ring, with and without document masks) attends across ranks; recompute and
+compile (aot_eager, sub-layer regions under TP) wrap MLA blocks; EP splits the DeepSeek-V3 test shape's experts;
+query compression off (q_proj) under TP. Multi-token prediction: its projection, norms and blocks under TP (with and
+without sequence parallelism and vocab-parallel loss), ZeRO-3 and on the last pipeline stage (1F1B x TP2 tied, ZBV,
+interleaved 1F1B) train as one process (its loss rides on the logits' gradient, so the main loss and grad norm carry
+it).
 """
 
 from __future__ import annotations
