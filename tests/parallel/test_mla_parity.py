@@ -45,9 +45,9 @@ def _layouts() -> list[dict[str, Any]]:
         {"pp": 2, "tp": 2, "dp_shard": 1, "model.mtp_depth": 2, "model.tied_embeddings": True, **MLA},
         {"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "model.mtp_depth": 1, **MLA},
         # Interleaved 1F1B: two MLA chunks per rank. EP: the DeepSeek-V3 shape (MLA, sigmoid group-limited routing
-        # with its load-balancing bias, a shared expert, a dense first layer) with experts split over 2 ranks.
+        # with its load-balancing bias, a shared expert, a dense first layer, one MTP depth), experts over 2 ranks.
         {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "model.mtp_depth": 1, **MLA},
-        {"ep": 2, "dp_shard": 2, "zero_stage": 3, "model.preset": "test-deepseek-v3"},
+        {"ep": 2, "dp_shard": 2, "zero_stage": 3, "model.preset": "test-deepseek-v3", "model.mtp_depth": 1},
     ]
 
 
