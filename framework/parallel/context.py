@@ -130,6 +130,8 @@ class ContextParallel:
                 setattr(module, "context_attention", attend)  # noqa: B010 (not a submodule)
             if hasattr(module, "mask_builder"):
                 setattr(module, "mask_builder", self.build_mask)  # noqa: B010
+            if hasattr(module, "seq_shards"):  # multi-token prediction weights its loss by the rank's share
+                setattr(module, "seq_shards", self.size)  # noqa: B010
 
     def build_mask(self, doc_BT: torch.Tensor) -> Any:
         """The document mask of one forward pass from the full rows' document ids (B, T), shared by all layers."""
@@ -197,6 +199,10 @@ class ContextParallel:
         elif doc is not None and documents is not None and documents.mask:
             kwargs["doc_ids"] = doc
         return inputs[:, q_idx].contiguous(), labels[:, q_idx].contiguous(), kwargs
+
+    def local(self, full_BT: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a whole-row tensor (B, T, ...), in the order `shard` cuts the inputs."""
+        return full_BT[:, local_indices(full_BT.shape[1], self.size, self.rank).to(full_BT.device)].contiguous()
 
     def _dense_mask(self, b: int, q_idx: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
         """(B, 1, L, T) additive mask of the local queries against the gathered keys (rows split into micro-batches)."""
