@@ -17,6 +17,8 @@ Document masks: ring and all_to_all receive the full rows' document ids and buil
 pass (`build_mask`, installed as the decoder's mask builder), shared by every layer.
 The loss is each rank's mean over its own tokens; FSDP averages gradients over dp_shard x cp (cp is folded into
 the sharding group, torchtitan's dp_shard_cp), which with equal token counts per rank is the full-sequence mean.
+Multi-token prediction's shifted labels reach past a rank's chunks: the engine shifts whole rows and cuts them with
+`local`; its ranks' loss counts differ, so it weights each rank's mean by its share (models/mtp.py).
 Shape legend: B batch, T sequence (full), L local tokens (T / cp), H query heads, K key/value heads, E head dim.
 """
 
