@@ -77,7 +77,7 @@ class Config:
         problem = context_problem(self.data.seq_len, self.parallel.cp, tp, self.parallel.sequence_parallel)
         if problem:
             raise ParallelismError(problem)
-        if mtp_why := mtp_problem(self.model.mtp_depth, self.parallel.pp, self.parallel.cp, self.parallel.pp_schedule,
+        if mtp_why := mtp_problem(self.model.mtp_depth, self.parallel.pp, self.parallel.pp_schedule,
                                   self.model.tied_embeddings):
             raise ParallelismError(mtp_why)
         if tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % tp:

@@ -11,7 +11,10 @@ Emb and OutHead are the main model's (shared, as the paper); M_k is `eh_proj`, T
 norm_k its own final norm (DeepSeek-V3's HF names: enorm, hnorm, eh_proj, shared_head.norm). Since t_{i+1} is the
 main target y_i, module k reads its input tokens from the labels shifted by k - 1 and its targets from the labels
 shifted by k: every row keeps all T positions (so sequence parallelism's equal shards and one compiled shape hold)
-and the last k positions of depth k are ignored in the loss.
+and the last k positions of depth k are ignored in the loss. Under context parallelism a rank holds two chunks of
+each row, and the shifted labels reach past them: the engine shifts the whole row first (`mtp_label_stack`) and cuts
+the stack as the inputs (framework/parallel/context.py); each rank's mean is weighted by its share of the row's
+predicted positions (`seq_shards`), so the mean over the cp ranks is the whole row's mean as on one process.
 
 The loss is not returned through the model's output: like MoE's aux losses (models/moe/losses.py) it is attached
 to the logits with `AuxLossInjector`, receiving gradient `loss_scale` (1 / micro-batches, times an fp16 loss
@@ -40,6 +43,12 @@ def mtp_targets(labels_BT: torch.Tensor, shift: int) -> torch.Tensor:
     out = torch.full_like(labels_BT, IGNORE)
     out[:, :labels_BT.shape[1] - shift] = labels_BT[:, shift:]
     return out
+
+
+def mtp_label_stack(labels_BT: torch.Tensor, depth: int) -> torch.Tensor:
+    """(B, T, depth + 1): [..., j] is `labels` shifted by j (`mtp_targets`), what depth j reads as input tokens
+    (j < depth) and depth j - 1 predicts (j > 0); built on whole rows, so it can be cut into cp chunks after."""
+    return torch.stack([mtp_targets(labels_BT, j) for j in range(depth + 1)], dim=-1)
 
 
 class MTPModule(nn.Module):
@@ -75,22 +84,30 @@ class MultiTokenPrediction(nn.Module):
         self.step_losses: torch.Tensor | None = None
         """Sum over this step's forwards of each depth's mean loss (detached, (D,)); `forwards` counts them."""
         self.forwards = 0
+        self.seq_shards = 1
+        """Ranks each sequence is split over (parallel.cp; set by framework/parallel/context.py's `install`)."""
 
     def forward(self, logits_BTV: torch.Tensor, h_BTD: torch.Tensor, labels_BT: torch.Tensor,
                 embed: Callable[[torch.Tensor], torch.Tensor], head: Callable[[torch.Tensor], torch.Tensor],
                 rope: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """The main logits, unchanged, carrying L_MTP's gradient (see the module docstring)."""
+        """The main logits, unchanged, carrying L_MTP's gradient (see the module docstring).
+
+        `labels_BT`: the (B, T) labels, or under cp this rank's positions of `mtp_label_stack` of the whole rows
+        (B, L, D + 1)."""
+        stack = labels_BT if labels_BT.dim() == 3 else mtp_label_stack(labels_BT, len(self.depths))
         losses = []
         for k, depth in self.depths.items():
             module = cast(MTPModule, depth)
             shift = int(k)
-            h_BTD = module(h_BTD, embed(mtp_targets(labels_BT, shift - 1).clamp_min(0)), rope, attn_mask)
+            h_BTD = module(h_BTD, embed(stack[..., shift - 1].clamp_min(0)), rope, attn_mask)
             logits = head(module.norm(h_BTD))
-            targets = mtp_targets(labels_BT, shift)
+            targets = stack[..., shift]
             losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE))
         per_depth = torch.stack(losses)
         if hasattr(per_depth, "to_local"):  # vocab-parallel logits (loss_parallel): a replicated DTensor loss
             per_depth = per_depth.to_local()
+        if self.seq_shards > 1:
+            per_depth = per_depth * self._row_share(stack)
         detached = per_depth.detach().float().cpu()
         self.step_losses = detached if self.step_losses is None else self.step_losses + detached
         self.forwards += 1
@@ -98,6 +115,15 @@ class MultiTokenPrediction(nn.Module):
 
         total = per_depth.mean() * self.weight
         return AuxLossInjector.apply(logits_BTV, total, self.loss_scale)  # type: ignore[no-any-return]
+
+    def _row_share(self, stack_BLS: torch.Tensor) -> torch.Tensor:
+        """(D,) per depth: this rank's predicted positions x cp / the whole rows' (B x (T - k)); a rank's mean
+        times it, averaged over the cp ranks, is the mean over the whole rows (the last k positions of a row sit
+        on one rank, so the ranks' counts differ)."""
+        b, local = stack_BLS.shape[:2]
+        mine = (stack_BLS[..., 1:] != IGNORE).sum(dim=(0, 1))
+        whole = b * (local * self.seq_shards - torch.arange(1, stack_BLS.shape[-1], device=stack_BLS.device))
+        return (mine * self.seq_shards / whole).to(torch.float32)
 
     def take_metrics(self) -> dict[str, float]:
         """`mtp/loss_k` (mean over this step's forwards) per depth, and reset."""

@@ -171,12 +171,10 @@ def context_problem(seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> 
             f"2 x cp load-balanced chunks; use data.seq_len={' or '.join(map(str, fits))}")
 
 
-def mtp_problem(mtp_depth: int, pp: int, cp: int, schedule: str = "1F1B", tied: bool = False) -> str | None:
+def mtp_problem(mtp_depth: int, pp: int, schedule: str = "1F1B", tied: bool = False) -> str | None:
     """Why multi-token prediction cannot run this layout, or None (under pp the last stage holds the MTP modules
-    and a copy of the embedding: framework/parallel/pipeline.py)."""
-    if mtp_depth and cp > 1:
-        return (f"model.mtp_depth={mtp_depth} with parallel.cp={cp}: the MTP modules read labels shifted across "
-                f"the whole sequence, which a cp rank's chunks do not hold; set model.mtp_depth=0 or cp=1")
+    and a copy of the embedding: framework/parallel/pipeline.py; under cp the engine shifts the labels on whole
+    rows before the cp cut: models/mtp.py)."""
     if mtp_depth and tied and pp > 1 and schedule_spec(schedule).split_backward:
         # The last stage's tied head doubles as the MTP modules' embedding copy. A split-backward schedule runs
         # torch's stage_backward_weight (pipelining/_backward.py), which frees each weight group's graph as it

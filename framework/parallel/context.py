@@ -17,6 +17,8 @@ Document masks: ring and all_to_all receive the full rows' document ids and buil
 pass (`build_mask`, installed as the decoder's mask builder), shared by every layer.
 The loss is each rank's mean over its own tokens; FSDP averages gradients over dp_shard x cp (cp is folded into
 the sharding group, torchtitan's dp_shard_cp), which with equal token counts per rank is the full-sequence mean.
+Multi-token prediction's shifted labels reach past a rank's chunks: the engine shifts whole rows and cuts them with
+`local`; its ranks' loss counts differ, so it weights each rank's mean by its share (models/mtp.py).
 Shape legend: B batch, T sequence (full), L local tokens (T / cp), H query heads, K key/value heads, E head dim.
 """
 
@@ -130,6 +132,8 @@ class ContextParallel:
                 setattr(module, "context_attention", attend)  # noqa: B010 (not a submodule)
             if hasattr(module, "mask_builder"):
                 setattr(module, "mask_builder", self.build_mask)  # noqa: B010
+            if hasattr(module, "seq_shards"):  # multi-token prediction weights its loss by the rank's share
+                setattr(module, "seq_shards", self.size)  # noqa: B010
 
     def build_mask(self, doc_BT: torch.Tensor) -> Any:
         """The document mask of one forward pass from the full rows' document ids (B, T), shared by all layers."""
@@ -197,6 +201,10 @@ class ContextParallel:
         elif doc is not None and documents is not None and documents.mask:
             kwargs["doc_ids"] = doc
         return inputs[:, q_idx].contiguous(), labels[:, q_idx].contiguous(), kwargs
+
+    def local(self, full_BT: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a whole-row tensor (B, T, ...), in the order `shard` cuts the inputs."""
+        return full_BT[:, local_indices(full_BT.shape[1], self.size, self.rank).to(full_BT.device)].contiguous()
 
     def _dense_mask(self, b: int, q_idx: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
         """(B, 1, L, T) additive mask of the local queries against the gathered keys (rows split into micro-batches)."""

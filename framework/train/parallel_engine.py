@@ -52,7 +52,7 @@ from framework.train.optim import build_optimizer
 from framework.train.qk_clip import QKClip
 from models.config import ModelConfig
 from models.documents import DocumentMasking, model_kwargs
-from models.mtp import mtp_metrics, set_mtp_loss_scale
+from models.mtp import mtp_label_stack, mtp_metrics, set_mtp_loss_scale
 
 
 def micro_batches(dims: ParallelDims, train_cfg: TrainConfig, schedule: str = "1F1B") -> int:
@@ -173,6 +173,13 @@ class ParallelEngine:
         inputs = rows_BT1[:, :-1]
         return inputs, rows_BT1[:, 1:], model_kwargs(self.documents, inputs)
 
+    def _mtp_labels(self, rows_BT1: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What the MTP modules read: the labels, or under cp the whole rows' shifted labels cut as the inputs
+        (their shifts reach past a rank's chunks; models/mtp.py)."""
+        if self.context is None:
+            return labels
+        return self.context.local(mtp_label_stack(rows_BT1[:, 1:], self.model_cfg.mtp_depth))
+
     def _loss_ctx(self) -> contextlib.AbstractContextManager[None]:
         return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
 
@@ -195,7 +202,7 @@ class ParallelEngine:
             batch = flat.reshape(need, -1, flat.shape[-1])
         inputs, labels, kwargs = self._split(flat)
         if self.model_cfg.mtp_depth and train:  # the last stage's MTP modules (models/mtp.py) read the labels
-            kwargs["mtp_labels"] = labels
+            kwargs["mtp_labels"] = self._mtp_labels(flat, labels)
         with autocast(self.device, self.train_cfg.precision), self._loss_ctx():
             losses = run_schedule(self._schedule(batch.shape[0]), self.stage_ids, self.n_stages, inputs, labels,
                                   train=train, model_kwargs=kwargs)
@@ -229,7 +236,7 @@ class ParallelEngine:
                 inputs, labels, kwargs = self._split(mb)
                 forward_ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
                 if self.model_cfg.mtp_depth:  # its cross-entropy on vocab-parallel logits needs the loss context
-                    kwargs, forward_ctx = {**kwargs, "mtp_labels": labels}, self._loss_ctx()
+                    kwargs, forward_ctx = {**kwargs, "mtp_labels": self._mtp_labels(mb, labels)}, self._loss_ctx()
                 with autocast(self.device, self.train_cfg.precision), forward_ctx:
                     logits = self.model_parts[0](inputs, **kwargs)
                 with self._loss_ctx():

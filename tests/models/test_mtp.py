@@ -63,8 +63,7 @@ def test_inference_forward_skips_mtp_and_layouts_it_cannot_run_are_refused() -> 
     x = torch.randint(0, cfg.vocab_size, (1, 8))
     torch.testing.assert_close(model(x), model(x, mtp_labels=x))  # the logits are the main head's either way
     assert mtp_metrics([model])["mtp/loss_1"] > 0 and mtp_metrics([model]) == {}  # taken once, then reset
-    with pytest.raises(ParallelismError, match=r"model\.mtp_depth=1 with parallel\.cp=2"):
-        tiny_config(None, "model.mtp_depth=1", "parallel.cp=2")
+    tiny_config(None, "model.mtp_depth=1", "parallel.cp=2")  # labels shifted on whole rows (tests/parallel)
     tiny_config(None, "model.mtp_depth=1", "parallel.pp=2")  # the last stage holds them (tests/parallel)
     tiny_config(None, "model.mtp_depth=1", "parallel.pp=2", "model.tied_embeddings=true")  # 1F1B: the tied head
     with pytest.raises(ParallelismError, match=r"model\.tied_embeddings=true and parallel\.pp=2 under "

@@ -7,9 +7,9 @@ and shared rotary key receive their whole gradient (with and without sequence pa
 ZeRO-3 shards the latent weights; cp (ring, with and without document masks) attends across ranks; recompute and
 compile (aot_eager, sub-layer regions under TP) wrap MLA blocks; EP splits the DeepSeek-V3 test shape's experts;
 query compression off (q_proj) under TP. Multi-token prediction: its projection, norms and blocks under TP (with and
-without sequence parallelism and vocab-parallel loss), ZeRO-3 and on the last pipeline stage (1F1B x TP2 tied, ZBV,
-interleaved 1F1B) train as one process (its loss rides on the logits' gradient, so the main loss and grad norm carry
-it).
+without sequence parallelism and vocab-parallel loss), ZeRO-3, cp (labels shifted on whole rows, then cut) and on
+the last pipeline stage (1F1B x TP2 tied, ZBV, interleaved 1F1B) train as one process (its loss rides on the
+logits' gradient, so the main loss and grad norm carry it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def _layouts() -> list[dict[str, Any]]:
         {"tp": 2, "dp_shard": 2, "model.mtp_depth": 2, **MLA},
         {"tp": 2, "sequence_parallel": False, "loss_parallel": False, "dp_shard": 1, "model.mtp_depth": 2, **MLA},
         {"dp_shard": 2, "zero_stage": 3, "model.mtp_depth": 2, **MLA},
+        # MTP under cp (ring): the shifted labels reach past a rank's chunks, the last positions sit on one rank.
+        {"cp": 2, "dp_shard": 1, "model.mtp_depth": 2, **MLA},
         # MTP on the last pipeline stage, with its copy of the embedding: 1F1B x TP2 with tied embeddings (the
         # tied head is the copy; the gradients swapped point to point; TP on the copy, vocab-parallel MTP loss),
         # and ZBV untied (stage 0 and the last stage on one rank: the copies' gradients added in place; split
