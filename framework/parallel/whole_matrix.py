@@ -382,9 +382,9 @@ def _batched(units: dict[int, torch.Tensor], fn: MatrixFn, blocks: Sequence[int]
     Newton-Schulz."""
     by_shape: dict[tuple[int, int], list[int]] = {}
     shapes = {i: u.shape for i, u in units.items()}
-    for i, u in units.items():
-        m = _to_blocks(u, blocks[i])
-        by_shape.setdefault((m.shape[-2], m.shape[-1]), []).append(i)
+    for i in shapes:  # no loop variable may hold a unit: it would outlive its pop below (a whole matrix per owner)
+        a, b = _to_blocks(units[i], blocks[i]).shape[-2:]
+        by_shape.setdefault((a, b), []).append(i)
     out: dict[int, torch.Tensor] = {}
     for (a, b), ids in by_shape.items():
         stacked = torch.cat([_to_blocks(units.pop(i), blocks[i]) for i in ids])
