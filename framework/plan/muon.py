@@ -125,6 +125,15 @@ def _ns_work(group: list[Unit], ns_bytes: int) -> float:
     return ns_bytes * n * max(4 * a * b + a * a, 2 * a * b + 4 * a * a)
 
 
+def ns_peak(units: list[Unit], ns_bytes: int) -> float:
+    """What an owner's batched Newton-Schulz (whole_matrix `_batched`) adds to its units: one call per matrix shape,
+    each shape's units stacked in their place and freed, so the largest group's working set."""
+    by_shape: dict[tuple[int, int], list[Unit]] = {}
+    for u in units:
+        by_shape.setdefault(u[1:], []).append(u)
+    return max((_ns_work(g, ns_bytes) for g in by_shape.values()), default=0.0)
+
+
 def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int]) -> dict[tuple[str, int], list[tuple[Unit, bool]]]:
     """One part's matrices grouped as `WholeMatrices` buckets them: (primary axis, tp split of the secondary hop)
     -> [(unit, whether its owner keeps an index)], in parameter order; axis "" where nothing moves."""
@@ -166,10 +175,7 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
             exchange = max(exchange, s2 + o)
             if split > 1:
                 out["all_gather_tp"] = out.get("all_gather_tp", 0.0) + state * s2
-    by_shape: dict[tuple[int, int], list[Unit]] = {}
-    for u in mine:
-        by_shape.setdefault(u[1:], []).append(u)
-    ns = max((_ns_work(g, ns_bytes) for g in by_shape.values()), default=0.0)
+    ns = ns_peak(mine, ns_bytes)
     out["ns_flops"] = out.get("ns_flops", 0.0) + sum(
         NS_STEPS * n * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for n, a, b in mine)
     if overlapped(work, lay):  # the gradient units arrived in backward; no Nesterov pieces on the shards
@@ -214,4 +220,4 @@ def muon_bytes(work: Workload, lay: Layout, rank: int) -> MuonBytes:
     return MuonBytes(dense + experts, delta, traffic, gather, transient, index, flops, overlapped(work, lay))
 
 
-__all__ = ["MuonBytes", "chunk_layers", "layer_units", "muon_bytes"]
+__all__ = ["MuonBytes", "chunk_layers", "layer_units", "muon_bytes", "ns_peak"]
