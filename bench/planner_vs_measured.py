@@ -172,7 +172,7 @@ def megatron_rows() -> list[str]:
         work_m = Workload(run.model(), run.seq, run.global_batch, activations="korthikanti")
         r_t, r_m = plan(work_t, run.gpus, hw), plan(work_m, run.gpus, hw)
         own = plan(work_m, run.gpus, hw, megatron_space)
-        pub = [e for e in own.feasible if e.layout.key() == (run.tp, run.pp, 1)]
+        pub = [e for e in own.feasible if e.layout.key() == (run.tp, run.pp, 1, 1)]  # (tp, pp, ep, cp)
         best = r_m.feasible[0]
         est = (f"{pub[0].layout.describe()}: MFU {pub[0].mfu * 100:.1f}%, HFU {pub[0].hfu * 100:.1f}%"
                if pub else "not feasible")
