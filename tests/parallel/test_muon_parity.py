@@ -56,16 +56,17 @@ LAYOUTS: list[dict[str, Any]] = [
     {"tp": 2, "dp_shard": 2, "zero_stage": 3, **MUON, "train.muon.per_head": True},
     # fp16 loss scaling (unscale, overflow skip) around Muon, against the fp16 one-process Muon run.
     {"tp": 2, "dp_shard": 2, "zero_stage": 1, "train.precision": "fp16", **MUON},
-    # pipeline stages over FSDP: each stage's last backward launches its units (overlapped). 3 micro-batches, so
-    # the owners' repeat of the schedule's 1/n_micro is a division that rounds unlike a multiplication by 1/3
-    {"pp": 2, "dp_shard": 2, "zero_stage": 3, "pp_schedule": "1F1B", "train.global_batch_size": 12, **MUON},
-    {"pp": 2, "dp_shard": 2, "zero_stage": 1, "pp_schedule": "Interleaved1F1B", **MUON},
 ]
+# pipeline stages over FSDP: each stage's last backward launches its units (overlapped). 3 micro-batches, so
+# the owners' repeat of the schedule's 1/n_micro is a division that rounds unlike a multiplication by 1/3
+PP_ZERO3 = {"pp": 2, "dp_shard": 2, "zero_stage": 3, "pp_schedule": "1F1B", "train.global_batch_size": 12, **MUON}
+PP_INTERLEAVED = {"pp": 2, "dp_shard": 2, "zero_stage": 1, "pp_schedule": "Interleaved1F1B", **MUON}
+LAYOUTS += [PP_ZERO3, PP_INTERLEAVED]
 OFF = {"train.muon.overlap": False}
 # the plain exchange on layouts that overlap by default: ZeRO-3, uneven shards, HSDP with ZeRO-1's accumulation
 LAYOUTS += [{**layout, **OFF} for layout in (LAYOUTS[5], LAYOUTS[7], LAYOUTS[6])]
 # ... and pipeline stages over FSDP (1F1B ZeRO-3, interleaved ZeRO-1: two stages per rank)
-LAYOUTS += [{**layout, **OFF} for layout in (LAYOUTS[19], LAYOUTS[20])]
+LAYOUTS += [{**layout, **OFF} for layout in (PP_ZERO3, PP_INTERLEAVED)]
 
 
 def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
@@ -86,9 +87,21 @@ def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> li
     for layouts in rounds:
         before = len(made)
         result = run_round(rank, world, layouts)
-        out.append({i: (*v, [(m.overlapped, dict(m.launches)) for m in made[before:]]) for i, v in result.items()})
+        out.append({i: (*v, [(m.overlapped, dict(m.launches)) for m in made[before:]],
+                        [_momentum(m) for m in made[before:]]) for i, v in result.items()})
     dist.barrier()
     return out
+
+
+def _momentum(opt: Any) -> list[tuple[float, float, float]]:
+    """Checksums of the whole momentum matrices in `opt.state_dict()` (what a checkpoint saves; a collective under
+    the overlapped exchange, whose owners send their whole momentum back to the pieces)."""
+    from parallel_parity import checksum
+    from torch.distributed.tensor import DTensor
+
+    states = opt.state_dict()["state"]
+    bufs = [states[k]["momentum_buffer"] for k in sorted(states) if "momentum_buffer" in states[k]]
+    return [checksum(b.full_tensor() if isinstance(b, DTensor) else b) for b in bufs]
 
 
 def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[dict[int, Any]]]) -> list[str]:
@@ -97,7 +110,7 @@ def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[di
     for i, layouts in enumerate(rounds):
         for j, layout in enumerate(layouts):
             per_rank = [r[i][j] for r in results if j in r[i]]
-            runs[str(sorted(layout.items()))] = per_rank[0][:2]
+            runs[str(sorted(layout.items()))] = (*per_rank[0][:2], [r[3] for r in per_rank])  # + saved momentum
             cfg = make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
             dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
             on = overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None
@@ -108,7 +121,8 @@ def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[di
         if OFF.items() <= layout.items():
             twin = {k: v for k, v in layout.items() if k not in OFF}
             if runs[str(sorted(layout.items()))] != runs[str(sorted(twin.items()))]:
-                bad.append(f"{layout}: the plain exchange differs from the overlapped one")
+                bad.append(f"{layout}: the plain exchange differs from the overlapped one (losses, grad norms, "
+                           "parameters or the momentum state_dict saves)")
     return bad
 
 
