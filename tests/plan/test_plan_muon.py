@@ -104,9 +104,10 @@ def test_planner_overlap_condition_is_the_engines_under_pp() -> None:
 
     seen = set()
     for pp, schedule, zero, dp in PP_GRID:
+        data = f"parallel.dp_shard={dp}" if zero else f"parallel.dp_replicate={dp}"  # ZeRO-0 replicates
         cfg = tiny_config(None, "train.optimizer=muon", f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}",
                           f"parallel.zero_stage={zero}", "train.global_batch_size=16",
-                          *([f"parallel.dp_shard={dp}"] if zero else ["parallel.dp_shard=1", f"parallel.dp_replicate={dp}"]))
+                          *([data] if zero else [data, "parallel.dp_shard=1"]))
         dims = ParallelDims.from_config(cfg.parallel, pp * dp, cfg.model)
         engine = overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None
         assert overlapped(*layout_of(cfg, pp * dp)) == engine, (pp, schedule, zero, dp)
