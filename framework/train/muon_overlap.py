@@ -19,7 +19,9 @@ The hook: a forward pre-hook on each FSDP unit, ahead of FSDP's own, passes the 
 autograd function, so FSDP's post-backward (which it registers on the same input) runs first and this function's
 backward runs once the unit's gradients are reduced. On the GPU the all-to-all first waits for FSDP's
 post-reduce event (the gradients are written on FSDP's reduce stream). Parameters no hook covers (the root unit's)
-are sent at the step. Where the layout does not allow it, `overlap_problem` says why and the plain exchange runs.
+are sent at the step. Under pp the pipeline stage runs each stage's last backward with FSDP's gradient sync on
+and arms the hook around it (framework/parallel/pipeline.py `_Stage`), so the same hook point serves there.
+Where the layout does not allow it, `overlap_problem` says why and the plain exchange runs.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ around Muon (against the fp16 one-process run, as the AdamW suite does). All rou
 group.
 
 The owner exchange overlapped with backward (`train.muon.overlap`, on by default where the layout allows it:
-FSDP without tp/pp/ep) runs on every such layout above; three of them run again with it off, and the two runs
-must agree bitwise (losses, grad norms, final parameters). Each overlapped run must have launched its exchange
-from inside backward, once per block and step, and sent nothing at the step; the others never launch.
+FSDP without tp/ep, pp with a whole backward) runs on every such layout above; five of them run again with it
+off (ZeRO-3, uneven shards, HSDP, PP2 x DP2 1F1B ZeRO-3 and interleaved ZeRO-1), and the two runs must agree
+bitwise (losses, grad norms, final parameters, and the momentum `state_dict` saves). Each overlapped run must
+have launched its exchange from inside backward, once per block and step (under pp once per block of the
+optimizer's own stage, from that stage's last backward), and sent nothing at the step; the others never launch.
 """
 
 from __future__ import annotations
