@@ -119,7 +119,8 @@ class BackwardExchange:
         def launch() -> None:
             if not self.armed:
                 return
-            if torch.cuda.is_available():
+            if torch.cuda.is_available():  # FSDP wrote the reduced shards on its reduce stream; under pp too, as the
+                # stage's last backward reduces through the same post-backward, which records this event
                 for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
                     event = group._post_reduce_event
                     if event is not None:
