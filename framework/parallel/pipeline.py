@@ -11,13 +11,15 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
 from framework.parallel.config import ParallelConfig
@@ -76,11 +78,62 @@ def send_in_compute_dtype(part: nn.Module, stage: int, n_stages: int, dtype: tor
         part.register_forward_hook(to_compute)
 
 
+class LastBackwardWatcher(Protocol):
+    """Told about each stage's last backward of a step (framework/train/muon_overlap.py `BackwardExchange`)."""
+
+    def arm(self, last: bool) -> None:
+        """True just before a stage's last backward, False right after it."""
+
+    def grads_divided(self, part: nn.Module, divisor: int) -> None:
+        """The schedule divided `part`'s gradients by `divisor` (1/n_micro) after that backward."""
+
+
+class _Stage(PipelineStage):
+    """torch's stage, except that with a `watcher` an FSDP stage's last backward of the step reduces its gradients.
+
+    torch runs every micro-batch's backward without gradient sync and reduces the whole stage afterwards
+    (`perform_reduce_grad`: each FSDP group's post-backward, then the division by n_micro). Here the stage's last
+    full backward runs with FSDP's sync switched on by the same setters torch's reduction and the non-pipelined
+    engine's last micro-batch use (`set_micro_batch_sync`), so each FSDP unit reduce-scatters inside backward as
+    its gradients complete, the sum being the same (every earlier micro-batch accumulated unsharded, the last
+    adds to it, then one reduce-scatter). `perform_reduce_grad` then finds no unreduced gradient (FSDP's
+    post-backward is idempotent) and divides; the watcher hears of the division. Split (zero-bubble) backwards
+    keep torch's path: their weight pass is not where FSDP's per-unit hooks reduce.
+    """
+
+    def __init__(self, *args: Any, watcher: LastBackwardWatcher | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watcher = watcher
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
+                                   ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        if (self.watcher is None or not last_backward or backward_type != "full"
+                or not isinstance(self.submod, FSDPModule)):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(True)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        self.watcher.arm(True)
+        try:
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        finally:
+            self.watcher.arm(False)
+        return grads, None
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        super().scale_grads(grad_scale_factor)
+        if self.watcher is not None and grad_scale_factor != 1:
+            self.watcher.grads_divided(self.submod, grad_scale_factor)
+
+
 def build_schedule(parts: Sequence[torch.nn.Module], stage_ids: Sequence[int], n_stages: int,
                    pp_group: dist.ProcessGroup, device: torch.device, schedule: str, n_micro: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
-    """The named schedule over this rank's stages."""
-    stages = [PipelineStage(part, sid, n_stages, device, group=pp_group) for part, sid in zip(parts, stage_ids)]
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   watcher: LastBackwardWatcher | None = None) -> _PipelineSchedule:
+    """The named schedule over this rank's stages; with `watcher`, FSDP stages reduce in their last backward
+    (`_Stage`) and tell the watcher."""
+    stages = [_Stage(part, sid, n_stages, device, group=pp_group, watcher=watcher)
+              for part, sid in zip(parts, stage_ids)]
     spec = schedule_spec(schedule)
     cls = get_schedule_class(spec.torch_class)
     if spec.shape == "single":

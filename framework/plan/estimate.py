@@ -53,7 +53,7 @@ from framework.plan.memory import (
     rank_chunks,
     rank_params,
 )
-from framework.plan.muon import muon_bytes
+from framework.plan.muon import chunk_layers, muon_bytes
 from models.config import ModelConfig
 from models.flops import flops_per_token, mfu_flops_per_token
 
@@ -203,7 +203,10 @@ def estimate(work: Workload, lay: Layout, hw: Hardware) -> Estimate:
         mb = muon_bytes(work, lay, max({0, lay.pp - 1}, key=lambda r: muon_bytes(work, lay, r).ns_flops))
         muon = muon_comm_per_step(work, lay, hw, mb)
         optimizer_s += mb.ns_flops / rate
-        muon_s = _muon_exposed(muon.seconds, mb.overlapped, max(1, len(params.layers)), compute - fwd)
+        layer_bwd = (compute - fwd) / max(1, len(params.layers))  # one block's backward of one micro-batch
+        muon_s = max(_muon_exposed(muon_comm_per_step(work, lay, hw, muon_bytes(work, lay, r)).seconds,
+                                   mb.overlapped, _rank_chunk_blocks(work, lay, r), layer_bwd)
+                     for r in sorted({0, lay.pp - 1}))
     step = pipeline + pp.seconds + dp_exposed + optimizer_s + nvme_s + muon_s
     tokens = work.global_batch * s
     model_flops = mfu_flops_per_token(cfg, s) * tokens  # the MFU convention shared with the observer
@@ -222,14 +225,28 @@ def _scaled(c: AxisComm, m: int) -> AxisComm:
     return AxisComm(c.wire_bytes * m, c.messages * m, c.seconds * m)
 
 
-def _muon_exposed(seconds: float, overlapped: bool, units: int, backward_s: float) -> float:
-    """Exposed seconds of Muon's two all-to-alls (`seconds` both). Overlapped, the trip to the owners leaves unit
-    by unit from the last micro-batch's backward: the last unit's share has nothing left to hide behind, the rest
-    hides behind that backward up to its length."""
+def _muon_exposed(seconds: float, overlapped: bool, chunks: list[tuple[int, int]], layer_bwd_s: float) -> float:
+    """Exposed seconds of one pipeline rank's Muon all-to-alls (`seconds` both; `chunks`: (stage index, blocks)
+    of its pipeline chunks, one (0, layers) without pp). The return trip is exposed whole. Overlapped, each
+    chunk's share of the trip to the owners (by blocks) leaves unit by unit from the chunk's last backward: the
+    last unit's share has nothing left of that backward to hide behind, the rest hides behind it up to its length;
+    what remains hides behind the pipeline's drain after it, the last backwards of the stage-1 .. 0 chunks before
+    it (stage c's last backward ends about c chunk backwards before stage 0's, whose end the step's first
+    all-reduce waits for): the last stage finishes first and hides most, stage 0 hides nothing more."""
     if not overlapped:
         return seconds
-    half = seconds / 2
-    return half + half / units + max(0.0, half * (units - 1) / units - backward_s)
+    half, total = seconds / 2, sum(n for _, n in chunks)
+    exposed = half
+    for stage, units in chunks:
+        share, own = half * units / total, units * layer_bwd_s
+        exposed += max(0.0, share / units + max(0.0, share * (units - 1) / units - own) - stage * own)
+    return exposed
+
+
+def _rank_chunk_blocks(work: Workload, lay: Layout, rank: int) -> list[tuple[int, int]]:
+    """(stage index, blocks) of each pipeline chunk of pipeline rank `rank`."""
+    return [(stage, max(1, len(layers))) for stage, layers in zip(rank_chunks(lay, rank),
+                                                                   chunk_layers(work.model, lay, rank), strict=True)]
 
 
 __all__ = ["Estimate", "estimate", "zero3_pass_exposed"]

@@ -26,8 +26,9 @@ Transient on that owner, after backward (activations are gone by then): the larg
                      for n stacked a x b matrices, a <= b),
 all in fp32 except the NS working set. Owners whose pieces do not arrive in order (a tp hop, row-wise tp blocks,
 stacked experts cut on dim 1) keep an int32 index per element they own, between steps.
-Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout without tp, pp or ep, as
-framework/train/muon_overlap.py allows; the planner does not see fsdp_layers_per_unit or qgZ, which also refuse),
+Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout without tp or ep, and under pp with
+a schedule whose backward is not split (not zero-bubble), as framework/train/muon_overlap.py allows; the planner
+does not see fsdp_layers_per_unit or qgZ, which also refuse),
 the raw gradient pieces reach the owners during backward and an exchanged matrix's momentum lives whole on its
 owner: the momentum is O rather than the shards' S, and the step's transient is the larger of the return trip
 (S2 + O: send and receive buffers beside the results) and Newton-Schulz, since the O received is already live
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from framework.parallel.pipeline_schedules import stages_of_rank
+from framework.parallel.pipeline_schedules import schedule_spec, stages_of_rank
 from framework.plan.layout import Layout, Workload
 from models.config import ModelConfig
 
@@ -185,7 +186,8 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
 
 def overlapped(work: Workload, lay: Layout) -> bool:
     """Whether the owner exchange overlaps backward (framework/train/muon_overlap.py `overlap_problem`)."""
-    return (work.muon_overlap and lay.zero_stage > 0 and lay.shard_group > 1 and lay.tp == 1 and lay.pp == 1
+    return (work.muon_overlap and lay.zero_stage > 0 and lay.shard_group > 1 and lay.tp == 1
+            and (lay.pp == 1 or not schedule_spec(lay.schedule).split_backward)
             and not (work.model.moe.enabled and lay.ep > 1))
 
 

@@ -98,7 +98,7 @@ class Muon(torch.optim.AdamW):
         self._blocks = [(blocks or {}).get(id(p), 0) for p in self._muon_params()]
         self._whole = WholeMatrices(self._muon_params(), self._blocks)
         self.overlapped = False  # set by framework/train/muon_overlap.py where the layout allows
-        self._factors: list[float] = []
+        self._factors: list[tuple[float, bool]] = []  # (value, divide) applied to the gradients after they left
         self.launches = {"backward": 0, "step": 0}  # `launch` calls from inside backward / at the step
 
     def _muon_params(self) -> list[torch.Tensor]:
@@ -170,7 +170,15 @@ class Muon(torch.optim.AdamW):
     def grads_scaled(self, factor: float) -> None:
         """The engine multiplied every gradient by `factor` after the pieces left: the owners repeat it."""
         if factor != 1.0:
-            self._factors.append(factor)
+            self._factors.append((factor, False))
+
+    def grads_divided(self, divisor: int) -> None:
+        """The pipeline schedule divided the gradients by `divisor` (`Tensor.div_`, torch's `scale_grads`) after the
+        pieces left: the owners repeat the same operation, not a multiplication by 1/divisor (which rounds
+        differently unless divisor is a power of two). The pieces were copied into the all-to-all's send buffer on
+        the compute stream before the division there, so the collective never reads a divided gradient."""
+        if divisor != 1:
+            self._factors.append((float(divisor), True))
 
     def _exchanged(self) -> list[int]:
         return [i for b in self._whole.buckets for i in b.members]
@@ -189,8 +197,12 @@ class Muon(torch.optim.AdamW):
             self.launches["step"] += 1
         got = self._whole.collect()
         raw = [g for i, g in got.items() if i not in set(rest)]  # sent from backward, before the engine's scaling
-        for factor in self._factors if raw else ():  # (_foreach_mul_ refuses an empty list)
-            torch._foreach_mul_(raw, factor)
+        for value, divide in self._factors if raw else ():  # in order; (_foreach_mul_ refuses an empty list)
+            if divide:
+                for g in raw:
+                    g.div_(int(value))
+            else:
+                torch._foreach_mul_(raw, value)
         del raw
         self._factors.clear()
         units = {i: self._nesterov(p, _grad_like_param(p)).reshape(self._whole.layout[i].unit_shape)

@@ -19,13 +19,15 @@ The hook: a forward pre-hook on each FSDP unit, ahead of FSDP's own, passes the 
 autograd function, so FSDP's post-backward (which it registers on the same input) runs first and this function's
 backward runs once the unit's gradients are reduced. On the GPU the all-to-all first waits for FSDP's
 post-reduce event (the gradients are written on FSDP's reduce stream). Parameters no hook covers (the root unit's)
-are sent at the step. Where the layout does not allow it, `overlap_problem` says why and the plain exchange runs.
+are sent at the step. Under pp the pipeline stage runs each stage's last backward with FSDP's gradient sync on
+and arms the hook around it (framework/parallel/pipeline.py `_Stage`), so the same hook point serves there.
+Where the layout does not allow it, `overlap_problem` says why and the plain exchange runs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import ParallelDims
+from framework.parallel.pipeline_schedules import schedule_spec
 from framework.train.config import TrainConfig
 from framework.train.muon import Muon
 from models.config import ModelConfig
@@ -52,8 +55,9 @@ def overlap_problem(train_cfg: TrainConfig, pcfg: ParallelConfig, dims: Parallel
     if dims.tp > 1:
         return ("tp > 1: tp-split matrices need the secondary all-gather and their tp ranks would each keep the "
                 "whole momentum, and tp partial gradients are resolved after backward")
-    if dims.pp > 1:
-        return "pp > 1: the pipeline schedule runs backward and reduces the gradients after its last micro-batch"
+    if dims.pp > 1 and schedule_spec(pcfg.pp_schedule).split_backward:
+        return (f"pp > 1 with {pcfg.pp_schedule}: a zero-bubble schedule's weight pass, which makes a stage's "
+                "gradients final, runs outside FSDP's per-unit post-backward")
     if model_cfg.moe.enabled and dims.ep > 1:
         return "ep > 1: expert gradients are summed over the expert data ranks after backward"
     if pcfg.fsdp_layers_per_unit > 1:
@@ -78,11 +82,19 @@ class _AfterUnitBackward(torch.autograd.Function):
 
 
 class BackwardExchange:
-    """Launches each FSDP unit's Muon gradients from backward, on the armed (last) micro-batch only."""
+    """Launches each FSDP unit's Muon gradients from backward, on the armed (last) micro-batch only.
 
-    def __init__(self, optimizers: list[Muon], parts: list[nn.Module]) -> None:
+    Without pp the engine arms it per micro-batch. Under pp the pipeline stage does (framework/parallel/pipeline.py
+    `_Stage`, a `LastBackwardWatcher`): it arms it around each stage's last backward, which it runs with FSDP's
+    gradient sync on, so each unit of the stage launches there; a rank holding several stages (interleaved)
+    launches each one's units from that stage's last backward. The schedule then divides the stage's gradients
+    by n_micro, which the stage reports (`grads_divided`) for the owners to repeat.
+    """
+
+    def __init__(self, optimizers: list[Muon], parts: list[nn.Module], armed: bool = True) -> None:
         self.optimizers = optimizers
-        self.armed = True
+        self.armed = armed
+        self._of_part = {id(part): _holding(optimizers, part.parameters()) for part in parts}
         muon = {id(p) for opt in optimizers for p in opt._whole.params}
         for part in parts:
             for module in part.modules():
@@ -96,16 +108,24 @@ class BackwardExchange:
         """Before each micro-batch's backward: only the last one's gradients are final (ZeRO-1 reduces then)."""
         self.armed = last
 
+    def grads_divided(self, part: nn.Module, divisor: int) -> None:
+        """The pipeline schedule divided `part`'s gradients by `divisor` after they left: its owners repeat it."""
+        for opt in self._of_part.get(id(part), []):
+            opt.grads_divided(divisor)
+
     def _pre_forward(self, module: nn.Module, params: Sequence[torch.Tensor]) -> Any:
+        optimizers = _holding(self.optimizers, params)  # one per model part: a pipeline rank's stages have several
+
         def launch() -> None:
             if not self.armed:
                 return
-            if torch.cuda.is_available():
+            if torch.cuda.is_available():  # FSDP wrote the reduced shards on its reduce stream; under pp too, as the
+                # stage's last backward reduces through the same post-backward, which records this event
                 for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
                     event = group._post_reduce_event
                     if event is not None:
                         torch.cuda.current_stream().wait_event(event)
-            for opt in self.optimizers:
+            for opt in optimizers:  # every rank of a bucket's group holds the same stages: the same launches
                 opt.launch(params)
 
         def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -116,6 +136,12 @@ class BackwardExchange:
             return (_AfterUnitBackward.apply(launch, args[0]), *args[1:])
 
         return hook
+
+
+def _holding(optimizers: list[Muon], params: Iterable[torch.Tensor]) -> list[Muon]:
+    """The optimizers among `optimizers` that step any of `params`."""
+    ids = {id(p) for p in params}
+    return [opt for opt in optimizers if any(id(p) in ids for p in opt._whole.params)]
 
 
 def overlap_exchange(optimizers: list[torch.optim.Optimizer], parts: list[nn.Module], train_cfg: TrainConfig,
@@ -131,4 +157,4 @@ def overlap_exchange(optimizers: list[torch.optim.Optimizer], parts: list[nn.Mod
         return None
     for opt in muon:
         opt.overlapped = True
-    return BackwardExchange(muon, parts)
+    return BackwardExchange(muon, parts, armed=dims.pp == 1)  # under pp each stage arms it (pipeline._Stage)

@@ -190,7 +190,7 @@ class ParallelEngine:
         if n_micro not in self._schedules:
             self._schedules[n_micro] = build_schedule(
                 self.model_parts, self.stage_ids, self.n_stages, self.mesh["pp"].get_group(), self.device,
-                self.pcfg.pp_schedule, n_micro, self._loss_fn)
+                self.pcfg.pp_schedule, n_micro, self._loss_fn, watcher=self.muon_exchange)
         return self._schedules[n_micro]
 
     def _pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor | None:

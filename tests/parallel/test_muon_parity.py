@@ -11,9 +11,11 @@ around Muon (against the fp16 one-process run, as the AdamW suite does). All rou
 group.
 
 The owner exchange overlapped with backward (`train.muon.overlap`, on by default where the layout allows it:
-FSDP without tp/pp/ep) runs on every such layout above; three of them run again with it off, and the two runs
-must agree bitwise (losses, grad norms, final parameters). Each overlapped run must have launched its exchange
-from inside backward, once per block and step, and sent nothing at the step; the others never launch.
+FSDP without tp/ep, pp with a whole backward) runs on every such layout above; five of them run again with it
+off (ZeRO-3, uneven shards, HSDP, PP2 x DP2 1F1B ZeRO-3 and interleaved ZeRO-1), and the two runs must agree
+bitwise (losses, grad norms, final parameters, and the momentum `state_dict` saves). Each overlapped run must
+have launched its exchange from inside backward, once per block and step (under pp once per block of the
+optimizer's own stage, from that stage's last backward), and sent nothing at the step; the others never launch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import pytest
 from parallel_parity import STEPS, compare, layout_world, make_config, pack_rounds, run_round
 
-from framework.parallel.mesh import ParallelDims
+from framework.parallel.mesh import ParallelDims, stage_layers
 from framework.testing import run_distributed
 from framework.train.muon_overlap import overlap_problem
 
@@ -57,9 +59,16 @@ LAYOUTS: list[dict[str, Any]] = [
     # fp16 loss scaling (unscale, overflow skip) around Muon, against the fp16 one-process Muon run.
     {"tp": 2, "dp_shard": 2, "zero_stage": 1, "train.precision": "fp16", **MUON},
 ]
+# pipeline stages over FSDP: each stage's last backward launches its units (overlapped). 3 micro-batches, so
+# the owners' repeat of the schedule's 1/n_micro is a division that rounds unlike a multiplication by 1/3
+PP_ZERO3 = {"pp": 2, "dp_shard": 2, "zero_stage": 3, "pp_schedule": "1F1B", "train.global_batch_size": 12, **MUON}
+PP_INTERLEAVED = {"pp": 2, "dp_shard": 2, "zero_stage": 1, "pp_schedule": "Interleaved1F1B", **MUON}
+LAYOUTS += [PP_ZERO3, PP_INTERLEAVED]
 OFF = {"train.muon.overlap": False}
 # the plain exchange on layouts that overlap by default: ZeRO-3, uneven shards, HSDP with ZeRO-1's accumulation
 LAYOUTS += [{**layout, **OFF} for layout in (LAYOUTS[5], LAYOUTS[7], LAYOUTS[6])]
+# ... and pipeline stages over FSDP (1F1B ZeRO-3, interleaved ZeRO-1: two stages per rank)
+LAYOUTS += [{**layout, **OFF} for layout in (PP_ZERO3, PP_INTERLEAVED)]
 
 
 def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
@@ -80,9 +89,21 @@ def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> li
     for layouts in rounds:
         before = len(made)
         result = run_round(rank, world, layouts)
-        out.append({i: (*v, [(m.overlapped, dict(m.launches)) for m in made[before:]]) for i, v in result.items()})
+        out.append({i: (*v, [(m.overlapped, dict(m.launches)) for m in made[before:]],
+                        [_momentum(m) for m in made[before:]]) for i, v in result.items()})
     dist.barrier()
     return out
+
+
+def _momentum(opt: Any) -> list[tuple[float, float, float]]:
+    """Checksums of the whole momentum matrices in `opt.state_dict()` (what a checkpoint saves; a collective under
+    the overlapped exchange, whose owners send their whole momentum back to the pieces)."""
+    from parallel_parity import checksum
+    from torch.distributed.tensor import DTensor
+
+    states = opt.state_dict()["state"]
+    bufs = [states[k]["momentum_buffer"] for k in sorted(states) if "momentum_buffer" in states[k]]
+    return [checksum(b.full_tensor() if isinstance(b, DTensor) else b) for b in bufs]
 
 
 def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[dict[int, Any]]]) -> list[str]:
@@ -91,19 +112,29 @@ def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[di
     for i, layouts in enumerate(rounds):
         for j, layout in enumerate(layouts):
             per_rank = [r[i][j] for r in results if j in r[i]]
-            runs[str(sorted(layout.items()))] = per_rank[0][:2]
+            runs[str(sorted(layout.items()))] = (*per_rank[0][:2], [r[3] for r in per_rank])  # + saved momentum
             cfg = make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
             dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
             on = overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None
-            want = (on, {"backward": STEPS * cfg.model.n_layers if on else 0, "step": 0})
+            want = (on, {"backward": STEPS * _layers_per_part(cfg, dims) if on else 0, "step": 0})
             bad += [f"{layout}: (overlapped, launches) {got} on a rank, want {want}"
                     for r in per_rank for got in r[2] if got != want]
     for layout in LAYOUTS:
         if OFF.items() <= layout.items():
             twin = {k: v for k, v in layout.items() if k not in OFF}
             if runs[str(sorted(layout.items()))] != runs[str(sorted(twin.items()))]:
-                bad.append(f"{layout}: the plain exchange differs from the overlapped one")
+                bad.append(f"{layout}: the plain exchange differs from the overlapped one (losses, grad norms, "
+                           "parameters or the momentum state_dict saves)")
     return bad
+
+
+def _layers_per_part(cfg: Any, dims: ParallelDims) -> int:
+    """The blocks (FSDP units, each launching once per step) of every Muon optimizer of a rank: one optimizer per
+    model part, and under pp a part is a pipeline stage, holding only its own layers (equal splits here)."""
+    counts = {len(layers) for layers in stage_layers(cfg.model.n_layers, dims.pp * cfg.parallel.virtual_stages,
+                                                     cfg.parallel.pp_layer_split)}
+    assert len(counts) == 1, f"stages of unequal lengths {counts}: each optimizer would need its own count"
+    return counts.pop() if dims.pp > 1 else cfg.model.n_layers
 
 
 @pytest.mark.slow

@@ -86,3 +86,48 @@ def test_planner_newton_schulz_term_is_the_owners_measured_peak(owner: str, dtyp
     planned: list[Unit] = [(1, a, b) for a, b in shapes]
     measured = tracker.rise["newton_schulz"]
     assert ns_peak(planned, 2 if dtype == "bf16" else 4) == pytest.approx(measured, rel=0.05)
+
+
+PP_GRID = [(pp, schedule, zero, dp) for pp in (1, 2) for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble",
+                                                                       "InterleavedZeroBubble")
+           for zero in (0, 1, 3) for dp in (1, 2) if pp > 1 or schedule == "1F1B"]
+
+
+def test_planner_overlap_condition_is_the_engines_under_pp() -> None:
+    """`overlapped` (the planner) says what `overlap_problem` (the engine) decides, on dense layouts with and
+    without pp, over schedules with a whole backward (overlapped under FSDP) and a split one (zero bubble: not)."""
+    from framework.dryrun.planner import layout_of
+    from framework.parallel.mesh import ParallelDims
+    from framework.plan.muon import overlapped
+    from framework.testing.tiny import tiny_config
+    from framework.train.muon_overlap import overlap_problem
+
+    seen = set()
+    for pp, schedule, zero, dp in PP_GRID:
+        data = f"parallel.dp_shard={dp}" if zero else f"parallel.dp_replicate={dp}"  # ZeRO-0 replicates
+        cfg = tiny_config(None, "train.optimizer=muon", f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}",
+                          f"parallel.zero_stage={zero}", "train.global_batch_size=16",
+                          *([data] if zero else [data, "parallel.dp_shard=1"]))
+        dims = ParallelDims.from_config(cfg.parallel, pp * dp, cfg.model)
+        engine = overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None
+        assert overlapped(*layout_of(cfg, pp * dp)) == engine, (pp, schedule, zero, dp)
+        seen.add((pp, schedule, engine))
+    assert {(2, "1F1B", True), (2, "Interleaved1F1B", True), (2, "ZBVZeroBubble", False)} <= seen
+
+
+def test_planner_exposed_exchange_under_pp_hides_behind_the_drain() -> None:
+    """The trip to the owners, overlapped: without pp what the last micro-batch's backward cannot hide (the last
+    unit's share, and the excess over that backward); under 1F1B the last stage finishes its backward (pp - 1)
+    stage backwards before stage 0 and hides its trip there, stage 0 as without pp; the return trip stays."""
+    from framework.plan.estimate import _muon_exposed
+
+    seconds, bwd = 8.0, 0.5  # both trips 8 s; one block's backward of one micro-batch 0.5 s
+    alone = 4.0 + 4.0 / 4 + (4.0 * 3 / 4 - 4 * bwd)  # 4 blocks, no pp: the formula before pp was overlapped
+    assert _muon_exposed(seconds, True, [(0, 4)], bwd) == alone
+    assert _muon_exposed(seconds, False, [(0, 4)], bwd) == seconds
+    assert _muon_exposed(seconds, True, [(0, 4)], bwd) == alone  # stage 0 of a pipeline: nothing more hides it
+    drained = _muon_exposed(seconds, True, [(3, 4)], bwd)  # stage 3: three stage backwards (6 s) follow its own
+    assert drained == 4.0  # the return trip only
+    # interleaved, rank 0 holds stages 0 and 2 (2 blocks each): stage 2's half hides behind 2 chunk backwards
+    two = _muon_exposed(seconds, True, [(0, 2), (2, 2)], bwd)
+    assert two == 4.0 + (2.0 / 2 + max(0.0, 2.0 / 2 - 2 * bwd)) + max(0.0, 1.0 + 0.0 - 2 * 2 * bwd)
