@@ -49,21 +49,21 @@ def _worker(rank: int, world: int, rounds: int, layers: int, moe: bool) -> dict[
                           "train.optimizer=muon", "train.muon.ns_dtype=fp32", f"parallel.dp_shard={world}",
                           "parallel.zero_stage=3", "parallel.comm_log=true", flag)
         engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
-        engine.comm = comm_logger(engine)  # the dry run's: it also names the expert mesh's ep and edp groups
-        engines[name] = (engine, cfg)
+        comm = engine.comm = comm_logger(engine)  # the dry run's: it also names the expert mesh's ep and edp groups
+        engines[name] = (engine, cfg, comm)
     rows = markov_batches(1, 8, 128, engines["plain"][1].model.vocab_size)[0]
     out: dict[str, dict[str, list[float]]] = {n: {"to_owner_exposed": [], "wall": [], "bytes": []} for n in MODES}
     for r in range(rounds + 1):  # round 0 warms up
         for name in (MODES if r % 2 else reversed(list(MODES))):
-            engine, cfg = engines[name]
+            engine, cfg, comm = engines[name]
             batch = rows[engine.dp_rank * 8 // world:(engine.dp_rank + 1) * 8 // world].reshape(-1, 2, 129)
-            engine.comm.reset()
+            comm.reset()
             start = time.perf_counter()
             engine.forward_backward(batch)
             engine.clip_grad_norm(cfg.train.grad_clip)
             engine.optimizer_step(1e-3)
             wall = time.perf_counter() - start
-            a2a = [t for t in engine.comm.resolved_timings() if t.op == "all_to_all" and t.axis != "ep"]
+            a2a = [t for t in comm.resolved_timings() if t.op == "all_to_all" and t.axis != "ep"]
             returns = {t.axis: i for i, t in enumerate(a2a)}.values()  # each axis's last: the return trip
             if r:
                 out[name]["to_owner_exposed"].append(sum(t.exposed_s for i, t in enumerate(a2a) if i not in returns))
