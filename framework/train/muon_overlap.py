@@ -136,6 +136,9 @@ class BackwardExchange:
             for group in state._fsdp_param_groups:
                 if group._post_reduce_event is not None:
                     group.device_handle.current_stream().wait_event(group._post_reduce_event)
+                for fp in group.fsdp_params:  # parallel.cpu_offload: a non-blocking copy to host memory, which
+                    if fp.grad_offload_event is not None:  # FSDP itself waits for only at the end of backward
+                        fp.grad_offload_event.synchronize()
             for opt in optimizers:  # every rank of a bucket's group holds the same stages: the same launches
                 opt.launch(params)
 

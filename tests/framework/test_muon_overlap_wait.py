@@ -1,9 +1,10 @@
 """What the overlapped Muon exchange's backward hook (framework/train/muon_overlap.py) guarantees on the GPU, checked
 on its CPU code path with FSDP's state stood in for: the all-to-all is launched only after the current stream of
-the unit's own device has waited for FSDP's post-reduce event (the gradients are written on FSDP's reduce stream),
-and only the first module of a grouped FSDP unit to enter forward wraps its input (the one FSDP registers its
-post-backward on). The gloo runs in tests/parallel/test_muon_parity.py cover the rest; on CPU FSDP records no
-event, so they never reach the wait."""
+the unit's own device has waited for FSDP's post-reduce event (the gradients are written on FSDP's reduce stream)
+and, under parallel.cpu_offload, after the gradients' copies to host memory are done; and only the first module
+of a grouped FSDP unit to enter forward wraps its input (the one FSDP registers its post-backward on). The gloo
+runs in tests/parallel/test_muon_parity.py cover the rest; on CPU FSDP records no event, so they never reach the
+wait."""
 
 from __future__ import annotations
 
@@ -24,9 +25,15 @@ class _Stream:
         self.log.append(("wait", event))
 
 
-def _unit(log: list[tuple[str, Any]], events: list[object | None], state: TrainingState) -> SimpleNamespace:
+def _unit(log: list[tuple[str, Any]], events: list[object | None], state: TrainingState,
+          offloaded: int = 0) -> SimpleNamespace:
+    """An FSDP state with one param group per post-reduce event, the first holding `offloaded` parameters whose
+    gradient copy to host memory is still in flight (parallel.cpu_offload) beside one that is not offloaded."""
     handle = SimpleNamespace(current_stream=lambda: _Stream(log))
-    groups = [SimpleNamespace(_post_reduce_event=e, device_handle=handle, _training_state=state) for e in events]
+    copies = [SimpleNamespace(grad_offload_event=SimpleNamespace(synchronize=lambda k=k: log.append(("copy", k))))
+              for k in range(offloaded)] + [SimpleNamespace(grad_offload_event=None)]
+    groups = [SimpleNamespace(_post_reduce_event=e, device_handle=handle, _training_state=state,
+                              fsdp_params=copies if i == 0 else []) for i, e in enumerate(events)]
     return SimpleNamespace(_fsdp_param_groups=groups)
 
 
@@ -41,13 +48,14 @@ def test_launch_waits_for_fsdp_post_reduce_events_on_the_units_device_stream() -
     log: list[tuple[str, Any]] = []
     first, second = object(), object()
     params = (torch.zeros(2),)
-    hook = _exchange(log, params)._pre_forward(_unit(log, [first, None, second], TrainingState.IDLE), params)
+    unit = _unit(log, [first, None, second], TrainingState.IDLE, offloaded=2)
+    hook = _exchange(log, params)._pre_forward(unit, params)
     x = torch.ones(3, requires_grad=True)
     wrapped = hook(torch.nn.Identity(), (x, "kwarg-free extra"))
     assert wrapped is not None and wrapped[1] == "kwarg-free extra"
     assert log == []  # nothing before backward
     (wrapped[0] * 2).sum().backward()
-    assert log == [("wait", first), ("wait", second), ("launch", params)]
+    assert log == [("wait", first), ("copy", 0), ("copy", 1), ("wait", second), ("launch", params)]
     assert torch.equal(x.grad, torch.full((3,), 2.0))  # the identity passes the gradient through
 
 
