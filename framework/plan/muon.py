@@ -26,13 +26,14 @@ Transient on that owner, after backward (activations are gone by then): the larg
                      for n stacked a x b matrices, a <= b),
 all in fp32 except the NS working set. Owners whose pieces do not arrive in order (a tp hop, row-wise tp blocks,
 stacked experts cut on dim 1) keep an int32 index per element they own, between steps.
-Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout without tp or ep, and under pp with
-a schedule whose backward is not split (not zero-bubble), as framework/train/muon_overlap.py allows; the planner
-does not see fsdp_layers_per_unit or qgZ, which also refuse),
-the raw gradient pieces reach the owners during backward and an exchanged matrix's momentum lives whole on its
-owner: the momentum is O rather than the shards' S, and the step's transient is the larger of the return trip
-(S2 + O: send and receive buffers beside the results) and Newton-Schulz, since the O received is already live
-when the step starts (it grows while backward frees activations) and no Nesterov pieces are made on the shards.
+Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout without tp, and under pp with a
+schedule whose backward is not split (not zero-bubble), as framework/train/muon_overlap.py allows; ep, qgZ and
+grouped FSDP units overlap too, so nothing the planner cannot see decides it), the raw gradient pieces reach the
+owners during backward and an exchanged matrix's momentum (dense ones over dp x cp, experts over edp) lives whole
+on its owner: the momentum is O rather than the shards' S, and the step's transient is the larger of the return
+trip (S2 + O: send and receive buffers beside the results) and Newton-Schulz, since the O received is already
+live when the step starts (it grows while backward frees activations) and no Nesterov pieces are made on the
+shards.
 `tests/dryrun/test_ground_truth.py` holds these terms to the dry run (itself held to real gloo steps).
 """
 
@@ -168,8 +169,9 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
         held = max((units[r::size] for r in range(size)), key=lambda us: sum(_numel(u) for u, _ in us))
         o, s2 = sum(_numel(u) for u, _ in held), sum(_numel(u) for u, _ in units) / size
         pieces, owned, mine = pieces + s2 / split, owned + o, mine + [u for u, _ in held]
-        if axis == "dp_shard":  # the dense matrices' owners: under overlap their momentum is these, whole
+        if axis in ("dp_shard", "edp"):  # exchanged over FSDP's groups: under overlap their momentum is these, whole
             out["owned"] = out.get("owned", 0.0) + o
+            out["owned_shards"] = out.get("owned_shards", 0.0) + s2 / split  # in place of the shards
         out["index"] = out.get("index", 0.0) + 4 * sum(_numel(u) for u, placed in held if placed)
         if axis:
             out[axis] = out.get(axis, 0.0) + state * (s2 + o)
@@ -187,8 +189,7 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
 def overlapped(work: Workload, lay: Layout) -> bool:
     """Whether the owner exchange overlaps backward (framework/train/muon_overlap.py `overlap_problem`)."""
     return (work.muon_overlap and lay.zero_stage > 0 and lay.shard_group > 1 and lay.tp == 1
-            and (lay.pp == 1 or not schedule_spec(lay.schedule).split_backward)
-            and not (work.model.moe.enabled and lay.ep > 1))
+            and (lay.pp == 1 or not schedule_spec(lay.schedule).split_backward))
 
 
 def chunk_layers(cfg: ModelConfig, lay: Layout, rank: int) -> list[list[int]]:
@@ -213,12 +214,13 @@ def muon_bytes(work: Workload, lay: Layout, rank: int) -> MuonBytes:
             experts += sum(map(_numel, e))
     index, flops = traffic.pop("index", 0.0), traffic.pop("ns_flops", 0.0)
     gather, owned = traffic.pop("all_gather_tp", 0.0), traffic.pop("owned", 0.0)
+    owned_shards = traffic.pop("owned_shards", 0.0)
     # ZeRO shards the momentum like AdamW's moments: dense over dp x cp, experts over dp x tp / ep
     zero = lay.zero_stage > 0
     sharded = dense / (lay.shard_group if zero else 1) + experts / (lay.dp * lay.tp // lay.ep if zero else 1)
     delta = sharded * (state - prec.optimizer)
     if overlapped(work, lay):  # the momentum of the matrices a rank owns, whole, in place of its shards'
-        delta += (owned - dense / lay.shard_group) * state
+        delta += (owned - owned_shards) * state
     return MuonBytes(dense + experts, delta, traffic, gather, transient, index, flops, overlapped(work, lay))
 
 

@@ -48,8 +48,8 @@ class MuonConfig:
     overlap: bool = True
     """Send each FSDP unit's gradient pieces to their owners during backward, as soon as FSDP has reduced them,
     and keep an exchanged matrix's momentum whole on its owner (framework/train/muon_overlap.py). Where the
-    layout does not allow it (tp, pp, ep > 1, no FSDP shard group; `overlap_problem` says why) the exchange runs
-    after backward, as with false. Same updates bit for bit and the same bytes either way."""
+    layout does not allow it (tp > 1, a zero-bubble pp schedule, no FSDP shard group; `overlap_problem` says why)
+    the exchange runs after backward, as with false. Same updates bit for bit and the same bytes either way."""
 
     def validate(self) -> None:
         if not 0 <= self.momentum < 1:

@@ -17,11 +17,15 @@ bytes are those of the plain exchange: the raw gradient pieces replace the Neste
 
 The hook: a forward pre-hook on each FSDP unit, ahead of FSDP's own, passes the unit's input through an identity
 autograd function, so FSDP's post-backward (which it registers on the same input) runs first and this function's
-backward runs once the unit's gradients are reduced. On the GPU the all-to-all first waits for FSDP's
-post-reduce event (the gradients are written on FSDP's reduce stream). Parameters no hook covers (the root unit's)
-are sent at the step. Under pp the pipeline stage runs each stage's last backward with FSDP's gradient sync on
-and arms the hook around it (framework/parallel/pipeline.py `_Stage`), so the same hook point serves there.
-Where the layout does not allow it, `overlap_problem` says why and the plain exchange runs.
+backward runs once the unit's gradients are reduced. A unit of several blocks (parallel.fsdp_layers_per_unit)
+hooks each of its modules, and the first of them to run forward wraps its input, as FSDP registers its
+post-backward there only; an MoE layer's experts are a unit of their own inside their block's (over the edp ranks),
+sending their pieces once that unit's reduce-scatter is done. Each unit sends only the parameters its own
+reduce-scatter finalizes. On the GPU the all-to-all first waits for FSDP's post-reduce event (the gradients are
+written on FSDP's reduce stream). Parameters no hook covers (the root unit's) are sent at the step. Under pp the
+pipeline stage runs each stage's last backward with FSDP's gradient sync on and arms the hook around it
+(framework/parallel/pipeline.py `_Stage`), so the same hook point serves there. Where the layout does not allow
+it, `overlap_problem` says why and the plain exchange runs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from framework.parallel.config import ParallelConfig
 from framework.parallel.mesh import ParallelDims
@@ -58,12 +63,13 @@ def overlap_problem(train_cfg: TrainConfig, pcfg: ParallelConfig, dims: Parallel
     if dims.pp > 1 and schedule_spec(pcfg.pp_schedule).split_backward:
         return (f"pp > 1 with {pcfg.pp_schedule}: a zero-bubble schedule's weight pass, which makes a stage's "
                 "gradients final, runs outside FSDP's per-unit post-backward")
-    if model_cfg.moe.enabled and dims.ep > 1:
-        return "ep > 1: expert gradients are summed over the expert data ranks after backward"
-    if pcfg.fsdp_layers_per_unit > 1:
-        return "parallel.fsdp_layers_per_unit > 1: a grouped unit's post-backward has no per-input hook point"
-    if pcfg.zero_quantized_gradients:
-        return "ZeRO++ qgZ: the quantized reduce-scatter is not a point this hook can follow"
+    # ep > 1 (MoE), parallel.fsdp_layers_per_unit > 1 and ZeRO++ qgZ overlap. A stacked expert weight is whole
+    # along ep and cut only by its own FSDP unit over the edp ranks: it leaves after that unit's reduce-scatter.
+    # Experts summed by `MoEParallel.after_backward` (dp_shard 1: no FSDP on them) are cut by nothing (tp does
+    # not split experts), so they are never exchanged: their update is made at the step, after that sum (and
+    # without tp, MoE refusing cp > 1, dp_shard 1 leaves no FSDP shard group: the clause above). A grouped unit
+    # launches from the first of its modules that runs (`_entered`); qgZ's custom reduce-scatter runs inside
+    # FSDP's post-backward, which returns with the final gradients (on the GPU: before its post-reduce event).
     return None
 
 
@@ -82,7 +88,7 @@ class _AfterUnitBackward(torch.autograd.Function):
 
 
 class BackwardExchange:
-    """Launches each FSDP unit's Muon gradients from backward, on the armed (last) micro-batch only.
+    """Launches each FSDP unit's exchanged Muon gradients from backward, on the armed (last) micro-batch only.
 
     Without pp the engine arms it per micro-batch. Under pp the pipeline stage does (framework/parallel/pipeline.py
     `_Stage`, a `LastBackwardWatcher`): it arms it around each stage's last backward, which it runs with FSDP's
@@ -95,14 +101,14 @@ class BackwardExchange:
         self.optimizers = optimizers
         self.armed = armed
         self._of_part = {id(part): _holding(optimizers, part.parameters()) for part in parts}
-        muon = {id(p) for opt in optimizers for p in opt._whole.params}
+        exchanged = {id(opt._whole.params[i]) for opt in optimizers for i in opt._exchanged()}
         for part in parts:
-            for module in part.modules():
-                if module is part or not isinstance(module, FSDPModule):
+            for state, modules in fsdp_units(part):
+                params = [p for p in unit_params(state) if id(p) in exchanged]
+                if not params:  # e.g. experts whole on their rank (a 1-rank edp group): nothing to send
                     continue
-                params = [p for p in module.parameters() if id(p) in muon]
-                if params:
-                    module.register_forward_pre_hook(self._pre_forward(module, params), prepend=True)
+                for module in modules:
+                    module.register_forward_pre_hook(self._pre_forward(state, params), prepend=True)
 
     def arm(self, last: bool) -> None:
         """Before each micro-batch's backward: only the last one's gradients are final (ZeRO-1 reduces then)."""
@@ -113,29 +119,64 @@ class BackwardExchange:
         for opt in self._of_part.get(id(part), []):
             opt.grads_divided(divisor)
 
-    def _pre_forward(self, module: nn.Module, params: Sequence[torch.Tensor]) -> Any:
+    def _pre_forward(self, state: Any, params: Sequence[torch.Tensor]) -> Any:
         optimizers = _holding(self.optimizers, params)  # one per model part: a pipeline rank's stages have several
 
         def launch() -> None:
             if not self.armed:
                 return
-            if torch.cuda.is_available():  # FSDP wrote the reduced shards on its reduce stream; under pp too, as the
-                # stage's last backward reduces through the same post-backward, which records this event
-                for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
-                    event = group._post_reduce_event
-                    if event is not None:
-                        torch.cuda.current_stream().wait_event(event)
+            # FSDP wrote the reduced gradients on its reduce-scatter stream (HSDP: all-reduce stream) and recorded
+            # this event after the last write (torch 2.13 `foreach_reduce`; qgZ's custom reduce-scatter runs on
+            # that stream too, its all-to-alls ordered there as c10d orders a synchronous collective with the
+            # current stream; under pp the stage's last backward reduces through the same post-backward). The
+            # all-to-all below reads them on the current stream, so it waits first, by the call FSDP itself
+            # makes before reusing them (`_wait_for_post_backward`; a no-op on CPU). Wherever FSDP clears the
+            # event it first makes the current stream wait on it, so None means that stream is ordered after the
+            # writes already. The device handle is the unit's, whose streams FSDP used.
+            for group in state._fsdp_param_groups:
+                if group._post_reduce_event is not None:
+                    group.device_handle.current_stream().wait_event(group._post_reduce_event)
+                for fp in group.fsdp_params:  # parallel.cpu_offload: a non-blocking copy to host memory, which
+                    if fp.grad_offload_event is not None:  # FSDP itself waits for only at the end of backward
+                        fp.grad_offload_event.synchronize()
             for opt in optimizers:  # every rank of a bucket's group holds the same stages: the same launches
                 opt.launch(params)
 
         def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
                 return None
-            if not args[0].requires_grad:
+            if not args[0].requires_grad or _entered(state):
                 return None
             return (_AfterUnitBackward.apply(launch, args[0]), *args[1:])
 
         return hook
+
+
+def fsdp_units(part: nn.Module) -> list[tuple[Any, list[nn.Module]]]:
+    """The FSDP units under `part`'s root unit: (FSDP state, its modules) in module order. A unit of
+    `fully_shard([block, block, ...])` (parallel.fsdp_layers_per_unit > 1) has one state over several modules;
+    an MoE layer's experts (framework/parallel/expert.py `apply_expert_fsdp`) are a unit inside their block's."""
+    root = part._get_fsdp_state() if isinstance(part, FSDPModule) else None  # type: ignore[operator]
+    units: dict[int, tuple[Any, list[nn.Module]]] = {}
+    for module in part.modules():
+        if isinstance(module, FSDPModule) and (state := module._get_fsdp_state()) is not root:  # type: ignore[operator]
+            units.setdefault(id(state), (state, []))[1].append(module)
+    return list(units.values())
+
+
+def unit_params(state: Any) -> list[torch.Tensor]:
+    """The parameters whose gradients this unit's post-backward reduces (not those of units nested inside it),
+    as its modules hold them now (FSDP's lazy init re-reads them from the modules too)."""
+    return [getattr(fp._module_info.module, fp._module_info.param_name)
+            for group in state._fsdp_param_groups for fp in group.fsdp_params]
+
+
+def _entered(state: Any) -> bool:
+    """Whether another module of this (grouped) unit already entered forward in this pass. FSDP registers its
+    post-backward on the inputs of the first module of a unit that runs (torch 2.13 `FSDPParamGroup.pre_forward`:
+    only when the group is not yet in FORWARD), and this pre-hook runs before FSDP's, so it wraps exactly the
+    input FSDP's post-backward will wrap: the whole unit's gradients are reduced when it fires."""
+    return any(group._training_state == TrainingState.FORWARD for group in state._fsdp_param_groups)
 
 
 def _holding(optimizers: list[Muon], params: Iterable[torch.Tensor]) -> list[Muon]:

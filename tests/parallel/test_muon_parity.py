@@ -11,11 +11,13 @@ around Muon (against the fp16 one-process run, as the AdamW suite does). All rou
 group.
 
 The owner exchange overlapped with backward (`train.muon.overlap`, on by default where the layout allows it:
-FSDP without tp/ep, pp with a whole backward) runs on every such layout above; five of them run again with it
-off (ZeRO-3, uneven shards, HSDP, PP2 x DP2 1F1B ZeRO-3 and interleaved ZeRO-1), and the two runs must agree
-bitwise (losses, grad norms, final parameters, and the momentum `state_dict` saves). Each overlapped run must
-have launched its exchange from inside backward, once per block and step (under pp once per block of the
-optimizer's own stage, from that stage's last backward), and sent nothing at the step; the others never launch.
+FSDP without tp, pp with a whole backward; EP with MoE, grouped FSDP units and ZeRO++ qgZ included) runs on every
+such layout above; seven of them run again with it off (ZeRO-3, uneven shards, HSDP, PP2 x DP2 1F1B ZeRO-3 and
+interleaved ZeRO-1, EP2 x DP4 with units of two blocks, qgZ), and the two runs must agree bitwise (losses, grad
+norms, final parameters, and the momentum `state_dict` saves). Each overlapped run must have launched its
+exchange from inside backward, once per FSDP unit holding exchanged matrices and step (`hooked_units`; under pp
+those of the optimizer's own stage, from that stage's last backward), and sent nothing at the step; the others
+never launch. The qgZ layout, whose int8 gradients leave the one-process run, is held to its twin only.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ from framework.train.muon_overlap import overlap_problem
 MUON = {"train.optimizer": "muon", "train.muon.ns_dtype": "fp32"}
 CLIP = {**MUON, "train.muon.qk_clip": True, "train.muon.qk_clip_tau": 0.1}
 MOE = {**MUON, "model.preset": "test-moe", "model.moe.n_experts": 4, "model.moe.top_k": 2}
+# experts cut over a 2-rank edp group (Shard(1)), each an FSDP unit inside a unit of 2 blocks
+EXPERT_UNITS = {"ep": 2, "dp_shard": 4, "zero_stage": 2, "fsdp_layers_per_unit": 2, **MOE}
+# ZeRO++ qgZ (int8 reduce-scatter) with ZeRO-1's accumulation: held to its plain-exchange twin only (bitwise), as
+# quantized gradients leave the 1-process run
+QGZ = {"dp_shard": 2, "zero_stage": 1, "zero_quantized_gradients": True, **MUON}
+QUANTIZED = ("zero_quantized_gradients",)
 
 LAYOUTS: list[dict[str, Any]] = [
     {"tp": 2, "dp_shard": 1, "zero_stage": 0, **MUON},
@@ -58,6 +66,10 @@ LAYOUTS: list[dict[str, Any]] = [
     {"tp": 2, "dp_shard": 2, "zero_stage": 3, **MUON, "train.muon.per_head": True},
     # fp16 loss scaling (unscale, overflow skip) around Muon, against the fp16 one-process Muon run.
     {"tp": 2, "dp_shard": 2, "zero_stage": 1, "train.precision": "fp16", **MUON},
+    # FSDP units of 3 blocks and 1 (fully_shard over a list of blocks), ZeRO-3
+    {"dp_shard": 2, "zero_stage": 3, "fsdp_layers_per_unit": 3, **MUON},
+    EXPERT_UNITS,
+    QGZ,
 ]
 # pipeline stages over FSDP: each stage's last backward launches its units (overlapped). 3 micro-batches, so
 # the owners' repeat of the schedule's 1/n_micro is a division that rounds unlike a multiplication by 1/3
@@ -69,6 +81,8 @@ OFF = {"train.muon.overlap": False}
 LAYOUTS += [{**layout, **OFF} for layout in (LAYOUTS[5], LAYOUTS[7], LAYOUTS[6])]
 # ... and pipeline stages over FSDP (1F1B ZeRO-3, interleaved ZeRO-1: two stages per rank)
 LAYOUTS += [{**layout, **OFF} for layout in (PP_ZERO3, PP_INTERLEAVED)]
+# ... and experts in their own units inside grouped units, qgZ
+LAYOUTS += [{**layout, **OFF} for layout in (EXPERT_UNITS, QGZ)]
 
 
 def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
@@ -116,7 +130,7 @@ def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[di
             cfg = make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
             dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
             on = overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None
-            want = (on, {"backward": STEPS * _layers_per_part(cfg, dims) if on else 0, "step": 0})
+            want = (on, {"backward": STEPS * hooked_units(cfg, dims) if on else 0, "step": 0})
             bad += [f"{layout}: (overlapped, launches) {got} on a rank, want {want}"
                     for r in per_rank for got in r[2] if got != want]
     for layout in LAYOUTS:
@@ -128,13 +142,27 @@ def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[di
     return bad
 
 
-def _layers_per_part(cfg: Any, dims: ParallelDims) -> int:
-    """The blocks (FSDP units, each launching once per step) of every Muon optimizer of a rank: one optimizer per
-    model part, and under pp a part is a pipeline stage, holding only its own layers (equal splits here)."""
-    counts = {len(layers) for layers in stage_layers(cfg.model.n_layers, dims.pp * cfg.parallel.virtual_stages,
-                                                     cfg.parallel.pp_layer_split)}
-    assert len(counts) == 1, f"stages of unequal lengths {counts}: each optimizer would need its own count"
-    return counts.pop() if dims.pp > 1 else cfg.model.n_layers
+def hooked_units(cfg: Any, dims: ParallelDims) -> int:
+    """The FSDP units that send Muon pieces from backward, each once per step, of every Muon optimizer of a rank:
+    one optimizer per model part, and under pp a part is a pipeline stage holding only its own layers (equal
+    splits here). A part's units: its blocks' (parallel.fsdp_layers_per_unit blocks each, the last one shorter),
+    and each MoE layer's experts where they are an FSDP unit (dp_shard > 1) cut over more than one edp rank (else
+    every rank holds its experts whole and nothing of theirs is exchanged). The root unit holds no Muon matrix."""
+    parts = (stage_layers(cfg.model.n_layers, dims.pp * cfg.parallel.virtual_stages, cfg.parallel.pp_layer_split)
+             if dims.pp > 1 else [list(range(cfg.model.n_layers))])
+    experts_cut = dims.dp_shard > 1 and dims.edp_size // dims.dp_replicate > 1
+    counts = {-(-len(layers) // cfg.parallel.fsdp_layers_per_unit)
+              + (sum(cfg.model.is_moe_layer(i) for i in layers) if experts_cut else 0) for layers in parts}
+    assert len(counts) == 1, f"parts with unequal unit counts {counts}: each optimizer would need its own count"
+    return counts.pop()
+
+
+def _exact(rounds: list[list[dict[str, Any]]], results: list[list[dict[int, Any]]]
+           ) -> tuple[list[list[dict[str, Any]]], list[list[dict[int, Any]]]]:
+    """The rounds and results without the quantized layouts (held to their plain-exchange twins only)."""
+    keep = [[j for j, layout in enumerate(r) if not any(layout.get(k) for k in QUANTIZED)] for r in rounds]
+    return ([[r[j] for j in k] for r, k in zip(rounds, keep, strict=True)],
+            [[{n: per[i][j] for n, j in enumerate(k) if j in per[i]} for i, k in enumerate(keep)] for per in results])
 
 
 @pytest.mark.slow
@@ -142,5 +170,5 @@ def _layers_per_part(cfg: Any, dims: ParallelDims) -> int:
 def test_muon_layouts_match_one_process_muon() -> None:
     rounds = pack_rounds(LAYOUTS, 8)
     results = run_distributed(_run_rounds, 8, timeout_s=600, rounds=rounds)
-    bad = compare(rounds, results) + overlap_mismatches(rounds, results)
+    bad = compare(*_exact(rounds, results)) + overlap_mismatches(rounds, results)
     assert not bad, "\n".join(bad)

@@ -9,13 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from framework.config import load_config
+from framework.dryrun.planner import layout_of
 from framework.dryrun.tracker import MemoryTracker
+from framework.parallel.mesh import ParallelDims
 from framework.parallel.whole_matrix import _batched
 from framework.plan.layout import Layout, Precision, Workload
 from framework.plan.memory import rank_memory
-from framework.plan.muon import Unit, layer_units, muon_bytes, ns_peak
+from framework.plan.muon import Unit, layer_units, muon_bytes, ns_peak, overlapped
+from framework.testing.tiny import TINY
 from framework.train.config import MuonConfig
 from framework.train.muon import is_muon_param, newton_schulz
+from framework.train.muon_overlap import overlap_problem
 from models.config import model_config
 from models.decoder import Decoder
 
@@ -45,7 +50,7 @@ def test_layer_units_are_the_models_muon_parameters_in_order(name: str) -> None:
 def test_muon_states_replace_adamw_moments_on_the_hidden_matrices() -> None:
     cfg = MODELS["moe-shared-gate"]
     lay = Layout(dp=4, ep=2, zero_stage=3)
-    work = Workload(cfg, 256, 8, Precision.named("fp32"), optimizer="muon")
+    work = Workload(cfg, 256, 8, Precision.named("fp32"), optimizer="muon", muon_overlap=False)  # momentum sharded
     with torch.device("meta"):
         model = Decoder(cfg)
     hidden = sum(p.numel() for n, p in model.named_parameters() if is_muon_param(n, p) and p.ndim == 2)
@@ -131,3 +136,29 @@ def test_planner_exposed_exchange_under_pp_hides_behind_the_drain() -> None:
     # interleaved, rank 0 holds stages 0 and 2 (2 blocks each): stage 2's half hides behind 2 chunk backwards
     two = _muon_exposed(seconds, True, [(0, 2), (2, 2)], bwd)
     assert two == 4.0 + (2.0 / 2 + max(0.0, 2.0 / 2 - 2 * bwd)) + max(0.0, 1.0 + 0.0 - 2 * 2 * bwd)
+
+
+MOE = ("model.preset=test-moe", "parallel.ep=2")
+OVERLAP_CASES = {  # (world, overrides) on both sides of each clause of `overlap_problem`
+    "zero3": (4, ("parallel.dp_shard=4", "parallel.zero_stage=3")),
+    "zero1-off": (2, ("parallel.dp_shard=2", "train.muon.overlap=false")),
+    "ddp": (4, ("parallel.dp_replicate=4", "parallel.dp_shard=1", "parallel.zero_stage=0")),
+    "cp2": (2, ("parallel.cp=2", "parallel.dp_shard=1")),
+    "tp2-dp2": (4, ("parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=3")),
+    "pp2-dp2": (4, ("parallel.pp=2", "parallel.dp_shard=2")),
+    "ep2-edp2": (4, (*MOE, "parallel.dp_shard=4", "parallel.zero_stage=2")),
+    "ep2-edp1-hsdp": (4, (*MOE, "parallel.dp_replicate=2", "parallel.dp_shard=2")),
+    "ep2-hand-synced": (2, (*MOE, "parallel.tp=2", "parallel.dp_shard=1", "parallel.zero_stage=0")),
+    "grouped-units": (2, ("parallel.dp_shard=2", "parallel.fsdp_layers_per_unit=2")),
+    "qgz": (2, ("parallel.dp_shard=2", "parallel.zero_quantized_gradients=true")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
+def test_planner_overlaps_the_exchange_where_the_engine_does(case: str) -> None:
+    """`overlapped` (what the planner counts: the momentum whole on the owners, the trip to them hidden) against
+    the engine's `overlap_problem` on the same config, as the dry run's planner view reads it."""
+    world, overrides = OVERLAP_CASES[case]
+    cfg = load_config(TINY, ["train.optimizer=muon", *overrides])
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    assert overlapped(*layout_of(cfg, world)) == (overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None)
