@@ -38,8 +38,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.tensor import DTensor
 
 from framework.parallel.config import ParallelConfig
+from framework.parallel.ddp import ReplicatedGradSync
 from framework.parallel.mesh import ParallelDims
 from framework.parallel.pipeline_schedules import schedule_spec
 from framework.train.config import TrainConfig
@@ -54,12 +56,14 @@ def overlap_problem(train_cfg: TrainConfig, pcfg: ParallelConfig, dims: Parallel
     """Why this layout runs the plain exchange (None: it overlaps)."""
     if train_cfg.optimizer != "muon" or not train_cfg.muon.overlap:
         return "train.muon.overlap is off" if train_cfg.optimizer == "muon" else "not Muon"
-    if pcfg.zero_stage == 0 or dims.fsdp_size == 1:
-        return ("no FSDP shard group: the matrices are whole on every rank or cut by tp only, and their gradients "
-                "are final only after the engine's post-backward reductions")
-    if dims.tp > 1:
-        return ("tp > 1: tp-split matrices need the secondary all-gather and their tp ranks would each keep the "
-                "whole momentum, and tp partial gradients are resolved after backward")
+    no_fsdp = pcfg.zero_stage == 0 or dims.fsdp_size == 1
+    if no_fsdp and dims.tp == 1:
+        return "no FSDP shard group and no tp: the matrices are whole on every rank, nothing is exchanged"
+    if dims.tp > 1 and not no_fsdp:
+        return ("FSDP x TP: the pieces need the secondary all-gather over tp before the all-to-all, and the tp ranks "
+                "of an owner would each keep the whole momentum")
+    if no_fsdp and dims.pp > 1:
+        return "tp x pp without FSDP: the pipeline schedule's backward arms no post-accumulate-grad hook"
     if dims.pp > 1 and schedule_spec(pcfg.pp_schedule).split_backward:
         return (f"pp > 1 with {pcfg.pp_schedule}: a zero-bubble schedule's weight pass, which makes a stage's "
                 "gradients final, runs outside FSDP's per-unit post-backward")
@@ -185,8 +189,68 @@ def _holding(optimizers: list[Muon], params: Iterable[torch.Tensor]) -> list[Muo
     return [opt for opt in optimizers if any(id(p) in ids for p in opt._whole.params)]
 
 
+def _partial(grad: torch.Tensor | None) -> bool:
+    return isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements)
+
+
+class AccumulatedExchange:
+    """Without an FSDP shard group (tp splits the matrices, Colwise Shard(0) and Rowwise Shard(1)): launches each
+    block's Muon gradients over tp from backward on the armed (last) micro-batch, once every exchanged matrix of
+    the block has its final gradient: at its AccumulateGrad (a post-accumulate-grad hook), or under dp_replicate
+    once the replica sync (framework/parallel/ddp.py) has averaged the bucket that holds it (its listener).
+
+    A gradient still Partial there (summed over tp by the engine after backward, `resolve_partial_grads`) is left
+    for the step, which launches what no block sent. Blocks are the decoder's layers, and each other child of a
+    model part holding exchanged matrices. Every rank builds the same blocks and backward runs one graph order on
+    every tp rank, so the all-to-alls interleave with TP's own backward collectives on the group alike everywhere.
+    On the GPU no wait is needed: the hook runs on the stream AccumulateGrad wrote the gradient on (autograd's for
+    that node, the current one), and the replica sync calls its listeners inside the stream it averaged on; the
+    all-to-all is ordered after the current stream's work when it is enqueued.
+    """
+
+    def __init__(self, optimizers: list[Muon], parts: list[nn.Module], replica_sync: ReplicatedGradSync | None
+                 ) -> None:
+        self.optimizers = optimizers
+        self.armed = True
+        owner = {id(opt._whole.params[i]): opt for opt in optimizers for i in opt._exchanged()}
+        self.blocks: list[tuple[Muon, list[torch.Tensor]]] = []
+        self._block_of: dict[int, int] = {}
+        for part in parts:
+            layers = getattr(part, "layers", None)
+            groups = [*(layers.values() if isinstance(layers, nn.ModuleDict) else ()),
+                      *(child for name, child in part.named_children() if name != "layers")]
+            for group in groups:
+                params = [p for p in group.parameters() if id(p) in owner and id(p) not in self._block_of]
+                if params:
+                    self._block_of |= {id(p): len(self.blocks) for p in params}
+                    self.blocks.append((owner[id(params[0])], params))
+        self._ready = [0] * len(self.blocks)
+        if replica_sync is not None:
+            replica_sync.listeners.append(self._arrived)
+        else:
+            for _, params in self.blocks:
+                for p in params:
+                    p.register_post_accumulate_grad_hook(lambda q: self._arrived([q]) if self.armed else None)
+
+    def arm(self, last: bool) -> None:
+        """Before each micro-batch's backward: only the last one's gradients are final."""
+        self.armed = last
+        self._ready = [0] * len(self.blocks)
+
+    def _arrived(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            b = self._block_of.get(id(p))
+            if b is None:
+                continue
+            self._ready[b] += 1
+            opt, members = self.blocks[b]
+            if self._ready[b] == len(members):
+                opt.launch([q for q in members if not _partial(q.grad)])
+
+
 def overlap_exchange(optimizers: list[torch.optim.Optimizer], parts: list[nn.Module], train_cfg: TrainConfig,
-                     pcfg: ParallelConfig, dims: ParallelDims, model_cfg: ModelConfig) -> BackwardExchange | None:
+                     pcfg: ParallelConfig, dims: ParallelDims, model_cfg: ModelConfig,
+                     replica_sync: ReplicatedGradSync | None = None) -> BackwardExchange | AccumulatedExchange | None:
     """Turn the overlapped exchange on for the Muon optimizers where the layout allows (None: plain exchange)."""
     muon = [opt for opt in optimizers if isinstance(opt, Muon)]
     if not muon:
@@ -198,4 +262,6 @@ def overlap_exchange(optimizers: list[torch.optim.Optimizer], parts: list[nn.Mod
         return None
     for opt in muon:
         opt.overlapped = True
+    if pcfg.zero_stage == 0 or dims.fsdp_size == 1:
+        return AccumulatedExchange(muon, parts, replica_sync)
     return BackwardExchange(muon, parts, armed=dims.pp == 1)  # under pp each stage arms it (pipeline._Stage)

@@ -111,7 +111,8 @@ class ParallelEngine:
                                     [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self._fix_tied_decay()
         # Muon's owner exchange from backward hooks where the layout allows (framework/train/muon_overlap.py)
-        self.muon_exchange = overlap_exchange(self.optimizers, self.model_parts, train_cfg, pcfg, dims, model_cfg)
+        self.muon_exchange = overlap_exchange(self.optimizers, self.model_parts, train_cfg, pcfg, dims, model_cfg,
+                                              self.replica_sync)
         self.optimizers = offload_optimizers(  # ZeRO-Infinity (docs/PARALLELISM.md): AdamW states on local NVMe
             self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
