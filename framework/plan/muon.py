@@ -169,9 +169,9 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
         held = max((units[r::size] for r in range(size)), key=lambda us: sum(_numel(u) for u, _ in us))
         o, s2 = sum(_numel(u) for u, _ in held), sum(_numel(u) for u, _ in units) / size
         pieces, owned, mine = pieces + s2 / split, owned + o, mine + [u for u, _ in held]
-        if axis in ("dp_shard", "edp"):  # exchanged over FSDP's groups: under overlap their momentum is these, whole
-            out["owned"] = out.get("owned", 0.0) + o
-            out["owned_shards"] = out.get("owned_shards", 0.0) + s2 / split  # in place of the shards
+        if axis in ("dp_shard", "edp", "tp", "dp_shard_tp"):  # exchanged: under overlap their momentum is these,
+            out["owned"] = out.get("owned", 0.0) + o  # whole
+            out["owned_shards"] = out.get("owned_shards", 0.0) + s2 / split  # in place of the rank's pieces
         out["index"] = out.get("index", 0.0) + 4 * sum(_numel(u) for u, placed in held if placed)
         if axis:
             out[axis] = out.get(axis, 0.0) + state * (s2 + o)
@@ -181,14 +181,16 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
     ns = ns_peak(mine, ns_bytes)
     out["ns_flops"] = out.get("ns_flops", 0.0) + sum(
         NS_STEPS * n * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for n, a, b in mine)
-    if overlapped(work, lay):  # the gradient units arrived in backward; no Nesterov pieces on the shards
-        return max(state * exchange, ns)
+    if overlapped(work, lay):  # the gradient units arrived in backward; Nesterov inputs only of unexchanged units
+        local = sum(_numel(u) for u, _ in _buckets(cfg, lay, layers).get(("", 1), []))
+        return state * local + max(state * exchange, ns)
     return state * (pieces + owned) + max(state * exchange, ns)
 
 
 def overlapped(work: Workload, lay: Layout) -> bool:
     """Whether the owner exchange overlaps backward (framework/train/muon_overlap.py `overlap_problem`)."""
-    return (work.muon_overlap and lay.zero_stage > 0 and lay.shard_group > 1 and lay.tp == 1
+    fsdp = lay.zero_stage > 0 and lay.shard_group > 1  # FSDP x TP over the dp_shard x tp ranks in one hop
+    return (work.muon_overlap and (fsdp or (lay.tp > 1 and lay.pp == 1))
             and (lay.pp == 1 or not schedule_spec(lay.schedule).split_backward))
 
 
@@ -219,7 +221,7 @@ def muon_bytes(work: Workload, lay: Layout, rank: int) -> MuonBytes:
     zero = lay.zero_stage > 0
     sharded = dense / (lay.shard_group if zero else 1) + experts / (lay.dp * lay.tp // lay.ep if zero else 1)
     delta = sharded * (state - prec.optimizer)
-    if overlapped(work, lay):  # the momentum of the matrices a rank owns, whole, in place of its shards'
+    if overlapped(work, lay):  # the momentum of the matrices a rank owns, whole, in place of its pieces of them
         delta += (owned - owned_shards) * state
     return MuonBytes(dense + experts, delta, traffic, gather, transient, index, flops, overlapped(work, lay))
 

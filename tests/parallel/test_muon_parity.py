@@ -11,13 +11,15 @@ around Muon (against the fp16 one-process run, as the AdamW suite does). All rou
 group.
 
 The owner exchange overlapped with backward (`train.muon.overlap`, on by default where the layout allows it:
-FSDP without tp, pp with a whole backward; EP with MoE, grouped FSDP units and ZeRO++ qgZ included) runs on every
-such layout above; seven of them run again with it off (ZeRO-3, uneven shards, HSDP, PP2 x DP2 1F1B ZeRO-3 and
-interleaved ZeRO-1, EP2 x DP4 with units of two blocks, qgZ), and the two runs must agree bitwise (losses, grad
-norms, final parameters, and the momentum `state_dict` saves). Each overlapped run must have launched its
-exchange from inside backward, once per FSDP unit holding exchanged matrices and step (`hooked_units`; under pp
-those of the optimizer's own stage, from that stage's last backward), and sent nothing at the step; the others
-never launch. The qgZ layout, whose int8 gradients leave the one-process run, is held to its twin only.
+FSDP, tp included, pp with a whole backward; EP with MoE, grouped FSDP units and ZeRO++ qgZ included; tp without
+FSDP, also under dp_replicate) runs on every such layout above; nine of them run again with it off (ZeRO-3, uneven
+shards, HSDP, PP2 x DP2 1F1B ZeRO-3 and interleaved ZeRO-1, EP2 x DP4 with units of two blocks, qgZ,
+TP2 x dp_replicate 2, TP2 x DP2 ZeRO-3), and the two runs must agree bitwise (losses, grad norms, final
+parameters, the momentum `state_dict` saves, and the momentum elements held over the ranks). Each overlapped run
+must have launched its exchange from inside backward, once per FSDP unit holding exchanged matrices and step
+(`hooked_units`; under pp those of the optimizer's own stage, from that stage's last backward; without FSDP once
+per block), and sent nothing at the step; the others never launch. The qgZ layout, whose int8 gradients leave
+the one-process run, is held to its twin only.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ LAYOUTS += [{**layout, **OFF} for layout in (LAYOUTS[5], LAYOUTS[7], LAYOUTS[6])
 LAYOUTS += [{**layout, **OFF} for layout in (PP_ZERO3, PP_INTERLEAVED)]
 # ... and experts in their own units inside grouped units, qgZ
 LAYOUTS += [{**layout, **OFF} for layout in (EXPERT_UNITS, QGZ)]
+# tp: without FSDP each block goes over tp once final (TP2 above from post-accumulate-grad hooks; here under
+# dp_replicate from the DDP sync once its bucket is averaged, buckets small enough that every block leaves from
+# backward: the last bucket, finished after backward, holds the embedding alone); FSDP x TP over the dp_shard x tp
+# ranks in one hop, one owner each (not the plain exchange's owners: the twin checks the batching changes nothing)
+TP_REPLICATED = {"tp": 2, "dp_replicate": 2, "dp_shard": 1, "zero_stage": 0, "ddp_bucket_mb": 0.02, **MUON}
+LAYOUTS += [TP_REPLICATED, {**TP_REPLICATED, **OFF}, {**LAYOUTS[8], **OFF}]
 
 
 def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
