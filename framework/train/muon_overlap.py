@@ -24,8 +24,12 @@ sending their pieces once that unit's reduce-scatter is done. Each unit sends on
 reduce-scatter finalizes. On the GPU the all-to-all first waits for FSDP's post-reduce event (the gradients are
 written on FSDP's reduce stream). Parameters no hook covers (the root unit's) are sent at the step. Under pp the
 pipeline stage runs each stage's last backward with FSDP's gradient sync on and arms the hook around it
-(framework/parallel/pipeline.py `_Stage`), so the same hook point serves there. Where the layout does not allow
-it, `overlap_problem` says why and the plain exchange runs.
+(framework/parallel/pipeline.py `_Stage`), so the same hook point serves there. Under FSDP x TP a unit's pieces
+go in one all-to-all over the dp_shard x tp ranks to one owner among them (`overlap_exchange`), not through the
+plain exchange's tp all-gather. Under tp without an FSDP shard group there is no FSDP hook to follow:
+`AccumulatedExchange` launches each block once its tp-split matrices' gradients are final (post-accumulate-grad
+hooks, or the DDP sync's listener under dp_replicate). Where the layout does not allow it, `overlap_problem`
+says why and the plain exchange runs.
 """
 
 from __future__ import annotations
