@@ -39,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -48,6 +49,7 @@ from framework.parallel.config import ParallelConfig
 from framework.parallel.ddp import ReplicatedGradSync
 from framework.parallel.mesh import ParallelDims
 from framework.parallel.pipeline_schedules import schedule_spec
+from framework.parallel.whole_matrix import WholeMatrices
 from framework.train.config import TrainConfig
 from framework.train.muon import Muon
 from models.config import ModelConfig
@@ -63,9 +65,6 @@ def overlap_problem(train_cfg: TrainConfig, pcfg: ParallelConfig, dims: Parallel
     no_fsdp = pcfg.zero_stage == 0 or dims.fsdp_size == 1
     if no_fsdp and dims.tp == 1:
         return "no FSDP shard group and no tp: the matrices are whole on every rank, nothing is exchanged"
-    if dims.tp > 1 and not no_fsdp:
-        return ("FSDP x TP: the pieces need the secondary all-gather over tp before the all-to-all, and the tp ranks "
-                "of an owner would each keep the whole momentum")
     if no_fsdp and dims.pp > 1:
         return "tp x pp without FSDP: the pipeline schedule's backward arms no post-accumulate-grad hook"
     if dims.pp > 1 and schedule_spec(pcfg.pp_schedule).split_backward:
@@ -147,8 +146,9 @@ class BackwardExchange:
                 for fp in group.fsdp_params:  # parallel.cpu_offload: a non-blocking copy to host memory, which
                     if fp.grad_offload_event is not None:  # FSDP itself waits for only at the end of backward
                         fp.grad_offload_event.synchronize()
-            for opt in optimizers:  # every rank of a bucket's group holds the same stages: the same launches
-                opt.launch(params)
+            for opt in optimizers:  # every rank of a bucket's group holds the same stages: the same launches;
+                # a gradient still Partial over tp (summed after backward) goes at the step
+                opt.launch([p for p in params if not _partial(p.grad)])
 
         def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
@@ -254,8 +254,12 @@ class AccumulatedExchange:
 
 def overlap_exchange(optimizers: list[torch.optim.Optimizer], parts: list[nn.Module], train_cfg: TrainConfig,
                      pcfg: ParallelConfig, dims: ParallelDims, model_cfg: ModelConfig,
-                     replica_sync: ReplicatedGradSync | None = None) -> BackwardExchange | AccumulatedExchange | None:
-    """Turn the overlapped exchange on for the Muon optimizers where the layout allows (None: plain exchange)."""
+                      replica_sync: ReplicatedGradSync | None = None, dp_tp: dist.ProcessGroup | None = None
+                     ) -> BackwardExchange | AccumulatedExchange | None:
+    """Turn the overlapped exchange on for the Muon optimizers where the layout allows (None: plain exchange).
+    Under FSDP x TP the matrices' pieces go over `dp_tp` (ParallelDims.build_mesh's dp_shard x tp group) to one
+    owner among those ranks, in one hop: the plain exchange's tp all-gather would have to wait for the gradient
+    of the whole unit, and every tp rank of an owner would keep the whole momentum (tp times the memory)."""
     muon = [opt for opt in optimizers if isinstance(opt, Muon)]
     if not muon:
         return None
@@ -266,6 +270,9 @@ def overlap_exchange(optimizers: list[torch.optim.Optimizer], parts: list[nn.Mod
         return None
     for opt in muon:
         opt.overlapped = True
+        if dims.tp > 1 and dims.fsdp_size > 1:
+            assert dp_tp is not None, "FSDP x TP needs the dp_shard x tp group of ParallelDims.build_mesh"
+            opt._whole = WholeMatrices(opt._muon_params(), opt._blocks, flat=dp_tp)
     if pcfg.zero_stage == 0 or dims.fsdp_size == 1:
         return AccumulatedExchange(muon, parts, replica_sync)
     return BackwardExchange(muon, parts, armed=dims.pp == 1)  # under pp each stage arms it (pipeline._Stage)

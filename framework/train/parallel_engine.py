@@ -33,7 +33,7 @@ from framework.numerics.transforms import model_transforms
 from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.config import ParallelConfig
 from framework.parallel.memory import model_state_report, unsharded_bytes
-from framework.parallel.mesh import AXES, ParallelDims, groups_created
+from framework.parallel.mesh import AXES, ParallelDims, dp_tp_group, groups_created
 from framework.parallel.offload import io_metrics, offload_optimizers
 from framework.parallel.parallelize import parallelize
 from framework.parallel.pipeline import build_schedule, run_schedule
@@ -112,13 +112,15 @@ class ParallelEngine:
         self._fix_tied_decay()
         # Muon's owner exchange from backward hooks where the layout allows (framework/train/muon_overlap.py)
         self.muon_exchange = overlap_exchange(self.optimizers, self.model_parts, train_cfg, pcfg, dims, model_cfg,
-                                              self.replica_sync)
+                                              self.replica_sync, dp_tp_group(mesh))
         self.optimizers = offload_optimizers(  # ZeRO-Infinity (docs/PARALLELISM.md): AdamW states on local NVMe
             self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
         self._found_inf = self._unscaled = False
-        self.comm = CommLogger(mesh_axes(mesh, AXES) | zeropp_axes(self.model_parts)) if pcfg.comm_log else None
+        self.comm = CommLogger(mesh_axes(mesh, AXES) | zeropp_axes(self.model_parts)
+                               | ({dp_tp_group(mesh): "dp_shard_tp"} if dp_tp_group(mesh) is not None else {})
+                               ) if pcfg.comm_log else None
         made = groups_created() - groups_before
         if made and mesh.size() != dist.get_world_size():
             raise ParallelismError(
