@@ -164,8 +164,13 @@ def _plan_flat(p: DTensor, cut: list[int], whole: list[int], group: dist.Process
     mesh = p.device_mesh
     coordinate = mesh.get_coordinate()
     assert coordinate is not None
-    sub = mesh.mesh[tuple(slice(None) if d in cut else coordinate[d] for d in range(mesh.ndim))]
-    where = {int(sub[k]): k for k in itertools.product(*(range(n) for n in sub.shape))}
+    grid, where = mesh.mesh.tolist(), {}  # the global rank at each coordinate along the cut dims (lists: no tensor
+    for k in itertools.product(*(range(mesh.size(d)) for d in cut)):  # reads, which a fake tensor mode would fake)
+        at = dict(zip(cut, k))
+        rank = grid
+        for d in range(mesh.ndim):
+            rank = rank[at.get(d, coordinate[d])]
+        where[rank] = k
     members = dist.get_process_group_ranks(group)
     if sorted(members) != sorted(where):
         return None

@@ -136,9 +136,11 @@ def ns_peak(units: list[Unit], ns_bytes: int) -> float:
     return max((_ns_work(g, ns_bytes) for g in by_shape.values()), default=0.0)
 
 
-def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int]) -> dict[tuple[str, int], list[tuple[Unit, bool]]]:
+def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int], flat: bool = False
+             ) -> dict[tuple[str, int], list[tuple[Unit, bool]]]:
     """One part's matrices grouped as `WholeMatrices` buckets them: (primary axis, tp split of the secondary hop)
-    -> [(unit, whether its owner keeps an index)], in parameter order; axis "" where nothing moves."""
+    -> [(unit, whether its owner keeps an index)], in parameter order; axis "" where nothing moves. `flat`: the
+    overlapped exchange sends FSDP x TP pieces over the dp_shard x tp ranks in one hop ("dp_shard_tp")."""
     shard = lay.shard_group if lay.zero_stage > 0 else 1
     edp = lay.dp * lay.tp // lay.ep if lay.zero_stage > 0 else 1
     out: dict[tuple[str, int], list[tuple[Unit, bool]]] = {}
@@ -146,7 +148,9 @@ def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int]) -> dict[tuple[str
         dense, experts = layer_units(cfg, i, lay.ep)
         for unit, split, rowwise in dense:
             tp = lay.tp if split else 1
-            if shard > 1:  # FSDP's Shard(0) alone arrives in order; with a tp hop the owner places the pieces
+            if shard > 1 and flat and tp > 1:  # one owner among the dp_shard x tp ranks, pieces placed
+                out.setdefault(("dp_shard_tp", 1), []).append((unit, True))
+            elif shard > 1:  # FSDP's Shard(0) alone arrives in order; with a tp hop the owner places the pieces
                 out.setdefault(("dp_shard", tp), []).append((unit, tp > 1))
             else:  # tp alone: column blocks arrive in order, row-wise blocks need placing
                 out.setdefault(("tp" if tp > 1 else "", 1), []).append((unit, tp > 1 and rowwise))
@@ -159,12 +163,14 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
     """The transient bytes of one model part's Muon step (one optimizer); adds its traffic and the owner's index
     bytes (4 per placed element, kept between steps) into `out`."""
     cfg, ns_bytes = work.model, work.muon_ns_bytes
-    sizes = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep, "": 1}
+    sizes = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep, "": 1,
+             "dp_shard_tp": lay.shard_group * lay.tp}
+    buckets = _buckets(cfg, lay, layers, flat=overlapped(work, lay))
     # apply(): every bucket's pieces (S) live throughout, the owned units (O) from the exchange on (then their
     # results); on top, one bucket's send and receive buffers at a time, or one shape group's Newton-Schulz.
     pieces = owned = exchange = 0.0
     mine: list[Unit] = []
-    for (axis, split), units in _buckets(cfg, lay, layers).items():
+    for (axis, split), units in buckets.items():
         size = sizes[axis]
         held = max((units[r::size] for r in range(size)), key=lambda us: sum(_numel(u) for u, _ in us))
         o, s2 = sum(_numel(u) for u, _ in held), sum(_numel(u) for u, _ in units) / size
@@ -182,7 +188,7 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
     out["ns_flops"] = out.get("ns_flops", 0.0) + sum(
         NS_STEPS * n * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for n, a, b in mine)
     if overlapped(work, lay):  # the gradient units arrived in backward; Nesterov inputs only of unexchanged units
-        local = sum(_numel(u) for u, _ in _buckets(cfg, lay, layers).get(("", 1), []))
+        local = sum(_numel(u) for u, _ in buckets.get(("", 1), []))
         return state * local + max(state * exchange, ns)
     return state * (pieces + owned) + max(state * exchange, ns)
 

@@ -118,9 +118,7 @@ class ParallelEngine:
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
         self._found_inf = self._unscaled = False
-        self.comm = CommLogger(mesh_axes(mesh, AXES) | zeropp_axes(self.model_parts)
-                               | ({dp_tp_group(mesh): "dp_shard_tp"} if dp_tp_group(mesh) is not None else {})
-                               ) if pcfg.comm_log else None
+        self.comm = CommLogger(mesh_axes(mesh, AXES) | zeropp_axes(self.model_parts)) if pcfg.comm_log else None
         made = groups_created() - groups_before
         if made and mesh.size() != dist.get_world_size():
             raise ParallelismError(
