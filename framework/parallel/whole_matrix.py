@@ -12,6 +12,9 @@ How the pieces travel (a parameter's mesh dims sorted by its placements):
   the primary dim   (the first other shard dim, e.g. dp_shard): one bucketed `all_to_all_single` per step sends
                     every piece to its matrix's owner, round-robin by parameter over the dim's ranks (owners
                     differ within one FSDP group, so the work is spread); a second one returns the results;
+  flat              (`WholeMatrices(..., flat=group)`, Muon's overlapped exchange under FSDP x TP): a group of
+                    every rank along the cut dims is the primary, each rank's own piece goes straight to the
+                    owner, one owner among dp_shard x tp; no secondary hop (`_plan_flat`);
   secondary dims    (further shard dims, e.g. tp under FSDP x TP): one bucketed all-gather per dim
                     before the primary exchange; the ranks of such a dim then compute the same matrices (the
                     "orthogonalize the full matrix" choice: tp is small and inside a node, and it spares a

@@ -10,7 +10,8 @@ groups (the optimizer of each model part owns its buckets):
                   tp-split matrix (none: the rank holds whole matrices and nothing moves). Experts (stacked,
                   whole along ep) go over FSDP's expert group (dp x tp / ep).
   secondary hop   tp under FSDP x TP for tp-split matrices: one all-gather of the dp shards (its output, tp
-                  pieces of 1/N of the matrix, is what the communication logger counts).
+                  pieces of 1/N of the matrix, is what the communication logger counts). Overlapped, none:
+                  the pieces go over the dp_shard x tp ranks ("dp_shard_tp") to one owner among them.
   owners          round-robin by matrix in the part's parameter order; each owner gets the unit whole (a matrix,
                   or a rank's block of E/ep experts), runs Newton-Schulz, and sends every piece back.
 
@@ -26,14 +27,15 @@ Transient on that owner, after backward (activations are gone by then): the larg
                      for n stacked a x b matrices, a <= b),
 all in fp32 except the NS working set. Owners whose pieces do not arrive in order (a tp hop, row-wise tp blocks,
 stacked experts cut on dim 1) keep an int32 index per element they own, between steps.
-Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout without tp, and under pp with a
-schedule whose backward is not split (not zero-bubble), as framework/train/muon_overlap.py allows; ep, qgZ and
-grouped FSDP units overlap too, so nothing the planner cannot see decides it), the raw gradient pieces reach the
-owners during backward and an exchanged matrix's momentum (dense ones over dp x cp, experts over edp) lives whole
-on its owner: the momentum is O rather than the shards' S, and the step's transient is the larger of the return
+Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout (tp included), or tp without FSDP
+and pp, and under pp with a schedule whose backward is not split (not zero-bubble), as
+framework/train/muon_overlap.py allows; ep, qgZ and grouped FSDP units overlap too, so nothing the planner cannot
+see decides it), the raw gradient pieces reach the owners during backward and an exchanged matrix's momentum
+(dense ones over dp x cp, or dp x cp x tp under FSDP x TP, or tp without FSDP; experts over edp) lives whole on
+its owner: the momentum is O rather than the shards' S, and the step's transient is the larger of the return
 trip (S2 + O: send and receive buffers beside the results) and Newton-Schulz, since the O received is already
 live when the step starts (it grows while backward frees activations) and no Nesterov pieces are made on the
-shards.
+shards (those of unexchanged matrices are).
 `tests/dryrun/test_ground_truth.py` holds these terms to the dry run (itself held to real gloo steps).
 """
 
