@@ -94,7 +94,8 @@ LAYOUTS += [TP_REPLICATED, {**TP_REPLICATED, **OFF}, {**LAYOUTS[8], **OFF}]
 
 
 def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
-    """parallel_parity.run_rounds, adding each layout's Muon launch counts ({"backward": n, "step": n})."""
+    """parallel_parity.run_rounds, adding each layout's Muon launch counts ({"backward": n, "step": n}), its saved
+    momentum's checksums and the momentum elements this rank holds."""
     import torch.distributed as dist
 
     from framework.train.muon import Muon
@@ -111,8 +112,9 @@ def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> li
     for layouts in rounds:
         before = len(made)
         result = run_round(rank, world, layouts)
+        held = sum(_momentum_elements(m) for m in made[before:])
         out.append({i: (*v, [(m.overlapped, dict(m.launches)) for m in made[before:]],
-                        [_momentum(m) for m in made[before:]]) for i, v in result.items()})
+                        [_momentum(m) for m in made[before:]], held) for i, v in result.items()})
     dist.barrier()
     return out
 
@@ -128,13 +130,23 @@ def _momentum(opt: Any) -> list[tuple[float, float, float]]:
     return [checksum(b.full_tensor() if isinstance(b, DTensor) else b) for b in bufs]
 
 
+def _momentum_elements(opt: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    bufs = [st["momentum_buffer"] for p, st in opt.state.items() if "momentum_buffer" in st]
+    return sum((b.to_local() if isinstance(b, DTensor) else b).numel() for b in bufs)
+
+
 def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[dict[int, Any]]]) -> list[str]:
-    """Launch counts against `overlap_problem`, and each plain-exchange twin against its overlapped layout."""
-    bad, runs = [], {}
+    """Launch counts against `overlap_problem`, and each plain-exchange twin against its overlapped layout: the
+    same results, and the same momentum elements over the layout's ranks (each matrix's once per replica, whoever
+    holds it; under FSDP x TP not once per tp rank of its owner)."""
+    bad, runs, held = [], {}, {}
     for i, layouts in enumerate(rounds):
         for j, layout in enumerate(layouts):
             per_rank = [r[i][j] for r in results if j in r[i]]
             runs[str(sorted(layout.items()))] = (*per_rank[0][:2], [r[3] for r in per_rank])  # + saved momentum
+            held[str(sorted(layout.items()))] = sum(r[4] for r in per_rank)
             cfg = make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
             dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
             on = overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None
@@ -147,6 +159,9 @@ def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[di
             if runs[str(sorted(layout.items()))] != runs[str(sorted(twin.items()))]:
                 bad.append(f"{layout}: the plain exchange differs from the overlapped one (losses, grad norms, "
                            "parameters or the momentum state_dict saves)")
+            if held[str(sorted(layout.items()))] != held[str(sorted(twin.items()))]:
+                bad.append(f"{twin}: momentum elements over the ranks, plain {held[str(sorted(layout.items()))]}, "
+                           f"overlapped {held[str(sorted(twin.items()))]}")
     return bad
 
 
