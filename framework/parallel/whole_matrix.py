@@ -35,6 +35,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -167,13 +168,14 @@ def _plan_flat(p: DTensor, cut: list[int], whole: list[int], group: dist.Process
     mesh = p.device_mesh
     coordinate = mesh.get_coordinate()
     assert coordinate is not None
-    grid, where = mesh.mesh.tolist(), {}  # the global rank at each coordinate along the cut dims (lists: no tensor
-    for k in itertools.product(*(range(mesh.size(d)) for d in cut)):  # reads, which a fake tensor mode would fake)
-        at = dict(zip(cut, k))
+    grid: Any = mesh.mesh.tolist()  # nested lists: no tensor reads, which a fake tensor mode would fake
+    where: dict[int, tuple[int, ...]] = {}  # the global rank at each coordinate along the cut dims
+    for k in itertools.product(*(range(mesh.size(d)) for d in cut)):
+        at = dict(zip(cut, k, strict=True))
         rank = grid
         for d in range(mesh.ndim):
             rank = rank[at.get(d, coordinate[d])]
-        where[rank] = k
+        where[int(rank)] = k
     members = dist.get_process_group_ranks(group)
     if sorted(members) != sorted(where):
         return None
@@ -224,7 +226,7 @@ class WholeMatrices:
             assert isinstance(p, DTensor)
             one = _plan_flat(p, cut, whole, flat) if flat is not None and len(cut) > 1 else None
             self.layout.append(one or _plan(p, cut, whole))
-            group = flat if one is not None else p.device_mesh.get_group(cut[0])
+            group = flat if flat is not None and one is not None else p.device_mesh.get_group(cut[0])
             key = (id(group), *(id(g) for g, _, _ in self.layout[i].secondary))
             buckets.setdefault(key, _Bucket(group, [])).members.append(i)
         self.buckets = list(buckets.values())
