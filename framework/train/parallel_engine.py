@@ -47,7 +47,7 @@ from framework.parallel.precision import (
 )
 from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
 from framework.train.config import TrainConfig
-from framework.train.muon_overlap import overlap_exchange
+from framework.train.muon_overlap import BackwardExchange, overlap_exchange
 from framework.train.optim import build_optimizer
 from framework.train.qk_clip import QKClip
 from models.config import ModelConfig
@@ -191,7 +191,8 @@ class ParallelEngine:
         if n_micro not in self._schedules:
             self._schedules[n_micro] = build_schedule(
                 self.model_parts, self.stage_ids, self.n_stages, self.mesh["pp"].get_group(), self.device,
-                self.pcfg.pp_schedule, n_micro, self._loss_fn, watcher=self.muon_exchange)
+                self.pcfg.pp_schedule, n_micro, self._loss_fn,  # (no tp-only exchange under pp: overlap_problem)
+                watcher=self.muon_exchange if isinstance(self.muon_exchange, BackwardExchange) else None)
         return self._schedules[n_micro]
 
     def _pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor | None:
