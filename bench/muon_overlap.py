@@ -1,6 +1,7 @@
 """Muon's owner exchange overlapped with backward vs after it: exposed all-to-all time and step time.
 
     PYTHONPATH=. nice -n 19 python bench/muon_overlap.py [--rounds 12] [--ranks 4] [--layers 8] [--moe]
+        [--layout dp-zero3|tp2-dp2|tp2-zero3]
 
 smoke-3m's shape (configs/smoke/smoke.yaml's model; `--layers` blocks) as DP4 ZeRO-3 on 4 gloo ranks, Muon with fp32
 Newton-Schulz, two engines in one process group: `train.muon.overlap=true` (each block's gradient pieces leave
@@ -12,7 +13,9 @@ wall seconds. Ratios overlap / plain: median of the per-round ratios, with a boo
 `--moe`: smoke-moe's shape instead (8 experts, a shared one, the first layer dense) under EP2, so the experts are
 FSDP units of their own over a 2-rank edp group and send their pieces there from their own post-backward; the
 trip to the owners is then every Muon all-to-all but the last per axis (dp_shard, edp), the dispatcher's (ep)
-left out.
+left out. `--layout tp2-dp2`: TP2 x dp_replicate 2 without FSDP, 1 MiB DDP buckets, the exchange over tp;
+`tp2-zero3`: TP2 x DP2 ZeRO-3, overlapped over dp_shard x tp in one hop, plain with the tp all-gather first
+(which the plain figure leaves out).
 """
 
 from __future__ import annotations
@@ -33,9 +36,13 @@ from bench.robust_timing import loadavg, paired_ratio
 from bench.zeropp import markov_batches
 
 MODES = {"overlapped": "train.muon.overlap=true", "plain": "train.muon.overlap=false"}
+LAYOUTS = {"dp-zero3": lambda world: [f"parallel.dp_shard={world}", "parallel.zero_stage=3"],
+           "tp2-dp2": lambda world: ["parallel.tp=2", f"parallel.dp_replicate={world // 2}", "parallel.dp_shard=1",
+                                     "parallel.zero_stage=0", "parallel.ddp_bucket_mb=1"],
+           "tp2-zero3": lambda world: ["parallel.tp=2", f"parallel.dp_shard={world // 2}", "parallel.zero_stage=3"]}
 
 
-def _worker(rank: int, world: int, rounds: int, layers: int, moe: bool) -> dict[str, Any]:
+def _worker(rank: int, world: int, rounds: int, layers: int, moe: bool, layout: str) -> dict[str, Any]:
     from framework.dryrun.step import comm_logger
     from framework.testing.tiny import tiny_config
     from framework.train.parallel_engine import build_parallel_engine
@@ -46,8 +53,8 @@ def _worker(rank: int, world: int, rounds: int, layers: int, moe: bool) -> dict[
         model = ("model.preset=smoke-moe", "parallel.ep=2") if moe else ("model.preset=smoke-3m",)
         cfg = tiny_config(None, *model, f"model.n_layers={layers}", "data.kind=synthetic",
                           "data.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=2",
-                          "train.optimizer=muon", "train.muon.ns_dtype=fp32", f"parallel.dp_shard={world}",
-                          "parallel.zero_stage=3", "parallel.comm_log=true", flag)
+                          "train.optimizer=muon", "train.muon.ns_dtype=fp32", *LAYOUTS[layout](world),
+                          "parallel.comm_log=true", flag)
         engine = build_parallel_engine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"))
         comm = engine.comm = comm_logger(engine)  # the dry run's: it also names the expert mesh's ep and edp groups
         engines[name] = (engine, cfg, comm)
@@ -56,7 +63,8 @@ def _worker(rank: int, world: int, rounds: int, layers: int, moe: bool) -> dict[
     for r in range(rounds + 1):  # round 0 warms up
         for name in (MODES if r % 2 else reversed(list(MODES))):
             engine, cfg, comm = engines[name]
-            batch = rows[engine.dp_rank * 8 // world:(engine.dp_rank + 1) * 8 // world].reshape(-1, 2, 129)
+            dp = engine.dp_size
+            batch = rows[engine.dp_rank * 8 // dp:(engine.dp_rank + 1) * 8 // dp].reshape(-1, 2, 129)
             comm.reset()
             start = time.perf_counter()
             engine.forward_backward(batch)
@@ -80,13 +88,14 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--moe", action="store_true", help="smoke-moe under EP2 (expert units over edp)")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="dp-zero3")
     args = ap.parse_args()
     load = loadavg()
     res = run_distributed(_worker, args.ranks, timeout_s=1200, rounds=args.rounds, layers=args.layers,
-                          moe=args.moe)[0]
+                          moe=args.moe, layout=args.layout)[0]
     print(f"`PYTHONPATH=. nice -n 19 python bench/muon_overlap.py --rounds {args.rounds} --ranks {args.ranks} "
-          f"--layers {args.layers}{' --moe' if args.moe else ''}` ({date.today().isoformat()}, CPU gloo, "
-          f"load average {load})")
+          f"--layers {args.layers}{' --moe' if args.moe else ''} --layout {args.layout}` ({date.today().isoformat()}, "
+          f"CPU gloo, load average {load})")
     for key in ("to_owner_exposed", "wall"):
         med = {n: statistics.median(res[n][key]) for n in MODES}
         print(f"{key}: overlapped {med['overlapped'] * 1e3:.2f} ms, plain {med['plain'] * 1e3:.2f} ms, "

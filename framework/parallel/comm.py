@@ -310,9 +310,14 @@ def _name(group: Any) -> str:
 
 
 def mesh_axes(mesh: Any, names: tuple[str, ...]) -> dict[Any, str]:
-    """{process group: axis name} for the size > 1 axes of `mesh`."""
+    """{process group: axis name} for the size > 1 axes of `mesh`, and its dp_shard x tp group ("dp_shard_tp",
+    Muon's overlapped owner exchange under FSDP x TP) where `ParallelDims.build_mesh` made one."""
+    from framework.parallel.mesh import dp_tp_group
+
     out: dict[Any, str] = {}
     for name in names:
         if mesh[name].size() > 1:
             out[mesh[name].get_group()] = name
+    if dp_tp_group(mesh) is not None:
+        out[dp_tp_group(mesh)] = "dp_shard_tp"
     return out

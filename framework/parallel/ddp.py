@@ -4,6 +4,7 @@
     sync.arm(last_micro_batch)   # before each micro-batch's backward (the engine's own micro-batch loop)
     loss.backward()              # a bucket's async all-reduce starts as soon as its last gradient is accumulated
     sync()                       # after backward: launch what is left, wait, divide by size, copy back
+    sync.listeners.append(fn)    # optional: fn(bucket's params) once their averaged gradients are back
 
 Buckets follow torch DDP and Megatron (~25-40 MB): parameters in reverse registration order (close to the order
 backward produces their gradients), cut per dtype and device where a bucket would pass `bucket_bytes`. A bucket
@@ -11,6 +12,14 @@ is launched from the post-accumulate-grad hook of its last parameter on the arme
 all-reduce of late layers overlaps the backward of early ones; gradients accumulate untouched across the earlier
 micro-batches. Unarmed (a pipeline schedule owns the backward loop and scales gradients after it), every bucket
 is launched at `__call__`, still one bucket at a time in flight rather than one concatenation of every gradient.
+
+With `listeners` (Muon's owner exchange over tp, framework/train/muon_overlap.py), a bucket is finished (waited,
+averaged, copied back) from backward as soon as the next bucket launches, and the listeners get its parameters
+there: their gradients are final from then on, one bucket's backward after their all-reduce started. The rest
+are finished, and announced, at `__call__`. On CUDA that finish runs on a side stream which first waits for the
+current one (where the bucket's copy was enqueued), so backward's compute never waits for an all-reduce; the
+listeners run inside that stream's context (a collective they launch is ordered after the averaged gradients),
+and `__call__` makes the current stream wait for the side stream before anything reads a gradient.
 
 Every replica builds the same buckets from the same parameters and the same backward graph, so buckets launch in
 one order on every rank (the one requirement of issuing collectives from hooks). The sync must run before any
@@ -20,7 +29,8 @@ gradient as it stood when the bucket launched, and those rewrites are linear, so
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +52,7 @@ class _Bucket:
     flat: torch.Tensor | None = None
     work: dist.Work | None = None
     views: list[torch.Tensor] = field(default_factory=list)
+    done: bool = False  # waited, averaged and copied back this step
 
 
 def plan_buckets(params: Sequence[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
@@ -80,6 +91,10 @@ class ReplicatedGradSync:
                 if overlap:
                     p.register_post_accumulate_grad_hook(self._on_grad)
         self.armed = False
+        self.listeners: list[Callable[[list[nn.Parameter]], None]] = []
+        """Each called with a bucket's parameters once their averaged gradients are back (module docstring)."""
+        self._inflight: list[_Bucket] = []  # launched from backward, not yet finished, in launch order
+        self._side: torch.cuda.Stream | None = None
         self._hooked = 0
         self.launched_in_backward = 0
         """Buckets the last step launched from backward hooks (the rest at `__call__`)."""
@@ -100,6 +115,10 @@ class ReplicatedGradSync:
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
             self._hooked += 1
+            if self.listeners:  # the buckets launched before this one have had its backward to arrive
+                earlier, self._inflight = self._inflight, [bucket]
+                for b in earlier:
+                    self._finish(b)
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
@@ -121,6 +140,24 @@ class ReplicatedGradSync:
         bucket.work = dist.all_reduce(flat, group=self.group, async_op=True)
 
     @torch.no_grad()
+    def _finish(self, bucket: _Bucket) -> None:
+        """Wait for the bucket's all-reduce, average, copy back into the gradients; tell the listeners."""
+        assert bucket.work is not None and bucket.flat is not None
+        side = contextlib.nullcontext()
+        if self.listeners and bucket.flat.is_cuda and torch._C._current_graph_task_id() != -1:
+            self._side = self._side or torch.cuda.Stream(bucket.flat.device)
+            self._side.wait_stream(torch.cuda.current_stream(bucket.flat.device))
+            side = torch.cuda.stream(self._side)  # type: ignore[assignment]
+        with side:
+            bucket.work.wait()
+            bucket.flat.div_(self.size)
+            grads = [_local(p.grad) for p in bucket.params if p.grad is not None]
+            torch._foreach_copy_(grads, bucket.views)
+            bucket.done = True
+            for listener in self.listeners:
+                listener(bucket.params)
+
+    @torch.no_grad()
     def __call__(self) -> None:
         """After backward: launch the buckets not yet launched, then wait for each, average and copy back."""
         try:
@@ -128,12 +165,12 @@ class ReplicatedGradSync:
                 if bucket.work is None:
                     self._launch(bucket)
             for bucket in self.buckets:
-                assert bucket.work is not None and bucket.flat is not None
-                bucket.work.wait()
-                bucket.flat.div_(self.size)
-                grads = [_local(p.grad) for p in bucket.params if p.grad is not None]
-                torch._foreach_copy_(grads, bucket.views)
+                if not bucket.done:
+                    self._finish(bucket)
+            if self._side is not None:  # the buckets finished from backward wrote the gradients on the side stream
+                torch.cuda.current_stream(self._side.device).wait_stream(self._side)
         finally:
             for bucket in self.buckets:
-                bucket.ready, bucket.flat, bucket.work, bucket.views = 0, None, None, []
+                bucket.ready, bucket.flat, bucket.work, bucket.views, bucket.done = 0, None, None, [], False
+            self._inflight = []
             self.armed, self.launched_in_backward, self._hooked = False, self._hooked, 0

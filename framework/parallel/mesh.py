@@ -17,7 +17,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from framework.base.errors import ParallelismError, divisors
 from framework.parallel.config import ParallelConfig
@@ -33,6 +33,7 @@ AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EP_AXES: tuple[str, ...] = ("pp", "dp_replicate", "edp", "ep")
 """Axes of the expert mesh: edp = (dp_shard x cp x tp) / ep blocks."""
 _EXPERT_MESH = "_tessera_expert_mesh"
+_DP_TP_GROUP = "_tessera_dp_tp_group"
 """Attribute of a mesh from `ParallelDims.build_mesh(..., experts=True)` holding its expert mesh."""
 
 
@@ -291,7 +292,21 @@ class ParallelDims:
         mesh = self._build_mesh(device_type, ranks)
         if experts:
             setattr(mesh, _EXPERT_MESH, self._build_expert_mesh(mesh))
+        if self.tp > 1 and self.fsdp_size > 1:
+            setattr(mesh, _DP_TP_GROUP, self._build_dp_tp_group(mesh))
         return mesh
+
+    def _build_dp_tp_group(self, mesh: DeviceMesh) -> Any:
+        """This rank's group of the (dp_shard, cp, tp) ranks of its (pp, dp_replicate) slice, one group per slice,
+        created by every rank of the world (`build_mesh`): Muon's owner exchange under FSDP x TP sends each
+        matrix's pieces to one owner among them (framework/parallel/whole_matrix.py)."""
+        import torch.distributed as dist
+
+        mine = None
+        for ranks in mesh.mesh.reshape(self.pp * self.dp_replicate, -1).tolist():
+            group = dist.new_group(ranks)
+            mine = group if dist.get_rank() in ranks else mine
+        return mine
 
     def _build_mesh(self, device_type: str, ranks: torch.Tensor | None) -> DeviceMesh:
         import torch
@@ -334,6 +349,11 @@ class ParallelDims:
 
         ranks = mesh.mesh.reshape(self.pp, self.dp_replicate, -1, self.ep)
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EP_AXES)
+
+
+def dp_tp_group(mesh: DeviceMesh) -> Any:
+    """The (dp_shard, cp, tp) group `build_mesh` created for FSDP x TP, else None."""
+    return getattr(mesh, _DP_TP_GROUP, None)
 
 
 def groups_created() -> int:

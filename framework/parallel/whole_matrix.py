@@ -12,6 +12,9 @@ How the pieces travel (a parameter's mesh dims sorted by its placements):
   the primary dim   (the first other shard dim, e.g. dp_shard): one bucketed `all_to_all_single` per step sends
                     every piece to its matrix's owner, round-robin by parameter over the dim's ranks (owners
                     differ within one FSDP group, so the work is spread); a second one returns the results;
+  flat              (`WholeMatrices(..., flat=group)`, Muon's overlapped exchange under FSDP x TP): a group of
+                    every rank along the cut dims is the primary, each rank's own piece goes straight to the
+                    owner, one owner among dp_shard x tp; no secondary hop (`_plan_flat`);
   secondary dims    (further shard dims, e.g. tp under FSDP x TP): one bucketed all-gather per dim
                     before the primary exchange; the ranks of such a dim then compute the same matrices (the
                     "orthogonalize the full matrix" choice: tp is small and inside a node, and it spares a
@@ -32,6 +35,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +71,8 @@ class _Param:
     recv_lengths: list[int] = field(default_factory=list)  # owner: buffer length from each primary member
     index: torch.Tensor | None = None  # owner: flat positions in the unit of the received elements, in order;
     # None where they are 0, 1, 2, ... (FSDP's Shard(0) alone: the pieces are row blocks in rank order)
+    flat: list[tuple[int, ...]] | None = None  # one primary group over all the cut dims: each member's
+    # coordinate along them, in group rank order (`WholeMatrices(..., flat=...)`)
 
 
 @dataclass
@@ -155,6 +161,31 @@ def _plan(p: DTensor, cut: list[int], whole: list[int]) -> _Param:
     return layout
 
 
+def _plan_flat(p: DTensor, cut: list[int], whole: list[int], group: dist.ProcessGroup) -> _Param | None:
+    """`_plan` with one primary group over every cut dim (None where `group`'s members are not this rank's ranks
+    along them): every member sends its own piece straight to the owner, so no secondary hop runs and one rank of
+    the group owns each matrix (FSDP x TP: the dp_shard x tp ranks, not one owner per tp rank)."""
+    mesh = p.device_mesh
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    grid: Any = mesh.mesh.tolist()  # nested lists: no tensor reads, which a fake tensor mode would fake
+    where: dict[int, tuple[int, ...]] = {}  # the global rank at each coordinate along the cut dims
+    for k in itertools.product(*(range(mesh.size(d)) for d in cut)):
+        at = dict(zip(cut, k, strict=True))
+        rank = grid
+        for d in range(mesh.ndim):
+            rank = rank[at.get(d, coordinate[d])]
+        where[int(rank)] = k
+    members = dist.get_process_group_ranks(group)
+    if sorted(members) != sorted(where):
+        return None
+    unit_shape = _unit_shape(p, whole)
+    numel = {k: t.numel() for k, t in _pieces(p, cut, torch.empty(unit_shape, device="meta")).items()}
+    flat = [where[r] for r in members]
+    return _Param(unit_shape=unit_shape, own_numel=numel[tuple(coordinate[d] for d in cut)], cut=cut,
+                  recv_lengths=[numel[k] for k in flat], flat=flat)
+
+
 def _every(sizes: list[int]) -> list[tuple[int, ...]]:
     """Every coordinate over dims of these sizes, the first fastest (the order the secondary hops concatenate)."""
     return [tuple(reversed(k)) for k in itertools.product(*(range(n) for n in reversed(sizes)))]
@@ -164,20 +195,25 @@ def _owner_index(p: DTensor, layout: _Param) -> torch.Tensor | None:
     """The owner's flat positions in the unit of the elements it receives, in arrival order; None where that order
     is 0, 1, 2, ... (a 2-D matrix cut into row blocks on one dim: FSDP's Shard(0), TP's Colwise)."""
     placement = p.placements[layout.cut[0]]
-    if len(layout.cut) == 1 and p.ndim == 2 and isinstance(placement, Shard) and _shard_dim(placement) % 2 == 0:
+    if (layout.flat is None and len(layout.cut) == 1 and p.ndim == 2 and isinstance(placement, Shard)
+            and _shard_dim(placement) % 2 == 0):
         return None
     n = math.prod(layout.unit_shape)  # int32 where it can address the unit: half the bytes the owner keeps
     unit = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64, device=p.to_local().device)
     pieces = _pieces(p, layout.cut, unit.view(layout.unit_shape))
     sizes = [p.device_mesh.size(d) for d in layout.cut]
-    return torch.cat([pieces[(k, *rest)].reshape(-1) for k in range(sizes[0]) for rest in _every(sizes[1:])])
+    order = layout.flat or [(k, *rest) for k in range(sizes[0]) for rest in _every(sizes[1:])]
+    return torch.cat([pieces[k].reshape(-1) for k in order])
 
 
 class WholeMatrices:
     """Gather, apply, scatter for a fixed list of parameters (the Muon parameters of one optimizer)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], blocks: Sequence[int] | None = None) -> None:
-        """`blocks[i]`: 0, or +k / -k to run `fn` on the unit's row / column blocks of k (one matrix each)."""
+    def __init__(self, params: Sequence[torch.Tensor], blocks: Sequence[int] | None = None,
+                 flat: dist.ProcessGroup | None = None) -> None:
+        """`blocks[i]`: 0, or +k / -k to run `fn` on the unit's row / column blocks of k (one matrix each);
+        `flat`: a group of every rank along a parameter's cut dims (ParallelDims.build_mesh's dp_shard x tp), over
+        which such parameters go to their owners in one hop (`_plan_flat`)."""
         self.params = list(params)
         self.blocks = list(blocks or [0] * len(self.params))
         self.layout: list[_Param] = []
@@ -188,8 +224,9 @@ class WholeMatrices:
                 self.layout.append(_Param(unit_shape=tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape)))
                 continue
             assert isinstance(p, DTensor)
-            self.layout.append(_plan(p, cut, whole))
-            group = p.device_mesh.get_group(cut[0])
+            one = _plan_flat(p, cut, whole, flat) if flat is not None and len(cut) > 1 else None
+            self.layout.append(one or _plan(p, cut, whole))
+            group = flat if flat is not None and one is not None else p.device_mesh.get_group(cut[0])
             key = (id(group), *(id(g) for g, _, _ in self.layout[i].secondary))
             buckets.setdefault(key, _Bucket(group, [])).members.append(i)
         self.buckets = list(buckets.values())

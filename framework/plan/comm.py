@@ -188,8 +188,9 @@ def muon_comm_per_step(work: Workload, lay: Layout, hw: Hardware, mb: MuonBytes)
     """The owner exchange's wire traffic and time on one rank per step: two all-to-alls per primary axis and the
     tp hop's all-gather, after backward with nothing to hide behind (framework/plan/estimate.py adds it whole)."""
     intra = {"dp_shard": lay.tp * lay.shard_group <= hw.gpus_per_node, "tp": True,
-             "edp": lay.dp * lay.tp <= hw.gpus_per_node}
-    group = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep}
+             "edp": lay.dp * lay.tp <= hw.gpus_per_node, "dp_shard_tp": lay.tp * lay.shard_group <= hw.gpus_per_node}
+    group = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep,
+             "dp_shard_tp": lay.shard_group * lay.tp}
     total = AxisComm(0.0, 0, 0.0)
     for axis, payload in mb.all_to_all.items():
         total = _plus(total, _axis(hw, intra[axis], ring_factor("all_to_all", group[axis]) * payload, 2, group[axis]))

@@ -10,7 +10,8 @@ groups (the optimizer of each model part owns its buckets):
                   tp-split matrix (none: the rank holds whole matrices and nothing moves). Experts (stacked,
                   whole along ep) go over FSDP's expert group (dp x tp / ep).
   secondary hop   tp under FSDP x TP for tp-split matrices: one all-gather of the dp shards (its output, tp
-                  pieces of 1/N of the matrix, is what the communication logger counts).
+                  pieces of 1/N of the matrix, is what the communication logger counts). Overlapped, none:
+                  the pieces go over the dp_shard x tp ranks ("dp_shard_tp") to one owner among them.
   owners          round-robin by matrix in the part's parameter order; each owner gets the unit whole (a matrix,
                   or a rank's block of E/ep experts), runs Newton-Schulz, and sends every piece back.
 
@@ -26,14 +27,15 @@ Transient on that owner, after backward (activations are gone by then): the larg
                      for n stacked a x b matrices, a <= b),
 all in fp32 except the NS working set. Owners whose pieces do not arrive in order (a tp hop, row-wise tp blocks,
 stacked experts cut on dim 1) keep an int32 index per element they own, between steps.
-Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout without tp, and under pp with a
-schedule whose backward is not split (not zero-bubble), as framework/train/muon_overlap.py allows; ep, qgZ and
-grouped FSDP units overlap too, so nothing the planner cannot see decides it), the raw gradient pieces reach the
-owners during backward and an exchanged matrix's momentum (dense ones over dp x cp, experts over edp) lives whole
-on its owner: the momentum is O rather than the shards' S, and the step's transient is the larger of the return
+Overlapped with backward (`overlapped`: train.muon.overlap on an FSDP layout (tp included), or tp without FSDP
+and pp, and under pp with a schedule whose backward is not split (not zero-bubble), as
+framework/train/muon_overlap.py allows; ep, qgZ and grouped FSDP units overlap too, so nothing the planner cannot
+see decides it), the raw gradient pieces reach the owners during backward and an exchanged matrix's momentum
+(dense ones over dp x cp, or dp x cp x tp under FSDP x TP, or tp without FSDP; experts over edp) lives whole on
+its owner: the momentum is O rather than the shards' S, and the step's transient is the larger of the return
 trip (S2 + O: send and receive buffers beside the results) and Newton-Schulz, since the O received is already
 live when the step starts (it grows while backward frees activations) and no Nesterov pieces are made on the
-shards.
+shards (those of unexchanged matrices are).
 `tests/dryrun/test_ground_truth.py` holds these terms to the dry run (itself held to real gloo steps).
 """
 
@@ -136,9 +138,11 @@ def ns_peak(units: list[Unit], ns_bytes: int) -> float:
     return max((_ns_work(g, ns_bytes) for g in by_shape.values()), default=0.0)
 
 
-def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int]) -> dict[tuple[str, int], list[tuple[Unit, bool]]]:
+def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int], flat: bool = False
+             ) -> dict[tuple[str, int], list[tuple[Unit, bool]]]:
     """One part's matrices grouped as `WholeMatrices` buckets them: (primary axis, tp split of the secondary hop)
-    -> [(unit, whether its owner keeps an index)], in parameter order; axis "" where nothing moves."""
+    -> [(unit, whether its owner keeps an index)], in parameter order; axis "" where nothing moves. `flat`: the
+    overlapped exchange sends FSDP x TP pieces over the dp_shard x tp ranks in one hop ("dp_shard_tp")."""
     shard = lay.shard_group if lay.zero_stage > 0 else 1
     edp = lay.dp * lay.tp // lay.ep if lay.zero_stage > 0 else 1
     out: dict[tuple[str, int], list[tuple[Unit, bool]]] = {}
@@ -146,7 +150,9 @@ def _buckets(cfg: ModelConfig, lay: Layout, layers: list[int]) -> dict[tuple[str
         dense, experts = layer_units(cfg, i, lay.ep)
         for unit, split, rowwise in dense:
             tp = lay.tp if split else 1
-            if shard > 1:  # FSDP's Shard(0) alone arrives in order; with a tp hop the owner places the pieces
+            if shard > 1 and flat and tp > 1:  # one owner among the dp_shard x tp ranks, pieces placed
+                out.setdefault(("dp_shard_tp", 1), []).append((unit, True))
+            elif shard > 1:  # FSDP's Shard(0) alone arrives in order; with a tp hop the owner places the pieces
                 out.setdefault(("dp_shard", tp), []).append((unit, tp > 1))
             else:  # tp alone: column blocks arrive in order, row-wise blocks need placing
                 out.setdefault(("tp" if tp > 1 else "", 1), []).append((unit, tp > 1 and rowwise))
@@ -159,19 +165,21 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
     """The transient bytes of one model part's Muon step (one optimizer); adds its traffic and the owner's index
     bytes (4 per placed element, kept between steps) into `out`."""
     cfg, ns_bytes = work.model, work.muon_ns_bytes
-    sizes = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep, "": 1}
+    sizes = {"dp_shard": lay.shard_group, "tp": lay.tp, "edp": lay.dp * lay.tp // lay.ep, "": 1,
+             "dp_shard_tp": lay.shard_group * lay.tp}
+    buckets = _buckets(cfg, lay, layers, flat=overlapped(work, lay))
     # apply(): every bucket's pieces (S) live throughout, the owned units (O) from the exchange on (then their
     # results); on top, one bucket's send and receive buffers at a time, or one shape group's Newton-Schulz.
     pieces = owned = exchange = 0.0
     mine: list[Unit] = []
-    for (axis, split), units in _buckets(cfg, lay, layers).items():
+    for (axis, split), units in buckets.items():
         size = sizes[axis]
         held = max((units[r::size] for r in range(size)), key=lambda us: sum(_numel(u) for u, _ in us))
         o, s2 = sum(_numel(u) for u, _ in held), sum(_numel(u) for u, _ in units) / size
         pieces, owned, mine = pieces + s2 / split, owned + o, mine + [u for u, _ in held]
-        if axis in ("dp_shard", "edp"):  # exchanged over FSDP's groups: under overlap their momentum is these, whole
-            out["owned"] = out.get("owned", 0.0) + o
-            out["owned_shards"] = out.get("owned_shards", 0.0) + s2 / split  # in place of the shards
+        if axis in ("dp_shard", "edp", "tp", "dp_shard_tp"):  # exchanged: under overlap their momentum is these,
+            out["owned"] = out.get("owned", 0.0) + o  # whole
+            out["owned_shards"] = out.get("owned_shards", 0.0) + s2 / split  # in place of the rank's pieces
         out["index"] = out.get("index", 0.0) + 4 * sum(_numel(u) for u, placed in held if placed)
         if axis:
             out[axis] = out.get(axis, 0.0) + state * (s2 + o)
@@ -181,14 +189,16 @@ def _part(work: Workload, lay: Layout, layers: list[int], state: int, out: dict[
     ns = ns_peak(mine, ns_bytes)
     out["ns_flops"] = out.get("ns_flops", 0.0) + sum(
         NS_STEPS * n * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for n, a, b in mine)
-    if overlapped(work, lay):  # the gradient units arrived in backward; no Nesterov pieces on the shards
-        return max(state * exchange, ns)
+    if overlapped(work, lay):  # the gradient units arrived in backward; Nesterov inputs only of unexchanged units
+        local = sum(_numel(u) for u, _ in buckets.get(("", 1), []))
+        return state * local + max(state * exchange, ns)
     return state * (pieces + owned) + max(state * exchange, ns)
 
 
 def overlapped(work: Workload, lay: Layout) -> bool:
     """Whether the owner exchange overlaps backward (framework/train/muon_overlap.py `overlap_problem`)."""
-    return (work.muon_overlap and lay.zero_stage > 0 and lay.shard_group > 1 and lay.tp == 1
+    fsdp = lay.zero_stage > 0 and lay.shard_group > 1  # FSDP x TP over the dp_shard x tp ranks in one hop
+    return (work.muon_overlap and (fsdp or (lay.tp > 1 and lay.pp == 1))
             and (lay.pp == 1 or not schedule_spec(lay.schedule).split_backward))
 
 
@@ -219,7 +229,7 @@ def muon_bytes(work: Workload, lay: Layout, rank: int) -> MuonBytes:
     zero = lay.zero_stage > 0
     sharded = dense / (lay.shard_group if zero else 1) + experts / (lay.dp * lay.tp // lay.ep if zero else 1)
     delta = sharded * (state - prec.optimizer)
-    if overlapped(work, lay):  # the momentum of the matrices a rank owns, whole, in place of its shards'
+    if overlapped(work, lay):  # the momentum of the matrices a rank owns, whole, in place of its pieces of them
         delta += (owned - owned_shards) * state
     return MuonBytes(dense + experts, delta, traffic, gather, transient, index, flops, overlapped(work, lay))
 

@@ -46,10 +46,11 @@ class MuonConfig:
     qk_clip_tau: float = 100.0
     """QK-clip's threshold on q.k / sqrt(d) (Kimi K2 uses 100)."""
     overlap: bool = True
-    """Send each FSDP unit's gradient pieces to their owners during backward, as soon as FSDP has reduced them,
-    and keep an exchanged matrix's momentum whole on its owner (framework/train/muon_overlap.py). Where the
-    layout does not allow it (tp > 1, a zero-bubble pp schedule, no FSDP shard group; `overlap_problem` says why)
-    the exchange runs after backward, as with false. Same updates bit for bit and the same bytes either way."""
+    """Send each FSDP unit's gradient pieces to their owners during backward, as soon as FSDP has reduced them
+    (under tp without FSDP, each block's once final), and keep an exchanged matrix's momentum whole on its owner
+    (framework/train/muon_overlap.py). Where the layout does not allow it (a zero-bubble pp schedule, tp x pp
+    without FSDP, no FSDP shard group and no tp; `overlap_problem` says why) the exchange runs after backward, as
+    with false. Same updates bit for bit and the same bytes either way."""
 
     def validate(self) -> None:
         if not 0 <= self.momentum < 1:

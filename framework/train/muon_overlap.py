@@ -24,8 +24,12 @@ sending their pieces once that unit's reduce-scatter is done. Each unit sends on
 reduce-scatter finalizes. On the GPU the all-to-all first waits for FSDP's post-reduce event (the gradients are
 written on FSDP's reduce stream). Parameters no hook covers (the root unit's) are sent at the step. Under pp the
 pipeline stage runs each stage's last backward with FSDP's gradient sync on and arms the hook around it
-(framework/parallel/pipeline.py `_Stage`), so the same hook point serves there. Where the layout does not allow
-it, `overlap_problem` says why and the plain exchange runs.
+(framework/parallel/pipeline.py `_Stage`), so the same hook point serves there. Under FSDP x TP a unit's pieces
+go in one all-to-all over the dp_shard x tp ranks to one owner among them (`overlap_exchange`), not through the
+plain exchange's tp all-gather. Under tp without an FSDP shard group there is no FSDP hook to follow:
+`AccumulatedExchange` launches each block once its tp-split matrices' gradients are final (post-accumulate-grad
+hooks, or the DDP sync's listener under dp_replicate). Where the layout does not allow it, `overlap_problem`
+says why and the plain exchange runs.
 """
 
 from __future__ import annotations
@@ -35,13 +39,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.tensor import DTensor
 
 from framework.parallel.config import ParallelConfig
+from framework.parallel.ddp import ReplicatedGradSync
 from framework.parallel.mesh import ParallelDims
 from framework.parallel.pipeline_schedules import schedule_spec
+from framework.parallel.whole_matrix import WholeMatrices
 from framework.train.config import TrainConfig
 from framework.train.muon import Muon
 from models.config import ModelConfig
@@ -54,12 +62,11 @@ def overlap_problem(train_cfg: TrainConfig, pcfg: ParallelConfig, dims: Parallel
     """Why this layout runs the plain exchange (None: it overlaps)."""
     if train_cfg.optimizer != "muon" or not train_cfg.muon.overlap:
         return "train.muon.overlap is off" if train_cfg.optimizer == "muon" else "not Muon"
-    if pcfg.zero_stage == 0 or dims.fsdp_size == 1:
-        return ("no FSDP shard group: the matrices are whole on every rank or cut by tp only, and their gradients "
-                "are final only after the engine's post-backward reductions")
-    if dims.tp > 1:
-        return ("tp > 1: tp-split matrices need the secondary all-gather and their tp ranks would each keep the "
-                "whole momentum, and tp partial gradients are resolved after backward")
+    no_fsdp = pcfg.zero_stage == 0 or dims.fsdp_size == 1
+    if no_fsdp and dims.tp == 1:
+        return "no FSDP shard group and no tp: the matrices are whole on every rank, nothing is exchanged"
+    if no_fsdp and dims.pp > 1:
+        return "tp x pp without FSDP: the pipeline schedule's backward arms no post-accumulate-grad hook"
     if dims.pp > 1 and schedule_spec(pcfg.pp_schedule).split_backward:
         return (f"pp > 1 with {pcfg.pp_schedule}: a zero-bubble schedule's weight pass, which makes a stage's "
                 "gradients final, runs outside FSDP's per-unit post-backward")
@@ -139,8 +146,9 @@ class BackwardExchange:
                 for fp in group.fsdp_params:  # parallel.cpu_offload: a non-blocking copy to host memory, which
                     if fp.grad_offload_event is not None:  # FSDP itself waits for only at the end of backward
                         fp.grad_offload_event.synchronize()
-            for opt in optimizers:  # every rank of a bucket's group holds the same stages: the same launches
-                opt.launch(params)
+            for opt in optimizers:  # every rank of a bucket's group holds the same stages: the same launches;
+                # a gradient still Partial over tp (summed after backward) goes at the step
+                opt.launch([p for p in params if not _partial(p.grad)])
 
         def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
@@ -185,9 +193,73 @@ def _holding(optimizers: list[Muon], params: Iterable[torch.Tensor]) -> list[Muo
     return [opt for opt in optimizers if any(id(p) in ids for p in opt._whole.params)]
 
 
+def _partial(grad: torch.Tensor | None) -> bool:
+    return isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements)
+
+
+class AccumulatedExchange:
+    """Without an FSDP shard group (tp splits the matrices, Colwise Shard(0) and Rowwise Shard(1)): launches each
+    block's Muon gradients over tp from backward on the armed (last) micro-batch, once every exchanged matrix of
+    the block has its final gradient: at its AccumulateGrad (a post-accumulate-grad hook), or under dp_replicate
+    once the replica sync (framework/parallel/ddp.py) has averaged the bucket that holds it (its listener).
+
+    A gradient still Partial there (summed over tp by the engine after backward, `resolve_partial_grads`) is left
+    for the step, which launches what no block sent. Blocks are the decoder's layers, and each other child of a
+    model part holding exchanged matrices. Every rank builds the same blocks and backward runs one graph order on
+    every tp rank, so the all-to-alls interleave with TP's own backward collectives on the group alike everywhere.
+    On the GPU no wait is needed: the hook runs on the stream AccumulateGrad wrote the gradient on (autograd's for
+    that node, the current one), and the replica sync calls its listeners inside the stream it averaged on; the
+    all-to-all is ordered after the current stream's work when it is enqueued.
+    """
+
+    def __init__(self, optimizers: list[Muon], parts: list[nn.Module], replica_sync: ReplicatedGradSync | None
+                 ) -> None:
+        self.optimizers = optimizers
+        self.armed = True
+        owner = {id(opt._whole.params[i]): opt for opt in optimizers for i in opt._exchanged()}
+        self.blocks: list[tuple[Muon, list[torch.Tensor]]] = []
+        self._block_of: dict[int, int] = {}
+        for part in parts:
+            layers = getattr(part, "layers", None)
+            groups = [*(layers.values() if isinstance(layers, nn.ModuleDict) else ()),
+                      *(child for name, child in part.named_children() if name != "layers")]
+            for group in groups:
+                params = [p for p in group.parameters() if id(p) in owner and id(p) not in self._block_of]
+                if params:
+                    self._block_of |= {id(p): len(self.blocks) for p in params}
+                    self.blocks.append((owner[id(params[0])], params))
+        self._ready = [0] * len(self.blocks)
+        if replica_sync is not None:
+            replica_sync.listeners.append(self._arrived)
+        else:
+            for _, params in self.blocks:
+                for p in params:
+                    p.register_post_accumulate_grad_hook(lambda q: self._arrived([q]) if self.armed else None)
+
+    def arm(self, last: bool) -> None:
+        """Before each micro-batch's backward: only the last one's gradients are final."""
+        self.armed = last
+        self._ready = [0] * len(self.blocks)
+
+    def _arrived(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            b = self._block_of.get(id(p))
+            if b is None:
+                continue
+            self._ready[b] += 1
+            opt, members = self.blocks[b]
+            if self._ready[b] == len(members):
+                opt.launch([q for q in members if not _partial(q.grad)])
+
+
 def overlap_exchange(optimizers: list[torch.optim.Optimizer], parts: list[nn.Module], train_cfg: TrainConfig,
-                     pcfg: ParallelConfig, dims: ParallelDims, model_cfg: ModelConfig) -> BackwardExchange | None:
-    """Turn the overlapped exchange on for the Muon optimizers where the layout allows (None: plain exchange)."""
+                     pcfg: ParallelConfig, dims: ParallelDims, model_cfg: ModelConfig,
+                      replica_sync: ReplicatedGradSync | None = None, dp_tp: dist.ProcessGroup | None = None
+                     ) -> BackwardExchange | AccumulatedExchange | None:
+    """Turn the overlapped exchange on for the Muon optimizers where the layout allows (None: plain exchange).
+    Under FSDP x TP the matrices' pieces go over `dp_tp` (ParallelDims.build_mesh's dp_shard x tp group) to one
+    owner among those ranks, in one hop: the plain exchange's tp all-gather would have to wait for the gradient
+    of the whole unit, and every tp rank of an owner would keep the whole momentum (tp times the memory)."""
     muon = [opt for opt in optimizers if isinstance(opt, Muon)]
     if not muon:
         return None
@@ -198,4 +270,9 @@ def overlap_exchange(optimizers: list[torch.optim.Optimizer], parts: list[nn.Mod
         return None
     for opt in muon:
         opt.overlapped = True
+        if dims.tp > 1 and dims.fsdp_size > 1:
+            assert dp_tp is not None, "FSDP x TP needs the dp_shard x tp group of ParallelDims.build_mesh"
+            opt._whole = WholeMatrices(opt._muon_params(), opt._blocks, flat=dp_tp)
+    if pcfg.zero_stage == 0 or dims.fsdp_size == 1:
+        return AccumulatedExchange(muon, parts, replica_sync)
     return BackwardExchange(muon, parts, armed=dims.pp == 1)  # under pp each stage arms it (pipeline._Stage)

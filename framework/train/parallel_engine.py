@@ -33,7 +33,7 @@ from framework.numerics.transforms import model_transforms
 from framework.parallel.comm import CommLogger, mesh_axes
 from framework.parallel.config import ParallelConfig
 from framework.parallel.memory import model_state_report, unsharded_bytes
-from framework.parallel.mesh import AXES, ParallelDims, groups_created
+from framework.parallel.mesh import AXES, ParallelDims, dp_tp_group, groups_created
 from framework.parallel.offload import io_metrics, offload_optimizers
 from framework.parallel.parallelize import parallelize
 from framework.parallel.pipeline import build_schedule, run_schedule
@@ -47,7 +47,7 @@ from framework.parallel.precision import (
 )
 from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
 from framework.train.config import TrainConfig
-from framework.train.muon_overlap import overlap_exchange
+from framework.train.muon_overlap import BackwardExchange, overlap_exchange
 from framework.train.optim import build_optimizer
 from framework.train.qk_clip import QKClip
 from models.config import ModelConfig
@@ -111,7 +111,8 @@ class ParallelEngine:
                                     [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self._fix_tied_decay()
         # Muon's owner exchange from backward hooks where the layout allows (framework/train/muon_overlap.py)
-        self.muon_exchange = overlap_exchange(self.optimizers, self.model_parts, train_cfg, pcfg, dims, model_cfg)
+        self.muon_exchange = overlap_exchange(self.optimizers, self.model_parts, train_cfg, pcfg, dims, model_cfg,
+                                              self.replica_sync, dp_tp_group(mesh))
         self.optimizers = offload_optimizers(  # ZeRO-Infinity (docs/PARALLELISM.md): AdamW states on local NVMe
             self.optimizers, pcfg.nvme_offload, device, [mesh[a].get_group() for a in AXES if dims.size(a) > 1])
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
@@ -190,7 +191,8 @@ class ParallelEngine:
         if n_micro not in self._schedules:
             self._schedules[n_micro] = build_schedule(
                 self.model_parts, self.stage_ids, self.n_stages, self.mesh["pp"].get_group(), self.device,
-                self.pcfg.pp_schedule, n_micro, self._loss_fn, watcher=self.muon_exchange)
+                self.pcfg.pp_schedule, n_micro, self._loss_fn,  # (no tp-only exchange under pp: overlap_problem)
+                watcher=self.muon_exchange if isinstance(self.muon_exchange, BackwardExchange) else None)
         return self._schedules[n_micro]
 
     def _pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor | None:

@@ -37,7 +37,8 @@ WORLD4 = {
                 "train.global_batch_size=4"],
     # Muon's owner plan is rank arithmetic (no exchange at construction), so the fake world builds it too: its
     # momentum, the dp_shard all-to-alls (overlapped with backward here) and the update's transient; TP2 x DP2
-    # ZeRO-3 Muon adds the tp hop and the owner index. Run after cp2-tp2 in one world, the second engine's TP
+    # ZeRO-3 Muon (overlapped too) sends over the dp_shard x tp group build_mesh adds, with the owner index.
+    # Run after cp2-tp2 in one world, the second engine's TP
     # collectives ran on a group of the same members that the first layout had created (not the mesh's "tp"
     # group, so they were counted under "other"): the comm logger now names a group by its members too.
     "tp2-dp2-zero3-muon": ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=3", "model.n_layers=8",

@@ -11,13 +11,15 @@ around Muon (against the fp16 one-process run, as the AdamW suite does). All rou
 group.
 
 The owner exchange overlapped with backward (`train.muon.overlap`, on by default where the layout allows it:
-FSDP without tp, pp with a whole backward; EP with MoE, grouped FSDP units and ZeRO++ qgZ included) runs on every
-such layout above; seven of them run again with it off (ZeRO-3, uneven shards, HSDP, PP2 x DP2 1F1B ZeRO-3 and
-interleaved ZeRO-1, EP2 x DP4 with units of two blocks, qgZ), and the two runs must agree bitwise (losses, grad
-norms, final parameters, and the momentum `state_dict` saves). Each overlapped run must have launched its
-exchange from inside backward, once per FSDP unit holding exchanged matrices and step (`hooked_units`; under pp
-those of the optimizer's own stage, from that stage's last backward), and sent nothing at the step; the others
-never launch. The qgZ layout, whose int8 gradients leave the one-process run, is held to its twin only.
+FSDP, tp included, pp with a whole backward; EP with MoE, grouped FSDP units and ZeRO++ qgZ included; tp without
+FSDP, also under dp_replicate) runs on every such layout above; nine of them run again with it off (ZeRO-3, uneven
+shards, HSDP, PP2 x DP2 1F1B ZeRO-3 and interleaved ZeRO-1, EP2 x DP4 with units of two blocks, qgZ,
+TP2 x dp_replicate 2, TP2 x DP2 ZeRO-3), and the two runs must agree bitwise (losses, grad norms, final
+parameters, the momentum `state_dict` saves, and the momentum elements held over the ranks). Each overlapped run
+must have launched its exchange from inside backward, once per FSDP unit holding exchanged matrices and step
+(`hooked_units`; under pp those of the optimizer's own stage, from that stage's last backward; without FSDP once
+per block), and sent nothing at the step; the others never launch. The qgZ layout, whose int8 gradients leave
+the one-process run, is held to its twin only.
 """
 
 from __future__ import annotations
@@ -83,10 +85,17 @@ LAYOUTS += [{**layout, **OFF} for layout in (LAYOUTS[5], LAYOUTS[7], LAYOUTS[6])
 LAYOUTS += [{**layout, **OFF} for layout in (PP_ZERO3, PP_INTERLEAVED)]
 # ... and experts in their own units inside grouped units, qgZ
 LAYOUTS += [{**layout, **OFF} for layout in (EXPERT_UNITS, QGZ)]
+# tp: without FSDP each block goes over tp once final (TP2 above from post-accumulate-grad hooks; here under
+# dp_replicate from the DDP sync once its bucket is averaged, buckets small enough that every block leaves from
+# backward: the last bucket, finished after backward, holds the embedding alone); FSDP x TP over the dp_shard x tp
+# ranks in one hop, one owner each (not the plain exchange's owners: the twin checks the batching changes nothing)
+TP_REPLICATED = {"tp": 2, "dp_replicate": 2, "dp_shard": 1, "zero_stage": 0, "ddp_bucket_mb": 0.02, **MUON}
+LAYOUTS += [TP_REPLICATED, {**TP_REPLICATED, **OFF}, {**LAYOUTS[8], **OFF}]
 
 
 def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> list[dict[int, Any]]:
-    """parallel_parity.run_rounds, adding each layout's Muon launch counts ({"backward": n, "step": n})."""
+    """parallel_parity.run_rounds, adding each layout's Muon launch counts ({"backward": n, "step": n}), its saved
+    momentum's checksums and the momentum elements this rank holds."""
     import torch.distributed as dist
 
     from framework.train.muon import Muon
@@ -103,8 +112,9 @@ def _run_rounds(rank: int, world: int, rounds: list[list[dict[str, Any]]]) -> li
     for layouts in rounds:
         before = len(made)
         result = run_round(rank, world, layouts)
+        held = sum(_momentum_elements(m) for m in made[before:])
         out.append({i: (*v, [(m.overlapped, dict(m.launches)) for m in made[before:]],
-                        [_momentum(m) for m in made[before:]]) for i, v in result.items()})
+                        [_momentum(m) for m in made[before:]], held) for i, v in result.items()})
     dist.barrier()
     return out
 
@@ -120,13 +130,23 @@ def _momentum(opt: Any) -> list[tuple[float, float, float]]:
     return [checksum(b.full_tensor() if isinstance(b, DTensor) else b) for b in bufs]
 
 
+def _momentum_elements(opt: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    bufs = [st["momentum_buffer"] for p, st in opt.state.items() if "momentum_buffer" in st]
+    return sum((b.to_local() if isinstance(b, DTensor) else b).numel() for b in bufs)
+
+
 def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[dict[int, Any]]]) -> list[str]:
-    """Launch counts against `overlap_problem`, and each plain-exchange twin against its overlapped layout."""
-    bad, runs = [], {}
+    """Launch counts against `overlap_problem`, and each plain-exchange twin against its overlapped layout: the
+    same results, and the same momentum elements over the layout's ranks (each matrix's once per replica, whoever
+    holds it; under FSDP x TP not once per tp rank of its owner)."""
+    bad, runs, held = [], {}, {}
     for i, layouts in enumerate(rounds):
         for j, layout in enumerate(layouts):
             per_rank = [r[i][j] for r in results if j in r[i]]
             runs[str(sorted(layout.items()))] = (*per_rank[0][:2], [r[3] for r in per_rank])  # + saved momentum
+            held[str(sorted(layout.items()))] = sum(r[4] for r in per_rank)
             cfg = make_config(tuple(f"{k}={v}" if "." in k else f"parallel.{k}={v}" for k, v in layout.items()))
             dims = ParallelDims.from_config(cfg.parallel, layout_world(layout), cfg.model)
             on = overlap_problem(cfg.train, cfg.parallel, dims, cfg.model) is None
@@ -139,6 +159,9 @@ def overlap_mismatches(rounds: list[list[dict[str, Any]]], results: list[list[di
             if runs[str(sorted(layout.items()))] != runs[str(sorted(twin.items()))]:
                 bad.append(f"{layout}: the plain exchange differs from the overlapped one (losses, grad norms, "
                            "parameters or the momentum state_dict saves)")
+            if held[str(sorted(layout.items()))] != held[str(sorted(twin.items()))]:
+                bad.append(f"{twin}: momentum elements over the ranks, plain {held[str(sorted(layout.items()))]}, "
+                           f"overlapped {held[str(sorted(twin.items()))]}")
     return bad
 
 
