@@ -33,8 +33,10 @@ AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EP_AXES: tuple[str, ...] = ("pp", "dp_replicate", "edp", "ep")
 """Axes of the expert mesh: edp = (dp_shard x cp x tp) / ep blocks."""
 _EXPERT_MESH = "_tessera_expert_mesh"
-_DP_TP_GROUP = "_tessera_dp_tp_group"
 """Attribute of a mesh from `ParallelDims.build_mesh(..., experts=True)` holding its expert mesh."""
+_DP_TP_GROUP = "_tessera_dp_tp_group"
+"""Attribute of a mesh from `build_mesh` under FSDP x TP: the NAME of its dp_shard x tp group (a string: torch.compile
+deep-copies a DTensor's mesh with its attributes, and a ProcessGroup cannot be copied)."""
 
 
 
@@ -293,7 +295,8 @@ class ParallelDims:
         if experts:
             setattr(mesh, _EXPERT_MESH, self._build_expert_mesh(mesh))
         if self.tp > 1 and self.fsdp_size > 1:
-            setattr(mesh, _DP_TP_GROUP, self._build_dp_tp_group(mesh))
+            group = self._build_dp_tp_group(mesh)
+            setattr(mesh, _DP_TP_GROUP, None if group is None else group.group_name)
         return mesh
 
     def _build_dp_tp_group(self, mesh: DeviceMesh) -> Any:
@@ -342,7 +345,9 @@ class ParallelDims:
             raise ParallelismError(
                 f"the expert mesh of a sub-world mesh ({mesh.size()} of {dist.get_world_size()} ranks) must be "
                 f"created with it, by every rank: build the mesh with ParallelDims.build_mesh(..., experts=True)")
-        return self._build_expert_mesh(mesh)
+        built = self._build_expert_mesh(mesh)
+        setattr(mesh, _EXPERT_MESH, built)  # once per mesh; the communication logger names its groups from it
+        return built
 
     def _build_expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         from torch.distributed.device_mesh import DeviceMesh
@@ -353,7 +358,10 @@ class ParallelDims:
 
 def dp_tp_group(mesh: DeviceMesh) -> Any:
     """The (dp_shard, cp, tp) group `build_mesh` created for FSDP x TP, else None."""
-    return getattr(mesh, _DP_TP_GROUP, None)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    name = getattr(mesh, _DP_TP_GROUP, None)
+    return None if name is None else _resolve_process_group(name)
 
 
 def groups_created() -> int:
