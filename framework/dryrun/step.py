@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 from framework.dryrun.tracker import MemoryTracker, local_tensors, storage_key
-from framework.parallel.comm import CommLogger, mesh_axes, wire_factor
-from framework.parallel.mesh import AXES, EP_AXES
-from framework.parallel.zero import zeropp_axes
+from framework.parallel.comm import CommLogger, layout_axes, wire_factor
+from framework.parallel.mesh import AXES
 
 
 @dataclass
@@ -151,11 +150,7 @@ def _loss_phase(engine: Any, tracker: MemoryTracker) -> Iterator[None]:
 
 def comm_logger(engine: Any) -> CommLogger:
     """A communication logger naming every axis of the engine's mesh (and the expert mesh, ZeRO++ groups)."""
-    axes = mesh_axes(engine.mesh, AXES) | zeropp_axes(engine.model_parts)
-    ep_mesh = getattr(engine.mesh, "_tessera_expert_mesh", None)
-    if ep_mesh is not None:
-        axes |= {g: a for g, a in mesh_axes(ep_mesh, EP_AXES).items() if a in ("ep", "edp")}
-    return CommLogger(axes)
+    return CommLogger(layout_axes(engine.mesh, engine.model_parts))
 
 
 def _one_step(engine: Any, batch: torch.Tensor, tracker: MemoryTracker, after_backward: Callable[[], None]) -> None:

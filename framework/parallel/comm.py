@@ -309,6 +309,19 @@ def _name(group: Any) -> str:
         return str(id(group))
 
 
+def layout_axes(mesh: Any, parts: Any) -> dict[Any, str]:
+    """{process group: axis name} for every group a training engine's collectives run on: the mesh's axes, the
+    expert mesh's ep and edp groups (MoE; the expert units' FSDP and Muon traffic runs on edp) and ZeRO++'s."""
+    from framework.parallel.mesh import _EXPERT_MESH, AXES, EP_AXES
+    from framework.parallel.zero import zeropp_axes
+
+    axes = mesh_axes(mesh, AXES) | zeropp_axes(parts)
+    ep_mesh = getattr(mesh, _EXPERT_MESH, None)
+    if ep_mesh is not None:
+        axes |= {g: a for g, a in mesh_axes(ep_mesh, EP_AXES).items() if a in ("ep", "edp")}
+    return axes
+
+
 def mesh_axes(mesh: Any, names: tuple[str, ...]) -> dict[Any, str]:
     """{process group: axis name} for the size > 1 axes of `mesh`, and its dp_shard x tp group ("dp_shard_tp",
     Muon's overlapped owner exchange under FSDP x TP) where `ParallelDims.build_mesh` made one."""

@@ -30,7 +30,7 @@ from framework.base.errors import ParallelismError
 from framework.engine import cross_entropy, params_by_layer, unclipped
 from framework.numerics.precision import LossScaler, autocast, finish_step
 from framework.numerics.transforms import model_transforms
-from framework.parallel.comm import CommLogger, mesh_axes
+from framework.parallel.comm import CommLogger, layout_axes
 from framework.parallel.config import ParallelConfig
 from framework.parallel.memory import model_state_report, unsharded_bytes
 from framework.parallel.mesh import AXES, ParallelDims, dp_tp_group, groups_created
@@ -45,7 +45,7 @@ from framework.parallel.precision import (
     resolve_partial_grads,
     scale_grads,
 )
-from framework.parallel.zero import set_micro_batch_sync, zeropp_axes
+from framework.parallel.zero import set_micro_batch_sync
 from framework.train.config import TrainConfig
 from framework.train.muon_overlap import BackwardExchange, overlap_exchange
 from framework.train.optim import build_optimizer
@@ -118,7 +118,7 @@ class ParallelEngine:
         self.groups = [mesh[a].get_group() for a in AXES if dims.size(a) > 1]
         self._schedules: dict[int, Any] = {}
         self._found_inf = self._unscaled = False
-        self.comm = CommLogger(mesh_axes(mesh, AXES) | zeropp_axes(self.model_parts)) if pcfg.comm_log else None
+        self.comm = CommLogger(layout_axes(mesh, self.model_parts)) if pcfg.comm_log else None
         made = groups_created() - groups_before
         if made and mesh.size() != dist.get_world_size():
             raise ParallelismError(

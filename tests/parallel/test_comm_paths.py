@@ -88,9 +88,26 @@ def _p2p_dtypes(rank: int, layout: dict[str, Any]) -> dict[str, Any]:
     return {op: engine.comm.dtypes[("pp", op)] for op in ("send", "recv")}
 
 
+def _moe_axes(rank: int) -> set[tuple[str, str]]:
+    """The (axis, op) pairs the engine's own communication logger saw in one EP2 x dp_shard 4 MoE Muon step."""
+    from framework.train.parallel_engine import ParallelEngine
+
+    cfg = make_config(("model.preset=test-moe", "parallel.ep=2", "parallel.dp_shard=4", "parallel.zero_stage=3",
+                       "train.optimizer=muon", "parallel.comm_log=true"))
+    dims = ParallelDims.from_config(cfg.parallel, 4, cfg.model)
+    engine = ParallelEngine(cfg.model, cfg.train, cfg.parallel, torch.device("cpu"), dims,
+                            dims.build_mesh("cpu", torch.arange(0, 4)))
+    batch = torch.randint(0, cfg.model.vocab_size, (1, 4, cfg.data.seq_len + 1), generator=torch.Generator())
+    engine.forward_backward(batch)
+    engine.clip_grad_norm(1.0)
+    engine.optimizer_step(1e-3)
+    assert engine.comm is not None
+    return set(engine.comm.dtypes)
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     out = {"parity": [run_round(rank, world, r) for r in ROUNDS], "overlap": _overlap_step(rank),
-           "p2p": [_p2p_dtypes(rank, layout) for layout in P2P_DTYPES]}
+           "p2p": [_p2p_dtypes(rank, layout) for layout in P2P_DTYPES], "moe_axes": _moe_axes(rank)}
     dist.barrier()
     return out
 
@@ -127,6 +144,16 @@ def test_buckets_launch_in_backward_and_hide_their_time(four_ranks: list[dict[st
     assert seconds > 0.5 * LAG and exposed < 0.5 * seconds, rank0["buckets"]
     metrics = rank0["metrics"]
     assert metrics["comm/dp_replicate/all_reduce/exposed_s"] < metrics["comm/dp_replicate/all_reduce/seconds"]
+
+
+@pytest.mark.distributed
+def test_the_engine_logger_names_the_expert_axes(four_ranks: list[dict[str, Any]]) -> None:
+    """The expert units' FSDP and Muon traffic runs on the expert mesh's edp groups, the dispatch on ep: both named
+    as the dry run names them (framework/parallel/comm.py `layout_axes`), so a training run's comm metrics do too."""
+    for rank in four_ranks:
+        axes = {axis for axis, _ in rank["moe_axes"]}
+        assert "other" not in axes and {"ep", "edp", "dp_shard"} <= axes, sorted(rank["moe_axes"])
+        assert ("edp", "all_to_all") in rank["moe_axes"], sorted(rank["moe_axes"])
 
 
 def test_buckets_cut_in_reverse_order_per_dtype_at_the_cap() -> None:
