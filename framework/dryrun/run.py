@@ -139,6 +139,10 @@ def _child(send: Any, cfg: Config, rank: int, world_size: int, limit: int | None
 
     from framework.base.errors import TesseraError
 
+    # One intra-op thread: a parent that ran OpenMP kernels before forking leaves libgomp believing its pool
+    # exists, and the child's first multi-threaded GEMM waits at the team barrier forever (seen: a dry-run child
+    # stuck in gomp_team_barrier_wait_end under a bf16 grouped_mm, after the pytest process had run MoE steps).
+    torch.set_num_threads(1)
     try:
         send.send((True, dry_run_rank(cfg, rank, world_size, limit)))
     except TesseraError as err:
