@@ -19,7 +19,8 @@ there: their gradients are final from then on, one bucket's backward after their
 are finished, and announced, at `__call__`. On CUDA that finish runs on a side stream which first waits for the
 current one (where the bucket's copy was enqueued), so backward's compute never waits for an all-reduce; the
 listeners run inside that stream's context (a collective they launch is ordered after the averaged gradients),
-and `__call__` makes the current stream wait for the side stream before anything reads a gradient.
+and `__call__` makes the current stream wait for the side stream before anything reads a gradient. The streams
+are the device module's (`torch.get_device_module`), so CPU runs the same code on torch.cpu's no-op stream.
 
 Every replica builds the same buckets from the same parameters and the same backward graph, so buckets launch in
 one order on every rank (the one requirement of issuing collectives from hooks). The sync must run before any
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +96,7 @@ class ReplicatedGradSync:
         self.listeners: list[Callable[[list[nn.Parameter]], None]] = []
         """Each called with a bucket's parameters once their averaged gradients are back (module docstring)."""
         self._inflight: list[_Bucket] = []  # launched from backward, not yet finished, in launch order
-        self._side: torch.cuda.Stream | None = None
+        self._side: Any = None  # the device module's Stream (torch.cpu's is a no-op: CPU runs the same code)
         self._hooked = 0
         self.launched_in_backward = 0
         """Buckets the last step launched from backward hooks (the rest at `__call__`)."""
@@ -143,11 +145,12 @@ class ReplicatedGradSync:
     def _finish(self, bucket: _Bucket) -> None:
         """Wait for the bucket's all-reduce, average, copy back into the gradients; tell the listeners."""
         assert bucket.work is not None and bucket.flat is not None
-        side = contextlib.nullcontext()
-        if self.listeners and bucket.flat.is_cuda and torch._C._current_graph_task_id() != -1:
-            self._side = self._side or torch.cuda.Stream(bucket.flat.device)
-            self._side.wait_stream(torch.cuda.current_stream(bucket.flat.device))
-            side = torch.cuda.stream(self._side)  # type: ignore[assignment]
+        side: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.listeners and torch._C._current_graph_task_id() != -1:
+            module = torch.get_device_module(bucket.flat.device)
+            self._side = self._side or _new_stream(bucket.flat.device)
+            self._side.wait_stream(module.current_stream(bucket.flat.device))
+            side = module.stream(self._side)
         with side:
             bucket.work.wait()
             bucket.flat.div_(self.size)
@@ -168,9 +171,16 @@ class ReplicatedGradSync:
                 if not bucket.done:
                     self._finish(bucket)
             if self._side is not None:  # the buckets finished from backward wrote the gradients on the side stream
-                torch.cuda.current_stream(self._side.device).wait_stream(self._side)
+                device = self.buckets[0].device
+                torch.get_device_module(device).current_stream(device).wait_stream(self._side)
         finally:
             for bucket in self.buckets:
                 bucket.ready, bucket.flat, bucket.work, bucket.views, bucket.done = 0, None, None, [], False
             self._inflight = []
             self.armed, self.launched_in_backward, self._hooked = False, self._hooked, 0
+
+
+def _new_stream(device: torch.device) -> Any:
+    """A new stream of `device`'s module (torch.cpu's takes no device: it has the one no-op stream)."""
+    module = torch.get_device_module(device)
+    return module.Stream() if device.type == "cpu" else module.Stream(device)
